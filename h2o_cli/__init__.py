@@ -1,0 +1,9 @@
+"""h2o: H2O (Heavy-Hitter Oracle) KV-cache eviction with rolling positions, for long contexts in fixed memory."""
+
+from h2o_cli.attention import enable
+from h2o_cli.cache import H2OCache
+from h2o_cli.config import CacheSettings, parse_budget
+
+__version__ = "0.1.0"
+
+__all__ = ["H2OCache", "CacheSettings", "enable", "parse_budget", "__version__"]

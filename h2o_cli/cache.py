@@ -1,0 +1,215 @@
+"""The H2O cache, speaking the transformers `Cache` protocol.
+
+`H2OCache(model, settings)` holds one `H2OLayer` per decoder layer. The model's attention calls
+`cache.update(k, v, layer_idx, kwargs=...)` and then the registered "h2o" attention function
+(`h2o_cli.attention`), which receives the layer through those same kwargs and attends over its slots.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from h2o_cli.config import CacheSettings
+from h2o_cli.errors import ContextOverflowError, UnsupportedModelError
+from h2o_kernels import slot_attention
+from h2o_cli.policies import make_policy
+from h2o_cli.positions import Rope, rotate, unrotate
+from h2o_cli.store import LayerStore
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+LAYER_KWARG = "h2o_layer"
+
+
+class H2OLayer(CacheLayerMixin):
+    """One decoder layer's cache: a `LayerStore` plus the step logic of SPEC.md."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, store: LayerStore, settings: CacheSettings, rope: Rope, max_positions: int) -> None:
+        super().__init__()
+        self.store = store
+        self.settings = settings
+        self.policy = make_policy(settings)
+        self.rope = rope
+        self.max_positions = max_positions
+        self.is_initialized = True
+        self._model_positions: torch.Tensor | None = None
+        self._chunk = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    @property
+    def keys(self) -> torch.Tensor:  # [1, n_kv_heads, slots, head_dim], the protocol's view
+        return self.store.keys.unsqueeze(0)
+
+    @keys.setter
+    def keys(self, value) -> None:  # CacheLayerMixin.__init__ assigns None
+        pass
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.store.values.unsqueeze(0)
+
+    @values.setter
+    def values(self, value) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs=None, **extra):
+        """Store a chunk's keys/values `[1, n_kv_heads, chunk, head_dim]` (rotated by the model) unrotated."""
+        if key_states.shape[0] != 1:
+            raise UnsupportedModelError("the H2O cache holds one sequence; run with batch size 1")
+        if self._chunk:
+            raise UnsupportedModelError(
+                "the model attended without the h2o attention function; "
+                "load it with h2o_cli.load_model or call h2o_cli.enable(model) first"
+            )
+        chunk = key_states.shape[2]
+        store = self.store
+        if self.settings.positions == "original" or not self.policy.evicts:
+            last = store.tokens_seen + chunk
+            if last > self.max_positions:
+                raise ContextOverflowError(
+                    f"{last} tokens exceed the model's context window ({self.max_positions}) with "
+                    f"{'policy full' if not self.policy.evicts else 'original positions'}; "
+                    "use --positions rolling with an evicting policy to go further"
+                )
+        positions = (kwargs or {}).get("position_ids")
+        if positions is None:
+            positions = torch.arange(store.tokens_seen, store.tokens_seen + chunk, device=key_states.device)
+        positions = positions.reshape(-1)[-chunk:]
+        cos, sin = self.rope.cos_sin(positions, key_states.dtype)
+        store.write(unrotate(key_states[0], cos, sin), value_states[0])
+        self._model_positions = positions
+        self._chunk = chunk
+        if kwargs is not None:
+            kwargs[LAYER_KWARG] = self  # read by h2o_cli.attention.h2o_attention right after this call
+        return self.keys, self.values
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of the chunk written by `update`, then score accumulation and eviction.
+
+        query: [1, n_heads, chunk, head_dim] rotated by the model. Returns [1, chunk, n_heads, head_dim].
+        """
+        chunk, store = self._chunk, self.store
+        self._chunk = 0
+        dtype = query.dtype
+        cos, sin = self.rope.cos_sin(self._model_positions, dtype)
+        query = unrotate(query[0], cos, sin)
+        if self.settings.positions == "rolling" and self.policy.evicts:
+            key_positions = store.rank
+            first_query_position = store.length - chunk
+        else:
+            key_positions = store.token_index
+            first_query_position = store.tokens_seen - chunk
+        cos_table, sin_table = self.rope.table(first_query_position + chunk, dtype, query.device)
+        key_positions = key_positions.clamp_min(0)
+        query_positions = slice(first_query_position, first_query_position + chunk)
+        output, increments, last_probs = slot_attention(
+            query,
+            store.keys,
+            store.values,
+            store.allowed(chunk),
+            cos_table[query_positions],
+            sin_table[query_positions],
+            cos_table[key_positions],
+            sin_table[key_positions],
+            scaling,
+        )
+        store.accumulate(increments, last_probs, chunk)
+        store.evict(self.policy)
+        return output.transpose(0, 1).unsqueeze(0)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.store.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Tokens processed so far (not entries kept): generate slices new input ids with it."""
+        return self.store.tokens_seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.store.reset()
+        self._chunk = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise UnsupportedModelError("beam search is not supported with the H2O cache; use greedy or sampling")
+
+
+def text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_family(model) -> None:
+    """Raise `UnsupportedModelError` unless the model is a rotary, AttentionInterface-based family we support."""
+    config = text_config(model)
+    family = getattr(config, "model_type", "?")
+    if family not in SUPPORTED_FAMILIES:
+        raise UnsupportedModelError(
+            f"model family {family!r} is not supported by the H2O cache (supported: {', '.join(SUPPORTED_FAMILIES)}); "
+            "it needs rotary positions and transformers' attention interface"
+        )
+    if getattr(getattr(model, "model", None), "rotary_emb", None) is None:
+        raise UnsupportedModelError(f"{family} model has no rotary embedding module; cannot re-rotate keys")
+
+
+class H2OCache(Cache):
+    """A fixed-memory KV cache for one sequence with H2O (or another) eviction policy.
+
+    Example:
+        cache = H2OCache(model, CacheSettings(budget=256))
+        model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+    """
+
+    def __init__(self, model, settings: CacheSettings) -> None:
+        from h2o_cli.attention import enable
+
+        check_family(model)
+        enable(model)
+        config = text_config(model)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        n_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.settings = settings
+        self.n_heads = config.num_attention_heads
+        self.max_positions = int(config.max_position_embeddings)
+        budget = settings.budget
+        if settings.policy == "full":
+            budget = self.max_positions
+        param = next(model.parameters())
+        dtype = model.dtype if param.dtype in (torch.int8, torch.uint8) else param.dtype
+        rope = Rope(model.model.rotary_emb, head_dim)
+        layers = [
+            H2OLayer(
+                LayerStore(n_kv_heads, head_dim, budget, min(settings.chunk, budget), dtype, param.device),
+                settings,
+                rope,
+                self.max_positions,
+            )
+            for _ in range(config.num_hidden_layers)
+        ]
+        super().__init__(layers=layers)
+
+    @property
+    def stores(self) -> list[LayerStore]:
+        return [layer.store for layer in self.layers]
+
+    def nbytes(self) -> int:
+        """Bytes of all preallocated cache buffers."""
+        return sum(store.nbytes() for store in self.stores)
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.stores[0].tokens_seen
+
+    @property
+    def length(self) -> int:
+        """Entries each KV head holds now."""
+        return self.stores[0].length
+
+
+__all__ = ["H2OCache", "H2OLayer", "rotate", "SUPPORTED_FAMILIES"]

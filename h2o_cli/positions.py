@@ -1,0 +1,67 @@
+"""Rotary positions for the slot cache: undo the model's rotation, re-apply it at original or rolling positions.
+
+Rolling positions (SPEC.md): inside a KV head the entries a query sees are ranked by token index; each key
+uses its rank as position and the query uses its own rank. Keys are stored without rotation, so no stale
+rotation survives an eviction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from h2o_cli.errors import UnsupportedModelError
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply the rotation (cos, sin broadcast against x's last dims)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Inverse of `rotate` for a pure rotation (cos² + sin² = 1)."""
+    return x * cos - rotate_half(x) * sin
+
+
+class Rope:
+    """The model's own rotary embedding, as pure rotation tables indexed by position.
+
+    `rotary_emb` is the model's module (`model.model.rotary_emb`); its `attention_scaling` factor is already
+    in the model's rotated q and k, so the tables here are divided by it and only ever rotate.
+    """
+
+    def __init__(self, rotary_emb: torch.nn.Module, head_dim: int) -> None:
+        if getattr(rotary_emb, "rope_type", "default") == "dynamic":
+            raise UnsupportedModelError(
+                "dynamic RoPE scaling changes frequencies with length and cannot be re-rotated; "
+                "use a model with static RoPE"
+            )
+        self.rotary_emb = rotary_emb
+        self.head_dim = head_dim
+        self.scaling = float(getattr(rotary_emb, "attention_scaling", 1.0))
+        self._cos = torch.empty(0)
+        self._sin = torch.empty(0)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pure rotation for `positions` [n] → cos, sin [n, head_dim] in `dtype`."""
+        dummy = torch.empty(0, dtype=dtype, device=positions.device)
+        cos, sin = self.rotary_emb(dummy, positions.reshape(1, -1))
+        if cos.shape[-1] != self.head_dim:
+            raise UnsupportedModelError(
+                f"rotary dimension {cos.shape[-1]} differs from head_dim {self.head_dim} (partial RoPE) "
+                "and is not supported by the H2O cache"
+            )
+        if self.scaling != 1.0:
+            cos, sin = cos / self.scaling, sin / self.scaling
+        return cos[0].to(dtype), sin[0].to(dtype)
+
+    def table(self, length: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables cos, sin [>= length, head_dim] for positions 0 .. length-1, grown on demand, never shrunk."""
+        if self._cos.shape[0] < length or self._cos.dtype != dtype or self._cos.device != device:
+            size = max(length, 2 * self._cos.shape[0])
+            self._cos, self._sin = self.cos_sin(torch.arange(size, device=device), dtype)
+        return self._cos, self._sin

@@ -1,0 +1,121 @@
+"""One layer's slot store: fixed K/V buffers written in place, per-KV-head scores, eviction."""
+
+from __future__ import annotations
+
+import torch
+
+from h2o_cli.policies import select_evictions
+
+
+class LayerStore:
+    """Preallocated state of one layer. Every tensor is `[n_kv_heads, slots]` (+ `[head_dim]` for K/V).
+
+    `slots = budget + chunk`: a chunk of up to `chunk` new tokens is written into free slots, attended, and
+    then `length - budget` entries are evicted, freeing their slots for the next chunk. Nothing is moved and
+    nothing grows, unless one call brings more than `chunk` tokens (then the buffers grow once to fit).
+    """
+
+    def __init__(
+        self,
+        n_kv_heads: int,
+        head_dim: int,
+        budget: int,
+        chunk: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.budget = budget
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.length = 0  # valid entries per head (the same for every head)
+        self.tokens_seen = 0
+        self.evictions = 0  # entries evicted per head so far
+        self._allocate(budget + chunk, dtype, device)
+
+    def _allocate(self, slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (self.n_kv_heads, slots)
+        self.keys = torch.zeros(*shape, self.head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(*shape, self.head_dim, dtype=dtype, device=device)
+        self.scores = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.seen = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.last_probs = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.token_index = torch.full(shape, -1, dtype=torch.int64, device=device)
+        self.rank = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.valid = torch.zeros(shape, dtype=torch.bool, device=device)
+
+    @property
+    def slots(self) -> int:
+        return self.keys.shape[1]
+
+    def _grow(self, slots: int) -> None:
+        old = {name: getattr(self, name) for name in self._state_names()}
+        self._allocate(slots, self.keys.dtype, self.keys.device)
+        for name, tensor in old.items():
+            getattr(self, name)[:, : tensor.shape[1]] = tensor
+
+    @staticmethod
+    def _state_names() -> tuple[str, ...]:
+        return ("keys", "values", "scores", "seen", "last_probs", "token_index", "rank", "valid")
+
+    def nbytes(self) -> int:
+        """Bytes held by this layer's buffers (K/V plus score, index and position arrays)."""
+        return sum(getattr(self, name).nbytes for name in self._state_names())
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Write a chunk `[n_kv_heads, chunk, head_dim]` into free slots. Returns the slots `[n_kv_heads, chunk]`."""
+        chunk = keys.shape[1]
+        if self.length + chunk > self.slots:
+            self._grow(self.length + chunk)
+        if chunk == 1:
+            free = self.valid.to(torch.uint8).argmin(dim=1, keepdim=True)  # first free slot of each head
+        else:
+            free = torch.argsort(self.valid.to(torch.uint8), dim=1, stable=True)[:, :chunk]
+        offsets = torch.arange(chunk, device=keys.device).expand(self.n_kv_heads, chunk)
+        index = free.unsqueeze(-1).expand(-1, -1, self.head_dim)
+        self.keys.scatter_(1, index, keys.to(self.keys.dtype))
+        self.values.scatter_(1, index, values.to(self.values.dtype))
+        self.token_index.scatter_(1, free, offsets + self.tokens_seen)
+        self.rank.scatter_(1, free, offsets + self.length)
+        self.scores.scatter_(1, free, 0.0)
+        self.seen.scatter_(1, free, 0.0)
+        self.valid.scatter_(1, free, True)
+        self.length += chunk
+        self.tokens_seen += chunk
+        return free
+
+    def allowed(self, chunk: int) -> torch.Tensor:
+        """E_q for each query of the last written chunk: `[n_kv_heads, chunk, slots]` bool."""
+        first = self.tokens_seen - chunk
+        query_index = torch.arange(first, first + chunk, device=self.keys.device)
+        return self.valid.unsqueeze(1) & (self.token_index.unsqueeze(1) <= query_index.view(1, -1, 1))
+
+    def accumulate(self, score_increments: torch.Tensor, last_probs: torch.Tensor, chunk: int) -> None:
+        """Add a chunk's attention to the accumulated scores (SPEC step 3)."""
+        self.scores += score_increments
+        self.last_probs.copy_(last_probs)
+        # Queries of this chunk that saw each entry: all of them for old entries, fewer for the chunk's own.
+        first = self.tokens_seen - chunk
+        seen_by = (self.tokens_seen - torch.clamp(self.token_index, min=first)).clamp(0, chunk)
+        self.seen += torch.where(self.valid, seen_by, 0).float()
+
+    def evict(self, policy) -> torch.Tensor | None:
+        """Evict down to `budget` entries per head (SPEC step 4). Returns evicted slots `[n_kv_heads, n]`."""
+        excess = self.length - self.budget
+        if excess <= 0 or not policy.evicts:
+            return None
+        slots = select_evictions(policy.priority(self), self.token_index, excess)
+        evicted_rank = self.rank.gather(1, slots)
+        # Ranks stay dense 0..length-1: each entry moves down by the evicted entries older than it.
+        self.rank -= (self.rank.unsqueeze(-1) > evicted_rank.unsqueeze(1)).sum(-1)
+        self.valid.scatter_(1, slots, False)
+        self.token_index.scatter_(1, slots, -1)
+        self.length -= excess
+        self.evictions += excess
+        return slots
+
+    def reset(self) -> None:
+        self.valid.zero_()
+        self.token_index.fill_(-1)
+        self.scores.zero_()
+        self.seen.zero_()
+        self.length = self.tokens_seen = self.evictions = 0

@@ -1,0 +1,42 @@
+"""Pure-torch attention over the slot cache; the reference every kernel is tested against, and the CPU path."""
+
+from __future__ import annotations
+
+import torch
+
+from h2o_cli.positions import rotate
+
+
+def slot_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor,
+    query_cos: torch.Tensor,
+    query_sin: torch.Tensor,
+    key_cos: torch.Tensor,
+    key_sin: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact softmax attention of a chunk over the entries each KV head may see.
+
+    query: [n_heads, chunk, head_dim] unrotated; keys, values: [n_kv_heads, slots, head_dim] unrotated.
+    allowed: [n_kv_heads, chunk, slots] bool, the set E_q of SPEC.md for each query.
+    query_cos/sin: [chunk, head_dim]; key_cos/sin: [n_kv_heads, slots, head_dim].
+    Returns output [n_heads, chunk, head_dim], score increments [n_kv_heads, slots] (probabilities summed over
+    the chunk's queries and the query heads of each KV head) and the last query's probabilities
+    [n_kv_heads, slots] (summed over query heads).
+    """
+    n_heads, chunk, head_dim = query.shape
+    n_kv_heads = keys.shape[0]
+    group = n_heads // n_kv_heads
+    # [n_kv, group, chunk, d]: the query heads that share each KV head, side by side.
+    q = rotate(query, query_cos, query_sin).view(n_kv_heads, group, chunk, head_dim)
+    k = rotate(keys, key_cos, key_sin)
+    logits = torch.matmul(q, k.transpose(1, 2).unsqueeze(1)).float() * scaling  # [n_kv, group, chunk, slots]
+    logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    output = torch.matmul(probs.to(values.dtype), values.unsqueeze(1))  # [n_kv, group, chunk, d]
+    score_increments = probs.sum(dim=(1, 2))
+    last_probs = probs[:, :, -1].sum(dim=1)
+    return output.reshape(n_heads, chunk, head_dim), score_increments, last_probs
