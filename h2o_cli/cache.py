@@ -185,7 +185,7 @@ class H2OCache(Cache):
         rope = Rope(model.model.rotary_emb, head_dim)
         layers = [
             H2OLayer(
-                LayerStore(n_kv_heads, head_dim, budget, min(settings.chunk, budget), dtype, param.device),
+                LayerStore(n_kv_heads, head_dim, budget, settings.chunk, dtype, param.device),
                 settings,
                 rope,
                 self.max_positions,

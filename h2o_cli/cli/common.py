@@ -1,0 +1,38 @@
+"""Helpers every command uses: loading a model quietly, the stderr console."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from rich.console import Console
+
+stderr = Console(stderr=True, highlight=False)
+
+
+def quiet_transformers() -> None:
+    """No progress bars or advice from transformers on our stderr."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def set_threads(threads: int) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def load(model: str, device: str, dtype: str, trust_remote_code: bool, threads: int = 0):
+    """(model, tokenizer), with a status line on a terminal while the weights load."""
+    from h2o_cli.models import load_model
+
+    quiet_transformers()
+    set_threads(threads)
+    if sys.stderr.isatty():
+        with stderr.status(f"loading {model} …"):
+            return load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    return load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)

@@ -1,0 +1,207 @@
+"""`h2o stream FILE|-`: perplexity of a whole text in constant memory, or read it and answer."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+from h2o_cli.cli import options as opt
+from h2o_cli.cli.common import load, stderr
+from h2o_cli.errors import InputError
+
+EXAMPLES = """
+Examples:
+
+  h2o stream book.txt --ppl --budget 0.1
+  cat book.txt | h2o stream - --ppl --budget 512 --policy sink --json
+  h2o stream book.txt --prompt "Who is Victor's friend?" --max-new-tokens 64
+"""
+
+
+class ByteCounter:
+    """Wraps a binary stream and counts bytes read (for the progress bar)."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.bytes = 0
+
+    def read(self, size: int) -> bytes:
+        data = self.stream.read(size)
+        self.bytes += len(data)
+        return data
+
+
+def _progress(total_bytes: int | None):
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn() if total_bytes else TextColumn(""),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        console=stderr,
+        transient=False,
+        disable=not sys.stderr.isatty(),
+    )
+
+
+def stream(
+    source: Annotated[str, typer.Argument(metavar="FILE", help="Text file to read, or - for stdin.")],
+    ppl: Annotated[bool, typer.Option("--ppl", help="Report the perplexity of the text.")] = False,
+    max_tokens: Annotated[int | None, typer.Option("--max-tokens", min=1, help="Read only the first N tokens.")] = None,
+    prompt: Annotated[str | None, typer.Option("--prompt", help="Question to answer after reading the text.")] = None,
+    model: opt.Model = opt.DEFAULTS["model"],
+    budget: opt.Budget = opt.DEFAULTS["budget"],
+    policy: opt.Policy = "h2o",
+    heavy_ratio: opt.HeavyRatio = 0.5,
+    sinks: opt.Sinks = 4,
+    positions: opt.Positions = "rolling",
+    score_norm: opt.ScoreNorm = "sum",
+    chunk: opt.Chunk = opt.DEFAULTS["chunk"],
+    max_new_tokens: opt.MaxNewTokens = 128,
+    temperature: opt.Temperature = 0.0,
+    top_p: opt.TopP = 1.0,
+    seed: opt.Seed = None,
+    as_json: opt.Json = False,
+    device: opt.Device = "auto",
+    dtype: opt.Dtype = "auto",
+    threads: opt.Threads = 0,
+    trust_remote_code: opt.TrustRemoteCode = False,
+) -> None:
+    """Stream a whole text through the H2O cache in constant memory.
+
+    With --ppl, report its perplexity; otherwise read it and then generate (answer --prompt, or continue
+    the text). Generated text goes to stdout; progress and figures to stderr.
+    """
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.generation import Sampling
+    from h2o_cli.runtime import make_settings
+    from h2o_cli.textio import open_source
+
+    sampling = Sampling(max_new_tokens, temperature, top_p, seed)
+    source_file = open_source(source)  # fail on a bad path before loading a model
+    total_bytes = None
+    if source != "-":
+        total_bytes = source_file.seek(0, 2)
+        source_file.seek(0)
+        if total_bytes == 0:
+            raise InputError(f"{source} is empty; give a text with at least two tokens")
+    lm, tokenizer = load(model, device, dtype, trust_remote_code, threads)
+    settings = make_settings(lm, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk)
+    cache = H2OCache(lm, settings)
+    counter = ByteCounter(source_file)
+    run = _run_ppl if ppl else _run_generate
+    report = run(lm, tokenizer, cache, counter, source, total_bytes, max_tokens, chunk, prompt, sampling, as_json)
+    report["model"] = model
+    if as_json:
+        print(json.dumps(report))
+    if report.get("error"):
+        raise InputError(report["error"])
+
+
+def _pieces(tokenizer, counter: ByteCounter, source: str):
+    from h2o_cli.textio import text_blocks, token_stream
+
+    return token_stream(tokenizer, text_blocks(counter, name="stdin" if source == "-" else source))
+
+
+def _run_ppl(lm, tokenizer, cache, counter, source, total_bytes, max_tokens, chunk, prompt, sampling, quiet) -> dict:
+    from h2o_cli.runtime import cache_summary, peak_rss_bytes
+    from h2o_cli.streaming import stream_perplexity
+
+    if prompt is not None:
+        stderr.print("[yellow]note:[/] --prompt is ignored with --ppl")
+    with _progress(total_bytes) as progress:
+        task = progress.add_task("stream", total=total_bytes, status="")
+
+        def update(stats) -> None:
+            status = f"{stats.tokens:,} tok  {stats.tokens_per_s:,.0f} tok/s  ppl {stats.ppl:.3f}  "
+            status += f"cache {cache.nbytes() / 2**20:,.1f} MiB"
+            progress.update(task, completed=counter.bytes, status=status)
+
+        stats = stream_perplexity(lm, cache, _pieces(tokenizer, counter, source), chunk, max_tokens, update)
+    if stats.predictions == 0 and not stats.error:
+        raise InputError(f"{source} has fewer than two tokens; perplexity needs at least one prediction")
+    report = {
+        "ppl": stats.ppl,
+        "nll": stats.mean_nll,
+        "tokens": stats.tokens,
+        "predictions": stats.predictions,
+        **cache_summary(cache),
+        "tokens_per_s": stats.tokens_per_s,
+        "seconds": stats.seconds,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "interrupted": stats.interrupted,
+    }
+    if stats.error:
+        report["error"] = stats.error
+    partial = " (interrupted: partial)" if stats.interrupted else (" (stopped early: partial)" if stats.error else "")
+    stderr.print(
+        f"perplexity {stats.ppl:.4f} over {stats.predictions:,} predictions{partial} · {stats.tokens_per_s:,.1f} tok/s"
+        f" · cache {report['kv_cache_bytes'] / 2**20:,.1f} MiB ({report['policy']}, {report['budget_tokens']} tokens)"
+        f" · peak RSS {report['peak_rss_bytes'] / 2**20:,.0f} MiB"
+    )
+    return report
+
+
+def _run_generate(lm, tokenizer, cache, counter, source, total_bytes, max_tokens, chunk, prompt, sampling, quiet) -> dict:
+    import time
+
+    from h2o_cli.generation import TextStreamer, generate_ids
+    from h2o_cli.prompting import user_frame
+    from h2o_cli.runtime import cache_summary, peak_rss_bytes
+    from h2o_cli.streaming import prefill
+
+    pieces = _pieces(tokenizer, counter, source)
+    if prompt is not None:
+        before, after = user_frame(tokenizer)
+        head = tokenizer(before, add_special_tokens=False)["input_ids"]
+        tail = tokenizer("\n\n" + prompt + after, add_special_tokens=False)["input_ids"]
+        pieces = _framed(head, pieces, tail)
+    with _progress(total_bytes) as progress:
+        task = progress.add_task("read", total=total_bytes, status="")
+
+        def update(stats) -> None:
+            progress.update(task, completed=counter.bytes, status=f"{stats.tokens:,} tok  {stats.tokens_per_s:,.0f} tok/s")
+
+        logits, stats = prefill(lm, cache, pieces, chunk, max_tokens, update)
+    if logits is None:
+        raise InputError(f"{source} is empty; give a text to read")
+    streamer = TextStreamer(tokenizer)
+    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    started, generated = time.perf_counter(), 0
+    try:
+        for token in generate_ids(lm, cache, logits, sampling, stop):
+            generated += 1
+            text = streamer.push(token)
+            if not quiet:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        pass
+    if not quiet:
+        sys.stdout.write("\n")
+    seconds = time.perf_counter() - started
+    return {
+        "answer": streamer.printed,
+        "tokens": stats.tokens,
+        "generated_tokens": generated,
+        **cache_summary(cache),
+        "prefill_tokens_per_s": stats.tokens_per_s,
+        "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+
+
+def _framed(head: list[int], pieces, tail: list[int]):
+    if head:
+        yield head
+    yield from pieces
+    yield tail
+
+
+stream.__doc__ = (stream.__doc__ or "") + EXAMPLES

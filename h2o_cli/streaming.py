@@ -1,0 +1,123 @@
+"""Stream token ids through the cache in chunks: perplexity (SPEC.md) or read-then-generate."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from h2o_cli.cache import H2OCache
+from h2o_cli.errors import H2OError
+
+
+@dataclass
+class StreamStats:
+    """What a stream has done so far; `ppl` is exp(mean NLL) over the predictions made."""
+
+    tokens: int = 0
+    predictions: int = 0
+    nll: float = 0.0
+    seconds: float = 0.0
+    interrupted: bool = False
+    error: str | None = None
+    started: float = field(default_factory=time.perf_counter, repr=False)
+
+    @property
+    def mean_nll(self) -> float:
+        return self.nll / self.predictions if self.predictions else float("nan")
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.mean_nll) if self.predictions else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def chunks_of(pieces: Iterable[list[int]], size: int, limit: int | None = None) -> Iterator[list[int]]:
+    """Regroup id lists into lists of exactly `size` ids (the last may be shorter), stopping after `limit`."""
+    buffer: list[int] = []
+    taken = 0
+    for piece in pieces:
+        if limit is not None:
+            piece = piece[: limit - taken]
+        taken += len(piece)
+        buffer.extend(piece)
+        while len(buffer) >= size:
+            yield buffer[:size]
+            buffer = buffer[size:]
+        if limit is not None and taken >= limit:
+            break
+    if buffer:
+        yield buffer
+
+
+@torch.inference_mode()
+def forward_chunk(model, cache: H2OCache, ids: list[int]) -> torch.Tensor:
+    """Run one chunk through the model and cache. Returns float32 logits [chunk, vocab]."""
+    input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
+    return model(input_ids=input_ids, cache=cache, use_cache=True).logits[0].float()
+
+
+@torch.inference_mode()
+def stream_perplexity(
+    model,
+    cache: H2OCache,
+    pieces: Iterable[list[int]],
+    chunk: int,
+    max_tokens: int | None = None,
+    on_chunk: Callable[[StreamStats], None] | None = None,
+) -> StreamStats:
+    """Feed ids through the cache `chunk` at a time and accumulate the NLL of each next token.
+
+    Token i+1 is scored from the output at token i (SPEC.md). On Ctrl-C or a cache error the stats so far
+    are returned with `interrupted` / `error` set, so a partial stream still reports what it read.
+    """
+    stats = StreamStats()
+    previous: torch.Tensor | None = None  # log-probs at the last token of the previous chunk
+    try:
+        for ids in chunks_of(pieces, chunk, max_tokens):
+            logprobs = torch.log_softmax(forward_chunk(model, cache, ids), dim=-1)
+            targets = torch.tensor(ids, device=logprobs.device)
+            nll = -logprobs[:-1].gather(1, targets[1:, None]).sum()
+            if previous is not None:
+                nll = nll - previous[targets[0]]
+            stats.nll += float(nll)
+            stats.predictions += len(ids) - 1 + (previous is not None)
+            stats.tokens += len(ids)
+            previous = logprobs[-1]
+            stats.seconds = time.perf_counter() - stats.started
+            if on_chunk is not None:
+                on_chunk(stats)
+    except KeyboardInterrupt:
+        stats.interrupted = True
+    except H2OError as error:  # bad bytes mid-stream, context overflow: keep what was read
+        stats.error = str(error)
+    stats.seconds = time.perf_counter() - stats.started
+    return stats
+
+
+@torch.inference_mode()
+def prefill(
+    model,
+    cache: H2OCache,
+    pieces: Iterable[list[int]],
+    chunk: int,
+    max_tokens: int | None = None,
+    on_chunk: Callable[[StreamStats], None] | None = None,
+) -> tuple[torch.Tensor | None, StreamStats]:
+    """Read ids into the cache without scoring. Returns the logits after the last token, and the stats."""
+    stats = StreamStats()
+    last = None
+    for ids in chunks_of(pieces, chunk, max_tokens):
+        input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
+        last = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
+        stats.tokens += len(ids)
+        stats.seconds = time.perf_counter() - stats.started
+        if on_chunk is not None:
+            on_chunk(stats)
+    return last, stats

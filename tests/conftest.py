@@ -1,0 +1,63 @@
+"""Shared fixtures: a tiny random-weight Llama (GQA) for unit tests, the embedded model for end-to-end ones."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Two busy processes on two cores make spinning OpenMP threads ~25x slower (ENV-NOTES.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data"
+FIXTURES = Path(__file__).resolve().parent / "data"
+
+
+def tiny_config(**overrides):
+    from transformers import LlamaConfig
+
+    values = dict(
+        vocab_size=128,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+@pytest.fixture
+def tiny_pair():
+    """(reference model with sdpa attention, identical model for the H2O cache). Separate configs, same weights."""
+    torch.manual_seed(0)
+    config = tiny_config()
+    reference = __import__("transformers").LlamaForCausalLM(config).eval()
+    model = __import__("transformers").LlamaForCausalLM(copy.deepcopy(config)).eval()
+    model.load_state_dict(reference.state_dict())
+    return reference, model
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded SmolLM2-135M (model, tokenizer); converted once into $H2O_HOME."""
+    from h2o_cli.models import load_model
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    return load_model("smollm2-135m", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def excerpt() -> str:
+    """A real-text excerpt shipped in the repo (Frankenstein, Project Gutenberg, public domain)."""
+    return (FIXTURES / "frankenstein_excerpt.txt").read_text(encoding="utf-8")
