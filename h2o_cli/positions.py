@@ -59,7 +59,9 @@ class Rope:
             cos, sin = cos / self.scaling, sin / self.scaling
         return cos[0].to(dtype), sin[0].to(dtype)
 
-    def table(self, length: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def table(
+        self, length: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables cos, sin [>= length, head_dim] for positions 0 .. length-1, grown on demand, never shrunk."""
         if self._cos.shape[0] < length or self._cos.dtype != dtype or self._cos.device != device:
             size = max(length, 2 * self._cos.shape[0])

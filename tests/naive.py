@@ -1,0 +1,152 @@
+"""An independent, deliberately naive simulation of SPEC.md, for tests only.
+
+Full K/V history is kept; evictions are per-KV-head masks; every rule is applied literally, one entry at a
+time, with Python loops over heads. It shares no code with h2o_cli except nothing: rotary frequencies come
+from the config, attention and eviction are written out here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def inv_freq_of(config, head_dim: int) -> torch.Tensor:
+    params = getattr(config, "rope_parameters", None) or {}
+    assert params.get("rope_type", "default") == "default", "naive reference covers default RoPE only"
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+
+
+def rope(x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., n, d] at integer positions [n] (rotate-half convention), in float64."""
+    angles = position.double()[:, None] * inv_freq[None, :]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([angles.sin(), angles.sin()], -1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x.double() * cos + rotated.double() * sin
+
+
+class NaiveHeadState:
+    """One KV head: every token ever seen, with an alive mask and accumulated scores."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []  # unrotated
+        self.values: list[torch.Tensor] = []
+        self.alive: list[bool] = []
+        self.score: list[float] = []
+        self.seen: list[int] = []
+        self.last: list[float] = []
+
+    def alive_indices(self) -> list[int]:
+        return [t for t, a in enumerate(self.alive) if a]
+
+
+def choose_victim(head: NaiveHeadState, settings) -> int:
+    """SPEC step 4, literally: one entry to evict from this head."""
+    alive = head.alive_indices()  # token order
+    policy = settings.policy
+    if policy == "local":
+        return alive[0]
+    if policy == "sink":
+        return next(t for t in alive if t >= settings.sinks)
+    candidates = alive[: len(alive) - settings.recent] if settings.recent else alive
+    if policy == "h2o":
+        if settings.score_norm == "mean":
+            key = {t: head.score[t] / max(head.seen[t], 1) for t in candidates}
+        else:
+            key = {t: head.score[t] for t in candidates}
+    elif policy == "tova":
+        key = {t: head.last[t] for t in candidates}
+    else:
+        raise AssertionError(policy)
+    best = min(key.values())
+    return min(t for t in candidates if key[t] == best)  # ties go to the oldest
+
+
+def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_freq, scaling):
+    """One chunk through one layer. queries [n_heads, c, d], keys/values [n_kv, c, d] unrotated.
+
+    Returns the output [n_heads, c, d] (float64) and evicts after the chunk.
+    """
+    n_heads, chunk, head_dim = queries.shape
+    n_kv = len(heads)
+    group = n_heads // n_kv
+    output = torch.zeros(n_heads, chunk, head_dim, dtype=torch.float64)
+    for j, head in enumerate(heads):
+        old = head.alive_indices()
+        for i in range(chunk):
+            head.keys.append(keys[j, i])
+            head.values.append(values[j, i])
+            head.alive.append(True)
+            head.score.append(0.0)
+            head.seen.append(0)
+            head.last.append(0.0)
+        for i in range(chunk):
+            query_token = first_token + i
+            visible = old + list(range(first_token, query_token + 1))  # E_q, token order
+            if settings.positions == "rolling" and settings.policy != "full":
+                key_pos = torch.arange(len(visible))
+                query_pos = torch.tensor([len(visible) - 1])
+            else:
+                key_pos = torch.tensor(visible)
+                query_pos = torch.tensor([query_token])
+            k = rope(torch.stack([head.keys[t] for t in visible]), key_pos, inv_freq)
+            v = torch.stack([head.values[t] for t in visible]).double()
+            total = torch.zeros(len(visible), dtype=torch.float64)
+            for h in range(j * group, (j + 1) * group):
+                q = rope(queries[h, i : i + 1], query_pos, inv_freq)
+                p = torch.softmax((q @ k.T)[0] * scaling, dim=-1)
+                output[h, i] = p @ v
+                total += p
+            for position, t in enumerate(visible):
+                head.score[t] += float(total[position])
+                head.seen[t] += 1
+                if i == chunk - 1:
+                    head.last[t] = float(total[position])
+        if settings.policy != "full":
+            while len(head.alive_indices()) > settings.budget:
+                head.alive[choose_victim(head, settings)] = False
+    return output
+
+
+def naive_model_nll(model, ids: list[int], settings, chunk: int = 1) -> list[float]:
+    """Per-prediction NLL of `ids` under SPEC.md, running the Llama decoder by hand over naive head states."""
+    config = model.config
+    n_heads = config.num_attention_heads
+    n_kv = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    inv_freq = inv_freq_of(config, head_dim)
+    scaling = head_dim**-0.5
+    layers = model.model.layers
+    states = [[NaiveHeadState() for _ in range(n_kv)] for _ in layers]
+    nlls: list[float] = []
+    previous = None
+    with torch.no_grad():
+        for start in range(0, len(ids), chunk):
+            piece = ids[start : start + chunk]
+            c = len(piece)
+            hidden = model.model.embed_tokens(torch.tensor(piece))  # [c, hidden]
+            for layer, heads in zip(layers, states):
+                attn = layer.self_attn
+                x = layer.input_layernorm(hidden)
+                q = attn.q_proj(x).view(c, n_heads, head_dim).transpose(0, 1)
+                k = attn.k_proj(x).view(c, n_kv, head_dim).transpose(0, 1)
+                v = attn.v_proj(x).view(c, n_kv, head_dim).transpose(0, 1)
+                out = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, scaling)
+                out = out.to(hidden.dtype).transpose(0, 1).reshape(c, n_heads * head_dim)
+                hidden = hidden + attn.o_proj(out)
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            logprobs = torch.log_softmax(model.lm_head(model.model.norm(hidden)).double(), dim=-1)
+            if previous is not None:
+                nlls.append(-float(previous[piece[0]]))
+            for i in range(c - 1):
+                nlls.append(-float(logprobs[i, piece[i + 1]]))
+            previous = logprobs[-1]
+    return nlls
+
+
+def ppl(nlls: list[float]) -> float:
+    return math.exp(sum(nlls) / len(nlls))

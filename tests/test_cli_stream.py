@@ -1,0 +1,121 @@
+"""`h2o stream` and `h2o models` as a user runs them: real subprocesses, exit codes, stdout vs stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import FIXTURES
+
+EXCERPT = str(FIXTURES / "frankenstein_excerpt.txt")
+
+
+def h2o(*args: str, stdin: bytes | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "H2O_DEBUG": "0"}
+    code = "from h2o_cli.cli.app import main; main()"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], input=stdin, capture_output=True, timeout=timeout, env=env
+    )
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    lines = result.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr.decode(), result.stderr.decode()
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "words"),
+    [
+        (["stream", "/no/such/book.txt", "--ppl"], 1, "does not exist"),
+        (["stream", str(FIXTURES), "--ppl"], 1, "is a directory"),
+        (["stream", EXCERPT, "--ppl", "--budget", "zero"], 2, "--budget"),
+        (["stream", EXCERPT, "--ppl", "--budget", "-1"], 2, "--budget"),
+        (["stream", EXCERPT, "--ppl", "--budget", "0.00001"], 2, "--budget"),
+        (["stream", EXCERPT, "--ppl", "--model", "no-such-model"], 2, "--model"),
+    ],
+)
+def test_bad_input_is_one_line_and_an_exit_code(args, code, words):
+    result = h2o(*args)
+    assert result.returncode == code
+    assert words in one_error_line(result)
+    assert result.stdout == b""
+
+
+def test_bad_option_choice_is_a_usage_error():
+    result = h2o("stream", EXCERPT, "--ppl", "--policy", "lru")
+    assert result.returncode == 2 and b"lru" in result.stderr
+
+
+def test_empty_and_non_utf8_input(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert "empty" in one_error_line(result := h2o("stream", str(empty), "--ppl")) and result.returncode == 1
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("Caf\u00e9 society\n".encode("latin-1"))
+    result = h2o("stream", str(latin), "--ppl")
+    assert result.returncode == 1 and "not UTF-8" in result.stderr.decode()
+
+
+def test_json_from_stdin_equals_file(tmp_path):
+    args = ["--ppl", "--json", "--budget", "64", "--max-tokens", "300", "--chunk", "32"]
+    from_file = h2o("stream", EXCERPT, *args)
+    from_stdin = h2o("stream", "-", *args, stdin=open(EXCERPT, "rb").read())
+    assert from_file.returncode == 0, from_file.stderr.decode()
+    report = json.loads(from_file.stdout)
+    for field in (
+        "ppl",
+        "nll",
+        "tokens",
+        "policy",
+        "budget_tokens",
+        "heavy",
+        "recent",
+        "sinks",
+        "positions",
+        "chunk",
+        "tokens_per_s",
+        "kv_cache_bytes",
+        "peak_rss_bytes",
+        "model",
+    ):
+        assert field in report
+    assert report["tokens"] == 300 and report["budget_tokens"] == 64 and report["heavy"] == 32
+    assert json.loads(from_stdin.stdout)["ppl"] == pytest.approx(report["ppl"], rel=1e-9)
+
+
+def test_partial_stream_reports_what_it_read(tmp_path):
+    broken = tmp_path / "broken.txt"
+    good = open(EXCERPT, "rb").read()
+    broken.write_bytes(good + b"\n\xff\xff more\n")
+    result = h2o("stream", str(broken), "--ppl", "--json", "--budget", "64", "--chunk", "64")
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert report["tokens"] > 1000 and "not UTF-8" in report["error"]
+
+
+def test_read_then_answer_prints_only_the_answer():
+    result = h2o(
+        "stream",
+        EXCERPT,
+        "--prompt",
+        "Who writes these letters?",
+        "--max-new-tokens",
+        "12",
+        "--budget",
+        "128",
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    answer = result.stdout.decode().strip()
+    assert answer and len(answer.split()) <= 14
+
+
+def test_models_lists_aliases_and_the_embedded_model():
+    result = h2o("models", "--json")
+    rows = {row["alias"]: row for row in json.loads(result.stdout)}
+    assert rows["smollm2-135m"]["default"] and "embedded" in rows["smollm2-135m"]["local"]
+    assert rows["llama-7b"]["hub_id"] == "huggyllama/llama-7b"
+    assert not rows["opt-6.7b"]["supported"]

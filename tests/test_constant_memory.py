@@ -1,0 +1,71 @@
+"""Streams past the context window with rolling positions, in buffers that never move or grow."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from h2o_cli.cache import H2OCache
+from h2o_cli.config import CacheSettings
+from h2o_cli.store import LayerStore
+from h2o_cli.streaming import stream_perplexity
+
+STATE = LayerStore._state_names()
+
+
+def buffer_layout(cache: H2OCache) -> list[tuple[int, tuple[int, ...]]]:
+    return [
+        (getattr(s, name).data_ptr(), tuple(getattr(s, name).shape)) for s in cache.stores for name in STATE
+    ]
+
+
+def stream_and_watch(model, cache, ids, chunk):
+    layouts = []
+    stats = stream_perplexity(
+        model, cache, [ids], chunk, on_chunk=lambda _: layouts.append(buffer_layout(cache))
+    )
+    return stats, layouts
+
+
+@pytest.mark.parametrize("policy", ["h2o", "local", "sink", "tova"])
+@pytest.mark.parametrize("chunk", [1, 16])
+def test_tiny_model_streams_6x_its_window_in_fixed_buffers(tiny_pair, policy, chunk):
+    _, model = tiny_pair
+    window = model.config.max_position_embeddings
+    ids = torch.randint(
+        0, model.config.vocab_size, (6 * window,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
+    cache = H2OCache(model, CacheSettings(budget=32, policy=policy, chunk=chunk))
+    before = buffer_layout(cache)
+    stats, layouts = stream_and_watch(model, cache, ids, chunk)
+    assert stats.error is None and stats.tokens == len(ids)
+    assert math.isfinite(stats.ppl)
+    assert all(layout == before for layout in layouts)
+    assert cache.length == 32 and cache.tokens_seen == len(ids)
+
+
+def test_original_positions_stop_at_the_window_and_keep_the_partial_result(tiny_pair):
+    _, model = tiny_pair
+    window = model.config.max_position_embeddings
+    ids = list(range(10, 10 + 100)) * 4
+    cache = H2OCache(model, CacheSettings(budget=32, positions="original", chunk=50))
+    stats = stream_perplexity(model, cache, [ids], 50)
+    assert stats.error is not None and "context window" in stats.error
+    assert stats.tokens == window - window % 50 and stats.predictions == stats.tokens - 1
+
+
+@pytest.mark.slow
+def test_embedded_model_streams_past_8192_in_fixed_buffers(smollm):
+    from conftest import FIXTURES
+
+    model, tokenizer = smollm
+    text = (FIXTURES / "frankenstein_excerpt.txt").read_text()
+    ids = (tokenizer(text)["input_ids"] * 12)[:9000]
+    cache = H2OCache(model, CacheSettings(budget=256, chunk=256))
+    before = buffer_layout(cache)
+    stats, layouts = stream_and_watch(model, cache, ids, 256)
+    assert stats.error is None and stats.tokens == 9000 > model.config.max_position_embeddings
+    assert all(layout == before for layout in layouts)
+    assert stats.ppl < 50

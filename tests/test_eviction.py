@@ -1,0 +1,99 @@
+"""Eviction decisions and attention of H2OLayer against the naive SPEC.md simulation, on random Q/K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config
+from naive import NaiveHeadState, inv_freq_of, naive_attend_chunk
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from h2o_cli.cache import H2OLayer
+from h2o_cli.config import CacheSettings
+from h2o_cli.positions import Rope, rotate
+from h2o_cli.store import LayerStore
+
+N_HEADS, N_KV, HEAD_DIM = 6, 2, 16
+
+SETTINGS = [
+    dict(policy="h2o", positions="rolling"),
+    dict(policy="h2o", positions="original"),
+    dict(policy="h2o", positions="rolling", score_norm="mean"),
+    dict(policy="h2o", positions="rolling", heavy_ratio=1.0),
+    dict(policy="local", positions="rolling"),
+    dict(policy="sink", positions="rolling", sinks=3),
+    dict(policy="tova", positions="original"),
+    dict(policy="full", positions="original"),
+]
+
+
+def make_layer(settings: CacheSettings) -> tuple[H2OLayer, torch.Tensor]:
+    config = tiny_config(
+        hidden_size=N_HEADS * HEAD_DIM, num_attention_heads=N_HEADS, num_key_value_heads=N_KV
+    )
+    rotary = LlamaRotaryEmbedding(config)
+    budget = config.max_position_embeddings if settings.policy == "full" else settings.budget
+    store = LayerStore(N_KV, HEAD_DIM, budget, settings.chunk, torch.float64, torch.device("cpu"))
+    return H2OLayer(store, settings, Rope(rotary, HEAD_DIM), config.max_position_embeddings), inv_freq_of(
+        config, HEAD_DIM
+    )
+
+
+def model_rotation(x: torch.Tensor, positions: torch.Tensor, layer: H2OLayer) -> torch.Tensor:
+    """What the model hands the cache: x rotated at its original positions."""
+    cos, sin = layer.rope.cos_sin(positions, x.dtype)
+    return rotate(x, cos, sin)
+
+
+@pytest.mark.parametrize("overrides", SETTINGS, ids=lambda o: "-".join(str(v) for v in o.values()))
+@pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6]], ids=["decode", "chunked"])
+def test_layer_matches_naive_simulation(overrides, chunks):
+    torch.manual_seed(1)
+    settings = CacheSettings(budget=8, chunk=9, **overrides)
+    layer, inv_freq = make_layer(settings)
+    heads = [NaiveHeadState() for _ in range(N_KV)]
+    start = 0
+    for c in chunks:
+        # Spiky random logits so that a few tokens become heavy hitters.
+        q = torch.randn(N_HEADS, c, HEAD_DIM, dtype=torch.float64) * 2
+        k = torch.randn(N_KV, c, HEAD_DIM, dtype=torch.float64) * 2
+        v = torch.randn(N_KV, c, HEAD_DIM, dtype=torch.float64)
+        positions = torch.arange(start, start + c)
+        layer.update(
+            model_rotation(k, positions, layer)[None], v[None], kwargs={"position_ids": positions[None]}
+        )
+        got = layer.attend(model_rotation(q, positions, layer)[None], HEAD_DIM**-0.5)[0].transpose(0, 1)
+        want = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, HEAD_DIM**-0.5)
+        # The model's rotary tables are float32 (cos/sin error ~1e-7); everything else is float64.
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        start += c
+        store = layer.store
+        for j, head in enumerate(heads):
+            kept = sorted(store.token_index[j][store.valid[j]].tolist())
+            assert kept == head.alive_indices(), f"head {j} after token {start}"
+        ranks = store.rank.masked_select(store.valid).view(N_KV, -1)
+        assert sorted(ranks[0].tolist()) == list(range(store.length))
+    if settings.policy != "full":
+        assert layer.store.length == settings.budget
+
+
+def test_worked_example_evicts_and():
+    """The seed's example: accumulated scores 1.4, 1.5, 0.5, 0.6 with one recent slot → "and" is evicted."""
+    from h2o_cli.policies import make_policy
+
+    tokens = ["Heavy", "hitters", "and", "recent"]
+    store = LayerStore(1, 4, budget=3, chunk=1, dtype=torch.float32, device=torch.device("cpu"))
+    store.write(torch.zeros(1, 4, 4), torch.zeros(1, 4, 4))
+    store.scores[0, :4] = torch.tensor([1.4, 1.5, 0.5, 0.6])
+    evicted = store.evict(make_policy(CacheSettings(budget=3, heavy_ratio=2 / 3, chunk=1)))
+    assert tokens[int(store.token_index.new_tensor(0) + evicted[0, 0])] == "and"
+    assert sorted(store.token_index[0][store.valid[0]].tolist()) == [0, 1, 3]
+
+
+def test_ties_go_to_the_oldest():
+    from h2o_cli.policies import select_evictions
+
+    priority = torch.tensor([[0.5, 0.2, 0.2, 0.9, 0.2]])
+    token_index = torch.tensor([[10, 7, 3, 1, 5]])
+    assert select_evictions(priority, token_index, 1).tolist() == [[2]]
+    assert select_evictions(priority, token_index, 3).tolist() == [[2, 4, 1]]
