@@ -19,7 +19,7 @@ def parse_budget(value: str | float, context_tokens: int) -> int:
     except (TypeError, ValueError):
         raise UsageError(
             f"--budget {value!r} is not a number; give a fraction like 0.1 or a token count like 512"
-        )
+        ) from None
     if math.isnan(budget) or math.isinf(budget) or budget <= 0:
         raise UsageError(f"--budget {value} must be > 0: a fraction in (0, 1] or a token count > 1")
     if budget <= 1:

@@ -129,7 +129,7 @@ def naive_model_nll(model, ids: list[int], settings, chunk: int = 1) -> list[flo
             piece = ids[start : start + chunk]
             c = len(piece)
             hidden = model.model.embed_tokens(torch.tensor(piece))  # [c, hidden]
-            for layer, heads in zip(layers, states):
+            for layer, heads in zip(layers, states, strict=True):
                 attn = layer.self_attn
                 x = layer.input_layernorm(hidden)
                 q = attn.q_proj(x).view(c, n_heads, head_dim).transpose(0, 1)
