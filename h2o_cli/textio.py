@@ -1,8 +1,9 @@
 """Reading long text in blocks and tokenizing it incrementally, so a stream never holds the whole book.
 
-Blocks are cut just after a newline that is followed by a non-space character. Byte-level BPE
-pre-tokenizers (GPT-2, Llama 3, SmolLM2) never merge across such a point, so the ids equal
-`tokenizer(text)` of the whole text (a test checks this on a real book).
+Blocks are cut just after a lone newline between two non-space characters (a hard-wrapped line end).
+Byte-level BPE pre-tokenizers (GPT-2, Llama 3, SmolLM2) never merge across such a point, so the ids equal
+`tokenizer(text)` of the whole text (a test checks this on a real book). A run of newlines is never cut:
+"\n\n\n" splits into different tokens at the end of a block than before a word.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from h2o_cli.errors import InputError
 
 BLOCK_BYTES = 1 << 20
-_CUT = re.compile(r"\n(?=\S)")
+_CUT = re.compile(r"(?<=\S)\n(?=\S)")
 
 
 def open_source(source: str):
@@ -41,11 +42,16 @@ def text_blocks(stream, block_bytes: int = BLOCK_BYTES, name: str = "input") -> 
     offset = 0
     while True:
         raw = stream.read(block_bytes)
+        carried = decoder.getstate()[0]  # bytes of a character split across reads
         try:
             pending += decoder.decode(raw, final=not raw)
         except UnicodeDecodeError as error:
+            # Hand over the text before the bad byte, so a partial stream still counts what it read.
+            valid = pending + (carried + raw)[: error.start].decode("utf-8")
+            if valid:
+                yield valid
             raise InputError(
-                f"{name} is not UTF-8 text (bad byte at offset {offset + error.start}); "
+                f"{name} is not UTF-8 text (bad byte at offset {offset - len(carried) + error.start}); "
                 "convert it first, e.g. `iconv -f latin1 -t utf-8`"
             ) from None
         offset += len(raw)

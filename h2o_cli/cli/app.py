@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 
-import click
 import typer
 
 from h2o_cli import __version__
@@ -52,13 +51,13 @@ def main() -> None:
     command = typer.main.get_command(app)
     try:
         command.main(prog_name="h2o", standalone_mode=False)
-    except click.exceptions.Exit as done:
+    except typer.Exit as done:
         sys.exit(done.exit_code)
-    except click.ClickException as error:
-        error.show()
-        sys.exit(error.exit_code)
-    except click.exceptions.Abort:
+    except typer.Abort:
         sys.exit(130)
+    except typer.TyperException as error:  # typer's own (vendored) click usage errors: usage line + message
+        error.show()
+        sys.exit(getattr(error, "exit_code", 2))
     except H2OError as error:
         if debug:
             raise
