@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import ContextOverflowError, UnsupportedModelError
+from h2o_cli.kvquant import storage_dtype
 from h2o_kernels import slot_attention
 from h2o_cli.policies import make_policy
 from h2o_cli.positions import Rope, rotate, unrotate
@@ -109,8 +110,8 @@ class H2OLayer(CacheLayerMixin):
         query_positions = slice(first_query_position, first_query_position + chunk)
         output, increments, last_probs = slot_attention(
             query,
-            store.keys,
-            store.values,
+            store.key_states(),
+            store.value_states(),
             store.allowed(chunk),
             cos_table[query_positions],
             sin_table[query_positions],
@@ -143,6 +144,14 @@ class H2OLayer(CacheLayerMixin):
 def text_config(model):
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def compute_dtype(model) -> torch.dtype:
+    """The dtype attention runs in: the first float parameter's (bitsandbytes weights are int8/uint8)."""
+    for param in model.parameters():
+        if param.dtype.is_floating_point:
+            return param.dtype
+    return model.dtype
 
 
 def check_family(model) -> None:
@@ -181,11 +190,19 @@ class H2OCache(Cache):
         if settings.policy == "full":
             budget = self.max_positions
         param = next(model.parameters())
-        dtype = model.dtype if param.dtype in (torch.int8, torch.uint8) else param.dtype
+        dtype = compute_dtype(model)
         rope = Rope(model.model.rotary_emb, head_dim)
         layers = [
             H2OLayer(
-                LayerStore(n_kv_heads, head_dim, budget, settings.chunk, dtype, param.device),
+                LayerStore(
+                    n_kv_heads,
+                    head_dim,
+                    budget,
+                    settings.chunk,
+                    storage_dtype(settings.kv_bits, dtype),
+                    param.device,
+                    compute_dtype=dtype,
+                ),
                 settings,
                 rope,
                 self.max_positions,
