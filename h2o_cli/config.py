@@ -52,7 +52,9 @@ class CacheSettings:
 
     def __post_init__(self) -> None:
         if self.kv_bits not in (None, 16, 8):
-            raise UsageError(f"--kv-bits {self.kv_bits} is not supported; choose 16 or 8 (or omit for the model dtype)")
+            raise UsageError(
+                f"--kv-bits {self.kv_bits} is not supported; choose 16 or 8 (or omit for the model dtype)"
+            )
         if self.policy not in POLICIES:
             raise UsageError(f"--policy {self.policy!r} is unknown; choose one of {', '.join(POLICIES)}")
         if self.positions not in POSITIONS:

@@ -34,4 +34,4 @@ def quantize(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize(quantized: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """int8 [n_kv_heads, slots, head_dim] and scales [n_kv_heads, slots] -> `dtype` [n_kv_heads, slots, head_dim]."""
-    return (quantized.to(dtype) * scales.unsqueeze(-1).to(dtype))
+    return quantized.to(dtype) * scales.unsqueeze(-1).to(dtype)

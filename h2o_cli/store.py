@@ -69,13 +69,18 @@ class LayerStore:
         names = ("keys", "values", "scores", "seen", "last_probs", "token_index", "rank", "valid")
         return names + (("key_scales", "value_scales") if self.quantized else ())
 
-    def _write_states(self, index: torch.Tensor, free: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _write_states(
+        self, index: torch.Tensor, free: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         """Scatter a chunk's K/V into their slots, quantising them for an int8 store."""
         if not self.quantized:
             self.keys.scatter_(1, index, keys.to(self.keys.dtype))
             self.values.scatter_(1, index, values.to(self.values.dtype))
             return
-        for states, buffer, scales in ((keys, self.keys, self.key_scales), (values, self.values, self.value_scales)):
+        for states, buffer, scales in (
+            (keys, self.keys, self.key_scales),
+            (values, self.values, self.value_scales),
+        ):
             quantized, chunk_scales = quantize(states)
             buffer.scatter_(1, index, quantized)
             scales.scatter_(1, free, chunk_scales)
