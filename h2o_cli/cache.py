@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import ContextOverflowError, UnsupportedModelError
 from h2o_cli.kvquant import storage_dtype
+from h2o_cli.memory import ModelShape
 from h2o_kernels import slot_attention
 from h2o_cli.policies import make_policy
 from h2o_cli.positions import Rope, rotate, unrotate
@@ -184,6 +185,8 @@ class H2OCache(Cache):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         n_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.settings = settings
+        self.shape = ModelShape.from_config(config)  # for memory accounting (h2o_cli.memory)
+        self.quant = getattr(model, "h2o_quant", "none")
         self.n_heads = config.num_attention_heads
         self.max_positions = int(config.max_position_embeddings)
         budget = settings.budget
