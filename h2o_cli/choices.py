@@ -29,7 +29,10 @@ def copa_examples(folder: Path) -> list[Example]:
     """COPA dev (`copa-dev.xml`), phrased as lm-eval does: "premise because/therefore" + " alternative"."""
     text = (folder / "copa-dev.xml").read_text(encoding="utf-8")
     examples = []
-    pattern = r'asks-for="(\w+)" most-plausible-alternative="(\d)">\s*<p>(.*?)</p>\s*<a1>(.*?)</a1>\s*<a2>(.*?)</a2>'
+    pattern = (
+        r'asks-for="(\w+)" most-plausible-alternative="(\d)">\s*'
+        r"<p>(.*?)</p>\s*<a1>(.*?)</a1>\s*<a2>(.*?)</a2>"
+    )
     for asks, label, premise, first, second in re.findall(pattern, text, flags=re.S):
         joiner = " because" if asks == "cause" else " therefore"
         choices = tuple(" " + alt[0].lower() + alt[1:] for alt in (first, second))
@@ -43,17 +46,23 @@ def piqa_examples(folder: Path) -> list[Example]:
     examples = []
     for line, label in zip((folder / "valid.jsonl").read_text().splitlines(), labels, strict=False):
         row = json.loads(line)
-        examples.append(Example(f"Question: {row['goal']}\nAnswer:", (" " + row["sol1"], " " + row["sol2"]), int(label)))
+        examples.append(
+            Example(f"Question: {row['goal']}\nAnswer:", (" " + row["sol1"], " " + row["sol2"]), int(label))
+        )
     return examples
 
 
-def choice_loglik(model, tokenizer, context: str, choice: str, budget_ratio: float | None, **settings) -> float:
+def choice_loglik(
+    model, tokenizer, context: str, choice: str, budget_ratio: float | None, **settings
+) -> float:
     """Summed log-probability of `choice` after `context`; `budget_ratio` None = full cache."""
     context_ids = tokenizer(context)["input_ids"]
     choice_ids = tokenizer(choice, add_special_tokens=False)["input_ids"]
     chunk = max(len(context_ids), len(choice_ids))
-    # A budget covering everything never evicts: the full cache, without preallocating the whole context window.
-    budget = len(context_ids) + len(choice_ids) if budget_ratio is None else round(budget_ratio * len(context_ids))
+    # A budget covering everything never evicts: full attention, without preallocating the context window.
+    budget = (
+        len(context_ids) + len(choice_ids) if budget_ratio is None else round(budget_ratio * len(context_ids))
+    )
     cache_settings = CacheSettings(budget=max(2, budget), chunk=chunk, **settings)
     cache = H2OCache(model, cache_settings)
     with torch.no_grad():
@@ -67,6 +76,9 @@ def accuracy(model, tokenizer, examples: list[Example], budget_ratio: float | No
     """Share of examples whose highest-likelihood choice is the label."""
     correct = 0
     for example in examples:
-        scores = [choice_loglik(model, tokenizer, example.context, c, budget_ratio, **settings) for c in example.choices]
+        scores = [
+            choice_loglik(model, tokenizer, example.context, c, budget_ratio, **settings)
+            for c in example.choices
+        ]
         correct += int(max(range(len(scores)), key=scores.__getitem__) == example.label)
     return correct / len(examples)

@@ -15,7 +15,7 @@ SCALE_DTYPE = torch.float32
 
 
 def storage_dtype(kv_bits: int | None, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the K/V buffers: the model's (None), 16-bit (bf16 for a bf16 model, else fp16), or int8."""
+    """The K/V buffers' dtype: the model's (None), 16-bit (bf16 for a bf16 model, else fp16) or int8."""
     if kv_bits is None:
         return model_dtype
     if kv_bits == 16:
@@ -26,12 +26,12 @@ def storage_dtype(kv_bits: int | None, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def quantize(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """states [n_kv_heads, chunk, head_dim] -> (int8 [n_kv_heads, chunk, head_dim], scales [n_kv_heads, chunk])."""
+    """states [n_kv, chunk, head_dim] -> (int8 [n_kv, chunk, head_dim], scales [n_kv, chunk])."""
     scales = states.detach().abs().amax(dim=-1).float().clamp_min(1e-8) / INT8_MAX
     quantized = torch.round(states.float() / scales.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return quantized, scales.to(SCALE_DTYPE)
 
 
 def dequantize(quantized: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """int8 [n_kv_heads, slots, head_dim] and scales [n_kv_heads, slots] -> `dtype` [n_kv_heads, slots, head_dim]."""
+    """int8 [n_kv, slots, head_dim] and scales [n_kv, slots] -> `dtype` [n_kv, slots, head_dim]."""
     return quantized.to(dtype) * scales.unsqueeze(-1).to(dtype)

@@ -1,6 +1,6 @@
-"""Results for issue 6: PPL, COPA/PIQA accuracy and decode tok/s for {fp32, 8bit, 4bit} x {full, H2O@20%} x {kv model, 8}.
+"""Issue 6: PPL, COPA/PIQA accuracy, decode tok/s for {fp32, 8bit, 4bit} x {full, H2O@20%} x {kv 32, 8}.
 
-Usage: python scripts/memory_results.py QUANT [--tokens 4096] [--examples 50]  (one quant per process; JSON lines out)
+Usage: python scripts/memory_results.py QUANT [--tokens 4096] [--examples 50]  (one quant per process)
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32", quant=args.quant)
-    books = [tokenizer((DATA / "gutenberg_books" / b).read_text()[:60000])["input_ids"][: args.tokens] for b in BOOKS]
+    books = [
+        tokenizer((DATA / "gutenberg_books" / b).read_text()[:60000])["input_ids"][: args.tokens]
+        for b in BOOKS
+    ]
     copa = choices.copa_examples(DATA / "copa")[: args.examples]
     piqa = choices.piqa_examples(DATA / "piqa")[: args.examples]
     for kv_bits in (None, 8):

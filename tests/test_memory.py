@@ -16,7 +16,6 @@ from h2o_cli.config import POLICIES, CacheSettings
 from h2o_cli.errors import UsageError
 from h2o_cli.kvquant import dequantize, quantize
 from h2o_cli.models import quant_backend
-from h2o_kernels import slot_attention
 
 LLAMA_7B = dict(  # huggyllama/llama-7b config.json
     hidden_size=4096,
@@ -41,6 +40,8 @@ def test_int8_roundtrip_error_is_at_most_half_a_step():
 
 def test_int8_kv_attention_matches_fp32_reference():
     """Tolerance: the fp32 reference's output moves by at most 2% of max|V| (int8 step = max|x|/127)."""
+    from h2o_kernels import slot_attention  # after h2o_cli (the kernels import h2o_cli.positions)
+
     torch.manual_seed(1)
     n_heads, n_kv, chunk, slots, dim = 6, 2, 5, 63, 32
     query = torch.randn(n_heads, chunk, dim)
@@ -63,9 +64,14 @@ def test_int8_cache_composes_with_every_policy(tiny_pair, policy):
     outputs = {}
     for kv_bits in (None, 8):
         positions = "original" if policy == "full" else "rolling"
-        cache = H2OCache(model, CacheSettings(budget=12, policy=policy, chunk=4, positions=positions, kv_bits=kv_bits))
+        cache = H2OCache(
+            model, CacheSettings(budget=12, policy=policy, chunk=4, positions=positions, kv_bits=kv_bits)
+        )
         with torch.no_grad():
-            logits = [model(input_ids=ids[:, i : i + 4], cache=cache, use_cache=True).logits for i in range(0, 40, 4)]
+            logits = [
+                model(input_ids=ids[:, i : i + 4], cache=cache, use_cache=True).logits
+                for i in range(0, 40, 4)
+            ]
         outputs[kv_bits] = torch.cat(logits, 1)
         assert cache.stores[0].keys.dtype == (torch.int8 if kv_bits == 8 else torch.float32)
     assert (outputs[8] - outputs[None]).abs().max() < 0.05 * outputs[None].abs().max()
@@ -110,7 +116,9 @@ def test_memory_cli_works_offline_for_llama_7b(monkeypatch, tmp_path):
 
     from h2o_cli.cli.app import app
 
-    result = CliRunner().invoke(app, ["memory", "--model", "llama-7b", "--budget", "0.2", "--dtype", "float16", "--json"])
+    result = CliRunner().invoke(
+        app, ["memory", "--model", "llama-7b", "--budget", "0.2", "--dtype", "float16", "--json"]
+    )
     assert result.exit_code == 0, result.output
     table = json.loads(result.stdout)
     assert table["config_source"] == "built-in public config" and table["budget_tokens"] == 410
@@ -173,19 +181,26 @@ def rss():
 base = rss()
 model, tokenizer = load_model('smollm2-135m', device='cpu', dtype='float32')
 cache = H2OCache(model, CacheSettings(budget=1024, chunk=256))
+with torch.no_grad():  # one token pages in the (memory-mapped) weights
+    warm = H2OCache(model, CacheSettings(budget=4, chunk=1))
+    model(input_ids=torch.tensor([[1]]), cache=warm, use_cache=True)
 loaded = rss()
 stream_perplexity(model, cache, [list(range(1000, 1800))], 256)
 shape = memory.ModelShape.from_config(model.config)
 act = memory.activation_bytes(shape, 256, 1280, None, 4)['peak']
-print(json.dumps(dict(base=base, loaded=loaded, peak=peak_rss_bytes(), weights=memory.weight_bytes(shape, 'none', 4),
-    kv=cache.nbytes(), act=act)))
+weights = memory.weight_bytes(shape, 'none', 4)
+print(json.dumps(dict(base=base, loaded=loaded, peak=peak_rss_bytes(), weights=weights, kv=cache.nbytes(),
+    act=act)))
 """
 
 
 @pytest.mark.slow
 def test_measured_rss_agrees_with_the_accounting():
-    """Weights + KV (allocated) within 15% of the RSS growth; the streaming peak above it within 2x activations."""
-    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT], capture_output=True, text=True, check=True).stdout
+    """Weights + KV within 15% of the RSS growth once the weights are paged in; the stream's peak above that
+    within 2x the planned activation peak (+64 MiB for allocator slack)."""
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT], capture_output=True, text=True, check=True
+    ).stdout
     figures = json.loads(out.strip().splitlines()[-1])
     grown = figures["loaded"] - figures["base"]
     planned = figures["weights"] + figures["kv"]

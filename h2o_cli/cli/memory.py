@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-import typer
-
 from h2o_cli.cli import options as opt
 from h2o_cli.cli.common import stderr
 
@@ -55,7 +53,8 @@ def memory(
 
     kv = {None: f"{8 * dtype_bytes}-bit (model dtype)", 16: "16-bit", 8: "int8 + per-token scales"}[kv_bits]
     title = (
-        f"{model} · {table['params'] / 1e9:.2f} B params · weights {quant}: {_size(table['weights_bytes'])} · "
+        f"{model} · {table['params'] / 1e9:.2f} B params · "
+        f"weights {quant}: {_size(table['weights_bytes'])} · "
         f"KV {kv} · H2O budget {tokens} tokens (+{chunk} chunk) · context window {shape.context:,}"
     )
     grid = Table(title=title, title_justify="left")
@@ -64,7 +63,9 @@ def memory(
     grid.add_column("total full", justify="right")
     grid.add_column("total H2O", justify="right")
     for row in table["rows"]:
-        context = (f"{row['context'] // 2**20}M" if row["context"] >= 2**20 else f"{row['context'] // 1024}K") + ("" if row["within_window"] else "*")
+        context = (
+            f"{row['context'] // 2**20}M" if row["context"] >= 2**20 else f"{row['context'] // 1024}K"
+        ) + ("" if row["within_window"] else "*")
         grid.add_row(
             context,
             _size(row["full_kv_bytes"]),
