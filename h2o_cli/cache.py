@@ -13,6 +13,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import ContextOverflowError, UnsupportedModelError
+from h2o_cli.kvquant import storage_dtype
+from h2o_cli.memory import ModelShape
 from h2o_cli.policies import make_policy
 from h2o_cli.positions import Rope, rotate, unrotate
 from h2o_cli.store import LayerStore
@@ -109,8 +111,8 @@ class H2OLayer(CacheLayerMixin):
         query_positions = slice(first_query_position, first_query_position + chunk)
         output, increments, last_probs = slot_attention(
             query,
-            store.keys,
-            store.values,
+            store.key_states(),
+            store.value_states(),
             store.allowed(chunk),
             cos_table[query_positions],
             sin_table[query_positions],
@@ -145,6 +147,14 @@ def text_config(model):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def compute_dtype(model) -> torch.dtype:
+    """The dtype attention runs in: the first float parameter's (bitsandbytes weights are int8/uint8)."""
+    for param in model.parameters():
+        if param.dtype.is_floating_point:
+            return param.dtype
+    return model.dtype
+
+
 def check_family(model) -> None:
     """Raise `UnsupportedModelError` unless the model is a rotary, AttentionInterface-based family we support."""
     config = text_config(model)
@@ -175,17 +185,27 @@ class H2OCache(Cache):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         n_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.settings = settings
+        self.shape = ModelShape.from_config(config)  # for memory accounting (h2o_cli.memory)
+        self.quant = getattr(model, "h2o_quant", "none")
         self.n_heads = config.num_attention_heads
         self.max_positions = int(config.max_position_embeddings)
         budget = settings.budget
         if settings.policy == "full":
             budget = self.max_positions
         param = next(model.parameters())
-        dtype = model.dtype if param.dtype in (torch.int8, torch.uint8) else param.dtype
+        dtype = compute_dtype(model)
         rope = Rope(model.model.rotary_emb, head_dim)
         layers = [
             H2OLayer(
-                LayerStore(n_kv_heads, head_dim, budget, settings.chunk, dtype, param.device),
+                LayerStore(
+                    n_kv_heads,
+                    head_dim,
+                    budget,
+                    settings.chunk,
+                    storage_dtype(settings.kv_bits, dtype),
+                    param.device,
+                    compute_dtype=dtype,
+                ),
                 settings,
                 rope,
                 self.max_positions,

@@ -50,8 +50,13 @@ class CacheSettings:
     positions: str = "rolling"
     score_norm: str = "sum"
     chunk: int = 256
+    kv_bits: int | None = None  # None: K/V in the model's dtype; 16: fp16/bf16; 8: int8 + per-token scales
 
     def __post_init__(self) -> None:
+        if self.kv_bits not in (None, 16, 8):
+            raise UsageError(
+                f"--kv-bits {self.kv_bits} is not supported; choose 16 or 8 (or omit for the model dtype)"
+            )
         if self.policy not in POLICIES:
             raise UsageError(f"--policy {self.policy!r} is unknown; choose one of {', '.join(POLICIES)}")
         if self.positions not in POSITIONS:

@@ -191,13 +191,72 @@ def not_found(source: ModelSource, error: Exception) -> ModelNotFoundError:
     return ModelNotFoundError(f"cannot load {source.location} ({reason})")
 
 
+QUANTS = ("none", "8bit", "4bit")
+
+
+def quant_backend(quant: str, device: torch.device) -> str:
+    """Which library quantises the weights on `device`: "none", "bitsandbytes" or "torch-dynamic-int8".
+
+    bitsandbytes >= 0.45 runs on the devices in `bitsandbytes.supported_torch_devices` (0.50.2: cpu, cuda,
+    xpu, hpu, mps, npu; CPU via its own C library). Without bitsandbytes, 8-bit on CPU falls back to torch's
+    own weight-only path (`torch.ao.quantization.quantize_dynamic`, int8 Linear); anything else is an error.
+    """
+    if quant not in QUANTS:
+        raise UsageError(f"--quant {quant!r} is unknown; choose none, 8bit or 4bit")
+    if quant == "none":
+        return "none"
+    try:
+        import bitsandbytes
+    except ImportError:
+        if quant == "8bit" and device.type == "cpu":
+            return "torch-dynamic-int8"
+        raise UsageError(
+            f"--quant {quant} on {device.type} needs bitsandbytes: pip install 'h2o-cli[quant]'"
+        ) from None
+    supported = set(getattr(bitsandbytes, "supported_torch_devices", {"cuda"}))
+    if device.type not in supported:
+        raise UsageError(
+            f"--quant {quant}: bitsandbytes {bitsandbytes.__version__} does not run on {device.type} "
+            f"(it supports {', '.join(sorted(supported))}); use --quant none or another --device"
+        )
+    return "bitsandbytes"
+
+
+def quantization_config(quant: str, compute_dtype: torch.dtype):
+    """BitsAndBytesConfig for `--quant 8bit` (LLM.int8) or `4bit` (nf4, computing in `compute_dtype`)."""
+    from transformers import BitsAndBytesConfig
+
+    if quant == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype
+    )
+
+
+def torch_int8(model):
+    """Weight-only int8 for every decoder Linear with torch's own dynamic quantisation (CPU, no bitsandbytes)."""
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.model.layers = quantize_dynamic(model.model.layers, {torch.nn.Linear}, dtype=torch.qint8)
+    return model
+
+
 def load_model(
     name: str = DEFAULT_MODEL,
     device: str = "auto",
     dtype: str = "auto",
     trust_remote_code: bool = False,
+    quant: str = "none",
 ):
-    """Load (model, tokenizer) for an alias, .gguf file, folder or hub id, ready for `H2OCache`."""
+    """Load (model, tokenizer) for an alias, .gguf file, folder or hub id, ready for `H2OCache`.
+
+    `quant`: none, 8bit or 4bit weights (`quant_backend` says which library; the model's `h2o_quant`
+    attribute records it). A GGUF is first converted to a float safetensors folder, then quantised.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from h2o_cli.attention import enable
@@ -212,19 +271,32 @@ def load_model(
             "(rotary positions) — pick one of those (see `h2o models`)"
         )
     torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    backend = quant_backend(quant, torch_device)
     folder = local_folder(source)
+    extra = {}
+    if backend == "bitsandbytes":
+        extra = {
+            "quantization_config": quantization_config(quant, torch_dtype),
+            "device_map": str(torch_device),
+        }
+    elif torch_device.type == "cuda":
+        extra = {"device_map": str(torch_device)}
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            folder,
-            dtype=pick_dtype(dtype, torch_device),
-            trust_remote_code=trust_remote_code,
-            device_map=str(torch_device) if torch_device.type == "cuda" else None,
+            folder, dtype=torch_dtype, trust_remote_code=trust_remote_code, **extra
         )
     except (OSError, ValueError) as error:
         raise not_found(source, error) from error
-    model.to(torch_device).eval()
+    if backend != "bitsandbytes":  # bitsandbytes places the weights itself; they cannot be moved
+        model.to(torch_device)
+    if backend == "torch-dynamic-int8":
+        model = torch_int8(model)
+    model.eval()
     model.h2o_name = name
+    model.h2o_quant = quant
+    model.h2o_quant_backend = backend
     enable(model)
     return model, tokenizer
 

@@ -22,6 +22,7 @@ def make_settings(
     positions: str = "rolling",
     score_norm: str = "sum",
     chunk: int = 256,
+    kv_bits: int | None = None,
 ) -> CacheSettings:
     """CacheSettings with `--budget` resolved against the model's context window (SPEC.md)."""
     window = context_window(model)
@@ -37,6 +38,7 @@ def make_settings(
         positions=positions,
         score_norm=score_norm,
         chunk=chunk,
+        kv_bits=kv_bits,
     )
 
 
@@ -47,10 +49,15 @@ def peak_rss_bytes() -> int:
 
 
 def cache_summary(cache: H2OCache) -> dict:
-    """Figures about a cache that every command reports the same way."""
+    """Figures about a cache that every command reports the same way (bytes from `h2o_cli.memory`)."""
+    from h2o_cli import memory
+
     settings = cache.settings
     stores = cache.stores
-    per_head = stores[0].nbytes() // stores[0].n_kv_heads
+    shape = cache.shape
+    dtype_bytes = stores[0].compute_dtype.itemsize
+    per_head = memory.h2o_head_bytes(shape, stores[0].slots, settings.kv_bits, dtype_bytes)
+    weights = memory.weight_bytes(shape, cache.quant, dtype_bytes) if cache.quant in memory.QUANTS else None
     return {
         "policy": settings.policy,
         "budget_tokens": stores[0].budget,
@@ -60,7 +67,10 @@ def cache_summary(cache: H2OCache) -> dict:
         "positions": settings.positions,
         "score_norm": settings.score_norm,
         "chunk": settings.chunk,
-        "kv_cache_bytes": cache.nbytes(),
+        "kv_bits": settings.kv_bits,
+        "quant": cache.quant,
+        "weights_bytes": weights,
+        "kv_cache_bytes": per_head * shape.n_layers * shape.n_kv_heads,
         "kv_cache_bytes_per_head": per_head,
         "cached_tokens": cache.length,
         "evictions": stores[0].evictions,

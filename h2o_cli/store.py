@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from h2o_cli.kvquant import dequantize, quantize
 from h2o_cli.policies import select_evictions
 
 
@@ -23,8 +24,11 @@ class LayerStore:
         chunk: int,
         dtype: torch.dtype,
         device: torch.device,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.budget = budget
+        # K/V are stored in `dtype` (int8 = quantised with per-token scales) and attended in `compute_dtype`.
+        self.compute_dtype = compute_dtype or dtype
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.length = 0  # valid entries per head (the same for every head)
@@ -42,6 +46,14 @@ class LayerStore:
         self.token_index = torch.full(shape, -1, dtype=torch.int64, device=device)
         self.rank = torch.zeros(shape, dtype=torch.int64, device=device)
         self.valid = torch.zeros(shape, dtype=torch.bool, device=device)
+        if self.quantized:
+            self.key_scales = torch.zeros(shape, dtype=torch.float32, device=device)
+            self.value_scales = torch.zeros(shape, dtype=torch.float32, device=device)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether K/V are int8 with per-token scales `key_scales`/`value_scales [n_kv_heads, slots]`."""
+        return self.keys.dtype == torch.int8
 
     @property
     def slots(self) -> int:
@@ -53,9 +65,37 @@ class LayerStore:
         for name, tensor in old.items():
             getattr(self, name)[:, : tensor.shape[1]] = tensor
 
-    @staticmethod
-    def _state_names() -> tuple[str, ...]:
-        return ("keys", "values", "scores", "seen", "last_probs", "token_index", "rank", "valid")
+    def _state_names(self) -> tuple[str, ...]:
+        names = ("keys", "values", "scores", "seen", "last_probs", "token_index", "rank", "valid")
+        return names + (("key_scales", "value_scales") if self.quantized else ())
+
+    def _write_states(
+        self, index: torch.Tensor, free: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Scatter a chunk's K/V into their slots, quantising them for an int8 store."""
+        if not self.quantized:
+            self.keys.scatter_(1, index, keys.to(self.keys.dtype))
+            self.values.scatter_(1, index, values.to(self.values.dtype))
+            return
+        for states, buffer, scales in (
+            (keys, self.keys, self.key_scales),
+            (values, self.values, self.value_scales),
+        ):
+            quantized, chunk_scales = quantize(states)
+            buffer.scatter_(1, index, quantized)
+            scales.scatter_(1, free, chunk_scales)
+
+    def key_states(self) -> torch.Tensor:
+        """Keys `[n_kv_heads, slots, head_dim]` in the compute dtype (dequantised for an int8 store)."""
+        if self.quantized:
+            return dequantize(self.keys, self.key_scales, self.compute_dtype)
+        return self.keys.to(self.compute_dtype)
+
+    def value_states(self) -> torch.Tensor:
+        """Values `[n_kv_heads, slots, head_dim]` in the compute dtype (dequantised for an int8 store)."""
+        if self.quantized:
+            return dequantize(self.values, self.value_scales, self.compute_dtype)
+        return self.values.to(self.compute_dtype)
 
     def nbytes(self) -> int:
         """Bytes held by this layer's buffers (K/V plus score, index and position arrays)."""
@@ -72,8 +112,7 @@ class LayerStore:
             free = torch.argsort(self.valid.to(torch.uint8), dim=1, stable=True)[:, :chunk]
         offsets = torch.arange(chunk, device=keys.device).expand(self.n_kv_heads, chunk)
         index = free.unsqueeze(-1).expand(-1, -1, self.head_dim)
-        self.keys.scatter_(1, index, keys.to(self.keys.dtype))
-        self.values.scatter_(1, index, values.to(self.values.dtype))
+        self._write_states(index, free, keys, values)
         self.token_index.scatter_(1, free, offsets + self.tokens_seen)
         self.rank.scatter_(1, free, offsets + self.length)
         self.scores.scatter_(1, free, 0.0)

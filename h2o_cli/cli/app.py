@@ -8,7 +8,7 @@ import sys
 import typer
 
 from h2o_cli import __version__
-from h2o_cli.cli import models_cmd, stream
+from h2o_cli.cli import memory, models_cmd, stream
 from h2o_cli.errors import H2OError
 
 app = typer.Typer(
@@ -21,6 +21,7 @@ app = typer.Typer(
 )
 app.command("stream", no_args_is_help=True)(stream.stream)
 app.command("models")(models_cmd.models)
+app.command("memory")(memory.memory)
 
 
 def _version(value: bool) -> None:

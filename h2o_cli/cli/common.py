@@ -26,7 +26,7 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def load(model: str, device: str, dtype: str, trust_remote_code: bool, threads: int = 0):
+def load(model: str, device: str, dtype: str, trust_remote_code: bool, threads: int = 0, quant: str = "none"):
     """(model, tokenizer), with a status line on a terminal while the weights load."""
     from h2o_cli.models import load_model
 
@@ -34,5 +34,7 @@ def load(model: str, device: str, dtype: str, trust_remote_code: bool, threads: 
     set_threads(threads)
     if sys.stderr.isatty():
         with stderr.status(f"loading {model} …"):
-            return load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    return load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+            return load_model(
+                model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, quant=quant
+            )
+    return load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, quant=quant)

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from h2o_cli.config import POLICIES, POSITIONS, SCORE_NORMS
-from h2o_cli.models import DEFAULT_MODEL
+from h2o_cli.models import DEFAULT_MODEL, QUANTS
 
 
 def _choice(name: str, choices: tuple[str, ...]):
@@ -74,6 +74,30 @@ Threads = Annotated[
 ]
 TrustRemoteCode = Annotated[
     bool, typer.Option("--trust-remote-code", help="Allow a hub model's own Python code (off by default).")
+]
+Quant = Annotated[
+    str,
+    typer.Option(
+        "--quant",
+        help="Weights: none, 8bit (LLM.int8) or 4bit (nf4), via bitsandbytes (CPU and CUDA).",
+        callback=_choice("quant", QUANTS),
+    ),
+]
+
+
+def _kv_bits(value: int | None) -> int | None:
+    if value is not None and value not in (16, 8):
+        raise typer.BadParameter(f"{value} is not 16 or 8")
+    return value
+
+
+KvBits = Annotated[
+    int | None,
+    typer.Option(
+        "--kv-bits",
+        help="K/V cache storage: 16 (fp16/bf16) or 8 (int8, per-token scales); default: the model dtype.",
+        callback=_kv_bits,
+    ),
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", "-n", min=0, help="Most tokens to generate.")]

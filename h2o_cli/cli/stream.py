@@ -18,6 +18,7 @@ Examples:
   h2o stream book.txt --ppl --budget 0.1
   cat book.txt | h2o stream - --ppl --budget 512 --policy sink --json
   h2o stream book.txt --prompt "Who is Victor's friend?" --max-new-tokens 64
+  h2o stream book.txt --ppl --quant 4bit --kv-bits 8
 """
 
 
@@ -66,6 +67,8 @@ def stream(
     positions: opt.Positions = "rolling",
     score_norm: opt.ScoreNorm = "sum",
     chunk: opt.Chunk = opt.DEFAULTS["chunk"],
+    quant: opt.Quant = "none",
+    kv_bits: opt.KvBits = None,
     max_new_tokens: opt.MaxNewTokens = 128,
     temperature: opt.Temperature = 0.0,
     top_p: opt.TopP = 1.0,
@@ -96,8 +99,8 @@ def stream(
         source_file.seek(0)
         if total_bytes == 0:
             raise InputError(f"{source} is empty; give a text with at least two tokens")
-    lm, tokenizer = load(model, device, dtype, trust_remote_code, threads)
-    settings = make_settings(lm, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk)
+    lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant)
+    settings = make_settings(lm, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk, kv_bits)
     cache = H2OCache(lm, settings)
     counter = ByteCounter(source_file)
     run = _run_ppl if ppl else _run_generate

@@ -1,0 +1,89 @@
+"""`h2o memory`: what fits — weights, KV cache (full vs H2O) and activations, from the config alone."""
+
+from __future__ import annotations
+
+import json
+
+from h2o_cli.cli import options as opt
+from h2o_cli.cli.common import stderr
+
+EXAMPLES = """
+Examples:
+
+  h2o memory --model llama-7b --budget 0.2
+  h2o memory --model smollm2-135m --budget 512 --quant 4bit --kv-bits 8 --json
+"""
+
+
+def _size(value: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= scale:
+            return f"{value / scale:,.1f} {unit}"
+    return f"{value} B"
+
+
+def memory(
+    model: opt.Model = opt.DEFAULTS["model"],
+    budget: opt.Budget = opt.DEFAULTS["budget"],
+    chunk: opt.Chunk = opt.DEFAULTS["chunk"],
+    quant: opt.Quant = "none",
+    kv_bits: opt.KvBits = None,
+    dtype: opt.Dtype = "auto",
+    device: opt.Device = "cpu",
+    as_json: opt.Json = False,
+) -> None:
+    """Memory for context lengths 4K … 1M: weights, KV cache full vs H2O (per head and total), activations.
+
+    Computed from the model config without loading weights (a built-in public config for offline aliases).
+    """
+    from h2o_cli.config import parse_budget
+    from h2o_cli.memory import ModelShape, config_for, memory_table
+    from h2o_cli.models import pick_device, pick_dtype
+
+    config, origin = config_for(model)
+    shape = ModelShape.from_config(config)
+    tokens = parse_budget(budget, shape.context)
+    dtype_bytes = pick_dtype(dtype, pick_device(device)).itemsize
+    table = memory_table(shape, tokens, chunk, quant, kv_bits, dtype_bytes)
+    table.update(model=model, config_source=origin)
+    if as_json:
+        print(json.dumps(table))
+        return
+    from rich.table import Table
+
+    kv = {None: f"{8 * dtype_bytes}-bit (model dtype)", 16: "16-bit", 8: "int8 + per-token scales"}[kv_bits]
+    title = (
+        f"{model} · {table['params'] / 1e9:.2f} B params · "
+        f"weights {quant}: {_size(table['weights_bytes'])} · "
+        f"KV {kv} · H2O budget {tokens} tokens (+{chunk} chunk) · context window {shape.context:,}"
+    )
+    grid = Table(title=title, title_justify="left")
+    for name in ("context", "full KV", "full KV/head", "H2O KV", "H2O KV/head", "act. full", "act. H2O"):
+        grid.add_column(name, justify="right")
+    grid.add_column("total full", justify="right")
+    grid.add_column("total H2O", justify="right")
+    for row in table["rows"]:
+        context = (
+            f"{row['context'] // 2**20}M" if row["context"] >= 2**20 else f"{row['context'] // 1024}K"
+        ) + ("" if row["within_window"] else "*")
+        grid.add_row(
+            context,
+            _size(row["full_kv_bytes"]),
+            _size(row["full_kv_bytes_per_head"]),
+            _size(row["h2o_kv_bytes"]),
+            _size(row["h2o_kv_bytes_per_head"]),
+            _size(row["full_activation_bytes"]),
+            _size(row["h2o_activation_bytes"]),
+            _size(row["full_total_bytes"]),
+            _size(row["h2o_total_bytes"]),
+        )
+    console = __import__("rich.console", fromlist=["Console"]).Console()
+    console.print(grid)
+    stderr.print(
+        f"per head = one KV head of one layer ({table['kv_heads_total']} in all); "
+        "* = beyond the context window (full attention cannot go there; H2O with rolling positions can); "
+        f"config: {origin}"
+    )
+
+
+memory.__doc__ = (memory.__doc__ or "") + EXAMPLES

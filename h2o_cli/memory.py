@@ -1,0 +1,269 @@
+"""Memory accounting from a model config alone (no weights): weights by quantisation, KV cache, activations.
+
+Every figure is bytes and follows how the code allocates (SPEC.md "Memory accounting"):
+- weights: parameters of a Llama-style decoder; `8bit` (bitsandbytes LLM.int8) stores each decoder Linear as
+  int8 plus one fp32 scale per output row, `4bit` (nf4) as 4-bit codes plus one fp32 absmax per 64 weights;
+  embeddings, norms and lm_head stay in the float dtype (transformers never quantises them).
+- KV cache, H2O: what `LayerStore` preallocates — `budget + chunk` slots per KV head, each holding K and V
+  (int8 adds two fp32 scales) plus the score, index and position arrays (29 bytes).
+- KV cache, full: a dense cache of `context` tokens (K and V only), what a plain full-attention run holds.
+- activations: the largest transient buffers of one chunk — the `[n_heads, chunk, slots]` fp32 attention
+  logits and probabilities with the rotated/dequantised keys, the MLP, or the `[chunk, vocab]` fp32 logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QUANTS = ("none", "8bit", "4bit")
+NF4_BLOCK = 64  # bitsandbytes' default 4-bit block size
+SLOT_STATE_BYTES = 4 + 4 + 4 + 8 + 8 + 1  # scores, seen, last_probs (f32); token_index, rank (i64); valid
+SCALE_BYTES = 4  # one fp32 scale per token for K and one for V in an int8 cache
+CONTEXTS = tuple(2**p for p in range(12, 21))  # 4K ... 1M
+
+# Public configs of aliases, so `h2o memory --model llama-7b` works with no download (config.json on the hub).
+PUBLIC_CONFIGS: dict[str, dict] = {
+    "llama-7b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        intermediate_size=11008,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    ),
+    "llama-2-7b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        intermediate_size=11008,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+    "llama-13b": dict(
+        hidden_size=5120,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=40,
+        vocab_size=32000,
+        intermediate_size=13824,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    ),
+    "llama-3.1-8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        intermediate_size=14336,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+    ),
+    "mistral-7b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        intermediate_size=14336,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
+}
+PUBLIC_CONFIGS["llama-2-7b-chat"] = PUBLIC_CONFIGS["llama-2-7b"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder that memory depends on."""
+
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    intermediate: int
+    context: int
+    tied_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        """From a transformers config (or anything with the same attribute names)."""
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+        n_heads = config.num_attention_heads
+        return cls(
+            n_layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            n_heads=n_heads,
+            n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // n_heads,
+            vocab=config.vocab_size,
+            intermediate=config.intermediate_size,
+            context=int(config.max_position_embeddings),
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """(out_features, in_features) of one decoder layer's Linear modules (q, k, v, o, gate, up, down)."""
+        attention_width = self.n_heads * self.head_dim
+        kv_width = self.n_kv_heads * self.head_dim
+        return [
+            (attention_width, self.hidden),
+            (kv_width, self.hidden),
+            (kv_width, self.hidden),
+            (self.hidden, attention_width),
+            (self.intermediate, self.hidden),
+            (self.intermediate, self.hidden),
+            (self.hidden, self.intermediate),
+        ]
+
+    def float_params(self) -> int:
+        """Parameters never quantised: embeddings, lm_head (unless tied), RMSNorm weights."""
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return embeddings + self.hidden * (2 * self.n_layers + 1)
+
+    def linear_params(self) -> int:
+        return self.n_layers * sum(out * inp for out, inp in self.linear_shapes())
+
+    def params(self) -> int:
+        return self.float_params() + self.linear_params()
+
+
+def weight_bytes(shape: ModelShape, quant: str = "none", dtype_bytes: int = 4) -> int:
+    """Bytes of the weights with `quant` in none/8bit/4bit; float parts in `dtype_bytes` per value."""
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {QUANTS}, not {quant!r}")
+    floats = shape.float_params() * dtype_bytes
+    if quant == "none":
+        return floats + shape.linear_params() * dtype_bytes
+    if quant == "8bit":  # int8 weight + fp32 row scale (SCB)
+        rows = shape.n_layers * sum(out for out, _ in shape.linear_shapes())
+        return floats + shape.linear_params() + rows * 4
+    # nf4: two codes per byte, fp32 absmax per block, a 16-entry fp32 code table per Linear
+    blocks = shape.n_layers * sum(-(-out * inp // NF4_BLOCK) for out, inp in shape.linear_shapes())
+    tables = shape.n_layers * len(shape.linear_shapes()) * 16 * 4
+    return floats + shape.linear_params() // 2 + blocks * 4 + tables
+
+
+def kv_value_bytes(kv_bits: int | None, dtype_bytes: int) -> int:
+    """Bytes of one stored K or V element."""
+    return {None: dtype_bytes, 16: 2, 8: 1}[kv_bits]
+
+
+def token_kv_bytes(shape: ModelShape, kv_bits: int | None, dtype_bytes: int) -> int:
+    """Bytes of one token's K and V in one KV head (int8 adds its two scales)."""
+    return 2 * shape.head_dim * kv_value_bytes(kv_bits, dtype_bytes) + (
+        2 * SCALE_BYTES if kv_bits == 8 else 0
+    )
+
+
+def h2o_head_bytes(shape: ModelShape, slots: int, kv_bits: int | None, dtype_bytes: int) -> int:
+    """Bytes `LayerStore` holds for one KV head with `slots` slots (K/V, scales, score/index arrays)."""
+    return slots * (token_kv_bytes(shape, kv_bits, dtype_bytes) + SLOT_STATE_BYTES)
+
+
+def h2o_cache_bytes(shape: ModelShape, budget: int, chunk: int, kv_bits: int | None, dtype_bytes: int) -> int:
+    """Bytes of a whole `H2OCache`: every layer and KV head, `budget + chunk` slots each."""
+    return shape.n_layers * shape.n_kv_heads * h2o_head_bytes(shape, budget + chunk, kv_bits, dtype_bytes)
+
+
+def full_head_bytes(shape: ModelShape, context: int, kv_bits: int | None, dtype_bytes: int) -> int:
+    """Bytes of a dense cache of `context` tokens for one KV head."""
+    return context * token_kv_bytes(shape, kv_bits, dtype_bytes)
+
+
+def activation_bytes(
+    shape: ModelShape, chunk: int, slots: int, kv_bits: int | None, dtype_bytes: int, logits_copies: int = 2
+) -> dict[str, int]:
+    """Largest transient buffers of one forward chunk over `slots` cached entries (one layer at a time).
+
+    attention: fp32 logits + probabilities `[n_heads, chunk, slots]`, the `allowed` mask, rotated keys and
+    their cos/sin `[n_kv, slots, head_dim]`, plus K/V converted to the compute dtype when stored otherwise.
+    logits: `[chunk, vocab]` fp32 (`logits_copies` = 2 with the log-softmax of a perplexity run).
+    """
+    kv_elems = shape.n_kv_heads * slots * shape.head_dim
+    converted = 2 * kv_elems * dtype_bytes if kv_value_bytes(kv_bits, dtype_bytes) != dtype_bytes else 0
+    attention = 2 * shape.n_heads * chunk * slots * 4 + shape.n_kv_heads * chunk * slots
+    attention += 3 * kv_elems * dtype_bytes + converted
+    mlp = 3 * chunk * shape.intermediate * dtype_bytes
+    logits = logits_copies * chunk * shape.vocab * 4
+    hidden = 4 * chunk * shape.hidden * dtype_bytes
+    return {
+        "attention": attention,
+        "mlp": mlp,
+        "logits": logits,
+        "hidden": hidden,
+        "peak": hidden + max(attention, mlp, logits),
+    }
+
+
+def memory_table(
+    shape: ModelShape,
+    budget: int,
+    chunk: int = 256,
+    quant: str = "none",
+    kv_bits: int | None = None,
+    dtype_bytes: int = 4,
+    contexts: tuple[int, ...] = CONTEXTS,
+) -> dict:
+    """Weights, KV cache (full vs H2O, per head and total) and activation peaks for each context length."""
+    weights = weight_bytes(shape, quant, dtype_bytes)
+    heads = shape.n_layers * shape.n_kv_heads
+    slots = budget + chunk
+    h2o_head = h2o_head_bytes(shape, slots, kv_bits, dtype_bytes)
+    h2o_activations = activation_bytes(shape, chunk, slots, kv_bits, dtype_bytes)["peak"]
+    rows = []
+    for context in contexts:
+        full_head = full_head_bytes(shape, context, kv_bits, dtype_bytes)
+        full_activations = activation_bytes(shape, chunk, context, kv_bits, dtype_bytes)["peak"]
+        rows.append(
+            {
+                "context": context,
+                "within_window": context <= shape.context,
+                "full_kv_bytes": full_head * heads,
+                "full_kv_bytes_per_head": full_head,
+                "h2o_kv_bytes": h2o_head * heads,
+                "h2o_kv_bytes_per_head": h2o_head,
+                "full_activation_bytes": full_activations,
+                "h2o_activation_bytes": h2o_activations,
+                "full_total_bytes": weights + full_head * heads + full_activations,
+                "h2o_total_bytes": weights + h2o_head * heads + h2o_activations,
+            }
+        )
+    return {
+        "params": shape.params(),
+        "quant": quant,
+        "kv_bits": kv_bits,
+        "dtype_bytes": dtype_bytes,
+        "budget_tokens": budget,
+        "chunk": chunk,
+        "slots_per_head": slots,
+        "kv_heads_total": heads,
+        "context_window": shape.context,
+        "weights_bytes": weights,
+        "rows": rows,
+    }
+
+
+def config_for(name: str):
+    """A config for `--model` without loading weights: the converted/local folder or the hub cache, else the
+    built-in public config of an alias. Returns (config, where it came from)."""
+    from types import SimpleNamespace
+
+    from h2o_cli.errors import H2OError
+    from h2o_cli.models import load_config, resolve
+
+    source = resolve(name)
+    public = PUBLIC_CONFIGS.get(name.lower())
+    try:
+        return load_config(source), "hub cache" if source.kind == "hub" else "model folder"
+    except H2OError:
+        if public is None:
+            raise
+        return SimpleNamespace(**public), "built-in public config"
