@@ -118,7 +118,9 @@ def plot_budget_curve(rows: Sequence[dict], path: Path, metric: str = "ppl") -> 
     fig, ax = plt.subplots(figsize=(6, 4))
     policies = sorted({row["policy"] for row in rows})
     for policy in policies:
-        points = sorted((row["budget"], row[metric]) for row in rows if row["policy"] == policy and metric in row)
+        points = sorted(
+            (row["budget"], row[metric]) for row in rows if row["policy"] == policy and metric in row
+        )
         if policy == "full" and points:
             ax.axhline(points[0][1], color="black", linestyle="--", label="full")
             continue

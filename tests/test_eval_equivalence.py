@@ -31,8 +31,12 @@ def _copa(lm):
     from lm_eval.tasks import TaskManager
 
     out = lm_eval.simple_evaluate(
-        model=lm, tasks=["h2o_copa"], limit=LIMIT, task_manager=TaskManager(include_path=TASKS),
-        log_samples=True, verbosity="ERROR",
+        model=lm,
+        tasks=["h2o_copa"],
+        limit=LIMIT,
+        task_manager=TaskManager(include_path=TASKS),
+        log_samples=True,
+        verbosity="ERROR",
     )
     scores = [float(resp[0][0]) for sample in out["samples"]["h2o_copa"] for resp in sample["resps"]]
     return out["results"]["h2o_copa"], scores

@@ -67,7 +67,7 @@ def test_multiple_choice_score_hand_computed(tiny_pair):
     context, choices = [5, 9, 17, 3, 40, 41], [[7, 8], [60]]
     cache = H2OCache(model, EvalCache(policy="full").settings(len(context), 256, 2))
     ours = continuation_scores(model, cache, context, choices, chunk=4)
-    for (score, _), choice in zip(ours, choices):
+    for (score, _), choice in zip(ours, choices, strict=False):
         whole = torch.tensor([context + choice])
         logprobs = torch.log_softmax(reference(whole).logits[0].float(), -1)
         expected = sum(float(logprobs[len(context) - 1 + i, token]) for i, token in enumerate(choice))

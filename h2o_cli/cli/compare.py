@@ -20,9 +20,15 @@ Examples:
 
 def compare(
     file: Annotated[str, typer.Argument(help="Text file (or - for stdin).")],
-    budgets: Annotated[str, typer.Option("--budgets", help="Comma-separated fractions of the text, or counts.")] = "0.05,0.1,0.2,0.5",
-    policies: Annotated[str, typer.Option("--policies", help="Comma-separated policies.")] = "full,local,sink,tova,h2o",
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, help="Read at most this many tokens.")] = 4096,
+    budgets: Annotated[
+        str, typer.Option("--budgets", help="Comma-separated fractions of the text, or counts.")
+    ] = "0.05,0.1,0.2,0.5",
+    policies: Annotated[
+        str, typer.Option("--policies", help="Comma-separated policies.")
+    ] = "full,local,sink,tova,h2o",
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", min=2, help="Read at most this many tokens.")
+    ] = 4096,
     chunk: options.Chunk = 32,
     score_norm: options.ScoreNorm = "sum",
     model: options.Model = options.DEFAULTS["model"],
@@ -53,7 +59,12 @@ def compare(
         text = stream.read(max_tokens * 16).decode("utf-8", errors="replace").lstrip("\ufeff")
     ids = tokenizer(text)["input_ids"][:max_tokens]
     rows = compare_perplexity(
-        model_obj, ids, fractions, chosen, chunk, score_norm,
+        model_obj,
+        ids,
+        fractions,
+        chosen,
+        chunk,
+        score_norm,
         on_row=lambda row: stderr.print(f"[dim]{row['policy']} {row['budget']}: ppl {row['ppl']:.3f}[/]"),
     )
     table = Table(title=f"perplexity, {len(ids)} tokens, chunk {chunk}")

@@ -21,8 +21,23 @@ Examples:
   h2o eval copa --data my_copa.xml --json > copa.json
 """
 
-COLUMNS = ("task", "policy", "budget", "budget_tokens_mean", "n", "acc", "acc_norm", "ci_low", "ci_high",
-           "em", "rouge1", "rouge2", "rougeL", "length", "depth")
+COLUMNS = (
+    "task",
+    "policy",
+    "budget",
+    "budget_tokens_mean",
+    "n",
+    "acc",
+    "acc_norm",
+    "ci_low",
+    "ci_high",
+    "em",
+    "rouge1",
+    "rouge2",
+    "rougeL",
+    "length",
+    "depth",
+)
 
 
 def _render(rows: list[dict]) -> None:
@@ -46,14 +61,29 @@ def _cell(value) -> str:
 
 
 def eval(  # noqa: A001 - the command is called eval
-    tasks: Annotated[list[str], typer.Argument(help="copa piqa openbookqa winogrande rte mathqa xsum hotpotqa "
-                                                    "kv-retrieval needle, or any lm-eval task name / YAML path.")],
-    budget: Annotated[float, typer.Option("--budget", "-b", help="Fraction (0,1] of each prompt, or a count > 1.")] = 0.2,
-    policies: Annotated[str, typer.Option("--policies", help="Comma-separated policies to compare.")] = "full,local,h2o",
-    shots: Annotated[int, typer.Option("--shots", min=0, help="Few-shot examples per prompt (harness tasks).")] = 0,
-    limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most this many examples per task.")] = None,
+    tasks: Annotated[
+        list[str],
+        typer.Argument(
+            help="copa piqa openbookqa winogrande rte mathqa xsum hotpotqa "
+            "kv-retrieval needle, or any lm-eval task name / YAML path."
+        ),
+    ],
+    budget: Annotated[
+        float, typer.Option("--budget", "-b", help="Fraction (0,1] of each prompt, or a count > 1.")
+    ] = 0.2,
+    policies: Annotated[
+        str, typer.Option("--policies", help="Comma-separated policies to compare.")
+    ] = "full,local,h2o",
+    shots: Annotated[
+        int, typer.Option("--shots", min=0, help="Few-shot examples per prompt (harness tasks).")
+    ] = 0,
+    limit: Annotated[
+        int | None, typer.Option("--limit", min=1, help="At most this many examples per task.")
+    ] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed for few-shot sampling.")] = 1234,
-    data: Annotated[str | None, typer.Option("--data", help="Use this file (same format) instead of the shared copy.")] = None,
+    data: Annotated[
+        str | None, typer.Option("--data", help="Use this file (same format) instead of the shared copy.")
+    ] = None,
     score_norm: options.ScoreNorm = "sum",
     heavy_ratio: options.HeavyRatio = 0.5,
     sinks: options.Sinks = 4,
@@ -87,8 +117,14 @@ def eval(  # noqa: A001 - the command is called eval
     rows: list[dict] = []
     for task in tasks:
         for policy in chosen:
-            spec = EvalCache(budget=budget, policy=policy, heavy_ratio=heavy_ratio, sinks=sinks,
-                             score_norm=score_norm, chunk=chunk)
+            spec = EvalCache(
+                budget=budget,
+                policy=policy,
+                heavy_ratio=heavy_ratio,
+                sinks=sinks,
+                score_norm=score_norm,
+                chunk=chunk,
+            )
             stderr.print(f"[dim]{task} · {policy} · budget {budget}[/]")
             if task in LONG_TASKS:
                 rows.extend(run_long(loaded[0], loaded[1], task, spec, limit, data))

@@ -20,10 +20,14 @@ Examples:
 
 
 def plot(
-    kind: Annotated[str, typer.Argument(help="attention (from a text file) or curve (from a --json result file).")],
+    kind: Annotated[
+        str, typer.Argument(help="attention (from a text file) or curve (from a --json result file).")
+    ],
     source: Annotated[str, typer.Argument(help="Text file for attention; JSON rows for curve.")],
     out: Annotated[str, typer.Option("--out", "-o", help="Folder for the PNG files.")] = "figs",
-    tokens: Annotated[int, typer.Option("--tokens", min=16, max=2048, help="Excerpt length for attention.")] = 512,
+    tokens: Annotated[
+        int, typer.Option("--tokens", min=16, max=2048, help="Excerpt length for attention.")
+    ] = 512,
     budget: Annotated[int, typer.Option("--budget", min=2, help="Heavy-hitter map budget (tokens).")] = 64,
     metric: Annotated[str, typer.Option("--metric", help="Row field to plot for curve.")] = "ppl",
     model: options.Model = options.DEFAULTS["model"],
@@ -48,7 +52,9 @@ def plot(
     maps = plots.attention_maps(model_obj, ids)
     print(plots.plot_sparsity(plots.sparsity_per_layer(maps), folder / "sparsity.png"))
     print(plots.plot_power_law(plots.accumulated_scores(maps), folder / "power_law.png"))
-    print(plots.plot_heavy_hitters(plots.heavy_hitter_map(model_obj, ids, budget), folder / "heavy_hitters.png"))
+    print(
+        plots.plot_heavy_hitters(plots.heavy_hitter_map(model_obj, ids, budget), folder / "heavy_hitters.png")
+    )
 
 
 plot.__doc__ = (plot.__doc__ or "") + EXAMPLES

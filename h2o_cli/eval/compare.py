@@ -30,13 +30,23 @@ def compare_perplexity(
     cells += [(policy, budget) for policy in policies if policy != "full" for budget in budgets]
     for policy, budget in cells:
         if policy == "full":
-            settings = CacheSettings(budget=min(window, len(ids)) or 2, policy="local", positions="original", chunk=chunk)
+            settings = CacheSettings(
+                budget=min(window, len(ids)) or 2, policy="local", positions="original", chunk=chunk
+            )
         else:
             k = budget_tokens(budget, len(ids))
-            settings = CacheSettings(budget=k, policy=policy, sinks=min(4, k - 1), score_norm=score_norm, chunk=chunk)
+            settings = CacheSettings(
+                budget=k, policy=policy, sinks=min(4, k - 1), score_norm=score_norm, chunk=chunk
+            )
         stats = stream_perplexity(model, H2OCache(model, settings), [list(ids)], chunk)
-        row = {"policy": policy, "budget": budget, "budget_tokens": settings.budget, "score_norm": score_norm,
-               "tokens": stats.tokens, "ppl": stats.ppl}
+        row = {
+            "policy": policy,
+            "budget": budget,
+            "budget_tokens": settings.budget,
+            "score_norm": score_norm,
+            "tokens": stats.tokens,
+            "ppl": stats.ppl,
+        }
         rows.append(row)
         if on_row is not None:
             on_row(row)

@@ -64,7 +64,7 @@ def load_piqa(path=None) -> list[dict]:
     docs = read_jsonl(file)
     if len(labels) != len(docs):
         raise H2OError(f"{file}: {len(docs)} questions but {len(labels)} labels")
-    return [{**doc, "label": int(label)} for doc, label in zip(docs, labels)]
+    return [{**doc, "label": int(label)} for doc, label in zip(docs, labels, strict=False)]
 
 
 def load_openbookqa(path=None) -> list[dict]:
@@ -95,8 +95,12 @@ def load_mathqa(path=None) -> list[dict]:
     """MathQA test subset (1000) with lm-eval's fields: Problem, options, correct, choices (parsed)."""
     docs = read_jsonl(_file(path, "mathqa/test_1000.jsonl"))
     return [
-        {"Problem": doc["problem"], "options": doc["options"], "correct": doc["correct"],
-         "choices": mathqa_options(doc["options"])}
+        {
+            "Problem": doc["problem"],
+            "options": doc["options"],
+            "correct": doc["correct"],
+            "choices": mathqa_options(doc["options"]),
+        }
         for doc in docs
     ]
 
@@ -108,7 +112,9 @@ def load_xsum(path=None) -> list[dict]:
 
 def load_hotpotqa(path=None) -> list[dict]:
     """HotpotQA distractor dev, first 103 questions: {question, answer, context: [[title, sentences]], ...}."""
-    with open(_file(path, "hotpotqa_distractor/hotpot_dev_distractor_v1_first103.json"), encoding="utf-8") as f:
+    with open(
+        _file(path, "hotpotqa_distractor/hotpot_dev_distractor_v1_first103.json"), encoding="utf-8"
+    ) as f:
         return json.load(f)
 
 

@@ -53,8 +53,13 @@ class H2OLM(TemplateLM):
 
             self.model, self.tokenizer = load_model(pretrained or model, device=device or "cpu", dtype=dtype)
         self.spec = EvalCache(
-            budget=float(budget), policy=policy, heavy_ratio=float(heavy_ratio), sinks=int(sinks),
-            positions=positions, score_norm=score_norm, chunk=int(chunk),
+            budget=float(budget),
+            policy=policy,
+            heavy_ratio=float(heavy_ratio),
+            sinks=int(sinks),
+            positions=positions,
+            score_norm=score_norm,
+            chunk=int(chunk),
         )
         self.pool = CachePool(self.model, self.spec)
         self.budget_tokens: list[int] = []
@@ -92,7 +97,9 @@ class H2OLM(TemplateLM):
         self.budget_tokens.append(prompt_tokens if self.spec.policy == "full" else cache.stores[0].budget)
         return cache
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests, disable_tqdm: bool = False, **kwargs
+    ) -> list[tuple[float, bool]]:
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         order = sorted(range(len(requests)), key=lambda i: tuple(requests[i][1]))
         progress = tqdm(total=len(requests), disable=disable_tqdm, desc="h2o loglikelihood")
@@ -102,9 +109,13 @@ class H2OLM(TemplateLM):
             continuations = [requests[i][2] for i in indices]
             context_ids = list(context)[-(window - max(len(c) for c in continuations)) :]
             scores = continuation_scores(
-                self.model, self._cache(len(context_ids), max(len(c) for c in continuations)), context_ids, continuations, self.spec.chunk
+                self.model,
+                self._cache(len(context_ids), max(len(c) for c in continuations)),
+                context_ids,
+                continuations,
+                self.spec.chunk,
             )
-            for index, score in zip(indices, scores):
+            for index, score in zip(indices, scores, strict=False):
                 results[index] = score
                 self.cache_hook.add_partial("loglikelihood", requests[index][0], score)
             progress.update(len(indices))
@@ -115,7 +126,7 @@ class H2OLM(TemplateLM):
         results = []
         for request in tqdm(requests, disable=disable_tqdm, desc="h2o rolling"):
             ids = self.tok_encode(request.args[0])
-            (score, _), = continuation_scores(
+            ((score, _),) = continuation_scores(
                 self.model, self._cache(1, len(ids)), [self.prefix_token_id], [ids], self.spec.chunk
             )
             results.append(score)
@@ -130,7 +141,13 @@ class H2OLM(TemplateLM):
             max_new = int(gen_kwargs.get("max_gen_toks", 256))
             ids = self.tok_encode(context)[-(self.max_length - max_new) :]
             text = greedy_answer(
-                self.model, self.tokenizer, self._cache(len(ids), max_new), ids, max_new, self.spec.chunk, until
+                self.model,
+                self.tokenizer,
+                self._cache(len(ids), max_new),
+                ids,
+                max_new,
+                self.spec.chunk,
+                until,
             )
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             results.append(text)

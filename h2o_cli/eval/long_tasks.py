@@ -42,7 +42,9 @@ def hotpotqa_examples(path=None) -> Iterator[LongExample]:
             f"Document [{number}](Title: {title}) {''.join(sentences).strip()}"
             for number, (title, sentences) in enumerate(item["context"], start=1)
         )
-        yield LongExample(QA_PROMPT.format(search_results=documents, question=item["question"]), (item["answer"],))
+        yield LongExample(
+            QA_PROMPT.format(search_results=documents, question=item["question"]), (item["answer"],)
+        )
 
 
 def kv_examples(path=None) -> Iterator[LongExample]:
@@ -60,7 +62,9 @@ def needle_examples(
     haystack_ids = tokenizer(data.load_essays(path), add_special_tokens=False)["input_ids"]
     question = f"\n\n{NEEDLE_QUESTION} Answer from the text above:"
     for length in lengths:
-        context = tokenizer.decode(haystack_ids[: max(0, length - len(tokenizer(NEEDLE + question)["input_ids"]))])
+        context = tokenizer.decode(
+            haystack_ids[: max(0, length - len(tokenizer(NEEDLE + question)["input_ids"]))]
+        )
         for depth in depths:
             cut = int(len(context) * depth / 100)
             if 0 < cut < len(context):

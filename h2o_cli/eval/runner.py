@@ -9,16 +9,31 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from statistics import mean
 
-from h2o_cli.eval.long_tasks import LONG_TASKS, MAX_NEW_TOKENS, examples
-from h2o_cli.eval.scoring import CachePool, EvalCache, contains_answer, exact_match, greedy_answer, wilson_interval
+from h2o_cli.eval.long_tasks import MAX_NEW_TOKENS, examples
+from h2o_cli.eval.scoring import (
+    CachePool,
+    EvalCache,
+    contains_answer,
+    exact_match,
+    greedy_answer,
+    wilson_interval,
+)
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
-HARNESS_TASKS = {name: f"h2o_{name}" for name in ("copa", "piqa", "openbookqa", "winogrande", "rte", "mathqa", "xsum")}
+HARNESS_TASKS = {
+    name: f"h2o_{name}" for name in ("copa", "piqa", "openbookqa", "winogrande", "rte", "mathqa", "xsum")
+}
 
 
 def _row(task: str, spec: EvalCache, budget_tokens: Sequence[int], n: int, **metrics) -> dict:
-    row = {"task": task, "policy": spec.policy, "budget": spec.budget, "score_norm": spec.score_norm,
-           "budget_tokens_mean": round(mean(budget_tokens), 1) if budget_tokens else None, "n": n}
+    row = {
+        "task": task,
+        "policy": spec.policy,
+        "budget": spec.budget,
+        "score_norm": spec.score_norm,
+        "budget_tokens_mean": round(mean(budget_tokens), 1) if budget_tokens else None,
+        "n": n,
+    }
     if "acc" in metrics and metrics["acc"] is not None:
         row["acc"] = metrics.pop("acc")
         row["ci_low"], row["ci_high"] = wilson_interval(row["acc"], n)
@@ -26,7 +41,9 @@ def _row(task: str, spec: EvalCache, budget_tokens: Sequence[int], n: int, **met
     return row
 
 
-def run_harness(lm, task: str, spec: EvalCache, limit: int | None, shots: int, seed: int, data: str | None) -> dict:
+def run_harness(
+    lm, task: str, spec: EvalCache, limit: int | None, shots: int, seed: int, data: str | None
+) -> dict:
     """One lm-eval task (friendly name, registered name or YAML path) scored through `lm` with `spec`."""
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -41,19 +58,37 @@ def run_harness(lm, task: str, spec: EvalCache, limit: int | None, shots: int, s
     if data:
         task_spec = {"task": name, "dataset_kwargs": {"data_path": data}}
     out = lm_eval.simple_evaluate(
-        model=lm, tasks=[task_spec], limit=limit, num_fewshot=shots, task_manager=TaskManager(include_path=include),
-        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-        verbosity="ERROR", bootstrap_iters=0,
+        model=lm,
+        tasks=[task_spec],
+        limit=limit,
+        num_fewshot=shots,
+        task_manager=TaskManager(include_path=include),
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+        verbosity="ERROR",
+        bootstrap_iters=0,
     )
     results = out["results"][name]
     n = int(out.get("n-samples", {}).get(name, {}).get("effective", 0))
-    metrics = {key.split(",")[0]: value for key, value in results.items()
-               if "," in key and "stderr" not in key and isinstance(value, (int, float))}
+    metrics = {
+        key.split(",")[0]: value
+        for key, value in results.items()
+        if "," in key and "stderr" not in key and isinstance(value, (int, float))
+    }
     return _row(task, spec, lm.budget_tokens, n, **metrics)
 
 
-def run_long(model, tokenizer, task: str, spec: EvalCache, limit: int | None, data: str | None,
-             on_example: Callable[[int], None] | None = None) -> list[dict]:
+def run_long(
+    model,
+    tokenizer,
+    task: str,
+    spec: EvalCache,
+    limit: int | None,
+    data: str | None,
+    on_example: Callable[[int], None] | None = None,
+) -> list[dict]:
     """Greedy answers for a long-context task; rows per needle cell, one row otherwise."""
     pool = CachePool(model, spec)
     cells: dict[str, dict[str, list]] = defaultdict(lambda: {"hit": [], "em": [], "budget": []})

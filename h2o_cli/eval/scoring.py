@@ -63,7 +63,7 @@ class CachePool:
     def __init__(self, model, spec: EvalCache) -> None:
         self.model = model
         self.spec = spec
-        self.window = int(getattr(model.config.get_text_config(), "max_position_embeddings"))
+        self.window = int(model.config.get_text_config().max_position_embeddings)
 
     def cache_for(self, prompt_tokens: int, extra_tokens: int = 0) -> H2OCache:
         return H2OCache(self.model, self.spec.settings(prompt_tokens, self.window, extra_tokens))
@@ -75,20 +75,31 @@ def snapshot(cache: H2OCache) -> list[dict]:
     for store in cache.stores:
         used = int(store.valid.any(0).nonzero().max()) + 1 if store.valid.any() else 0
         tensors = {name: getattr(store, name)[:, :used].clone() for name in store._state_names()}
-        states.append({"used": used, "tensors": tensors, "length": store.length,
-                       "tokens_seen": store.tokens_seen, "evictions": store.evictions})
+        states.append(
+            {
+                "used": used,
+                "tensors": tensors,
+                "length": store.length,
+                "tokens_seen": store.tokens_seen,
+                "evictions": store.evictions,
+            }
+        )
     return states
 
 
 def restore(cache: H2OCache, states: list[dict]) -> None:
     """Put back a `snapshot`: slots past the snapshot's used range are emptied."""
-    for store, state in zip(cache.stores, states):
+    for store, state in zip(cache.stores, states, strict=False):
         used = state["used"]
         for name, tensor in state["tensors"].items():
             getattr(store, name)[:, :used] = tensor
         store.valid[:, used:] = False
         store.token_index[:, used:] = -1
-        store.length, store.tokens_seen, store.evictions = state["length"], state["tokens_seen"], state["evictions"]
+        store.length, store.tokens_seen, store.evictions = (
+            state["length"],
+            state["tokens_seen"],
+            state["evictions"],
+        )
 
 
 @torch.inference_mode()
@@ -127,7 +138,12 @@ def continuation_scores(
 
 @torch.inference_mode()
 def greedy_answer(
-    model, tokenizer, cache: H2OCache, context: Sequence[int], max_new_tokens: int, chunk: int,
+    model,
+    tokenizer,
+    cache: H2OCache,
+    context: Sequence[int],
+    max_new_tokens: int,
+    chunk: int,
     until: Sequence[str] = (),
 ) -> str:
     """Greedy text after `context`, cut at the first stop string (or the tokenizer's end token)."""
