@@ -8,7 +8,8 @@ import sys
 import typer
 
 from h2o_cli import __version__
-from h2o_cli.cli import memory, models_cmd, stream
+from h2o_cli.cli import compare, memory, models_cmd, plot, stream
+from h2o_cli.cli import eval as eval_cmd
 from h2o_cli.errors import H2OError
 
 app = typer.Typer(
@@ -22,6 +23,9 @@ app = typer.Typer(
 app.command("stream", no_args_is_help=True)(stream.stream)
 app.command("models")(models_cmd.models)
 app.command("memory")(memory.memory)
+app.command("eval", no_args_is_help=True)(eval_cmd.eval)
+app.command("compare", no_args_is_help=True)(compare.compare)
+app.command("plot", no_args_is_help=True)(plot.plot)
 
 
 def _version(value: bool) -> None:

@@ -1,0 +1,80 @@
+"""`h2o compare`: a perplexity table over budgets and policies for one text."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from h2o_cli.cli import options
+from h2o_cli.cli.common import load, stderr
+from h2o_cli.errors import UsageError
+
+EXAMPLES = """
+Examples:
+  h2o compare book.txt --budgets 0.05,0.1,0.2,0.5 --policies local,sink,tova,h2o --max-tokens 20000
+  h2o compare book.txt --max-tokens 4000 --json > ppl.json && h2o plot curve ppl.json --out figs/
+"""
+
+
+def compare(
+    file: Annotated[str, typer.Argument(help="Text file (or - for stdin).")],
+    budgets: Annotated[
+        str, typer.Option("--budgets", help="Comma-separated fractions of the text, or counts.")
+    ] = "0.05,0.1,0.2,0.5",
+    policies: Annotated[
+        str, typer.Option("--policies", help="Comma-separated policies.")
+    ] = "full,local,sink,tova,h2o",
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", min=2, help="Read at most this many tokens.")
+    ] = 4096,
+    chunk: options.Chunk = 32,
+    score_norm: options.ScoreNorm = "sum",
+    model: options.Model = options.DEFAULTS["model"],
+    device: options.Device = "auto",
+    dtype: options.Dtype = "auto",
+    threads: options.Threads = 0,
+    json_out: options.Json = False,
+) -> None:
+    """Perplexity of FILE's first --max-tokens tokens for every policy at every budget (fraction of those tokens)."""
+    from rich.table import Table
+
+    from h2o_cli.config import POLICIES
+    from h2o_cli.eval.compare import compare_perplexity
+    from h2o_cli.textio import open_source
+
+    try:
+        fractions = [float(value) for value in budgets.split(",") if value.strip()]
+    except ValueError as error:
+        raise UsageError(f"--budgets {budgets!r}: give numbers like 0.05,0.1") from error
+    chosen = [name.strip() for name in policies.split(",") if name.strip()]
+    for name in chosen:
+        if name not in POLICIES:
+            raise UsageError(f"--policies: {name!r} is not one of {', '.join(POLICIES)}")
+    if any(value <= 0 for value in fractions):
+        raise UsageError("--budgets must all be > 0")
+    model_obj, tokenizer = load(model, device, dtype, False, threads)
+    with open_source(file) as stream:
+        text = stream.read(max_tokens * 16).decode("utf-8", errors="replace").lstrip("\ufeff")
+    ids = tokenizer(text)["input_ids"][:max_tokens]
+    rows = compare_perplexity(
+        model_obj,
+        ids,
+        fractions,
+        chosen,
+        chunk,
+        score_norm,
+        on_row=lambda row: stderr.print(f"[dim]{row['policy']} {row['budget']}: ppl {row['ppl']:.3f}[/]"),
+    )
+    table = Table(title=f"perplexity, {len(ids)} tokens, chunk {chunk}")
+    for name in ("policy", "budget", "budget_tokens", "ppl"):
+        table.add_column(name, justify="left" if name == "policy" else "right")
+    for row in rows:
+        table.add_row(row["policy"], f"{row['budget']:g}", str(row["budget_tokens"]), f"{row['ppl']:.3f}")
+    stderr.print(table)
+    if json_out:
+        print(json.dumps(rows))
+
+
+compare.__doc__ = (compare.__doc__ or "") + EXAMPLES

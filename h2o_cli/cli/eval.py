@@ -1,0 +1,144 @@
+"""`h2o eval`: accuracy of tasks under each policy at a budget that is a fraction of every prompt."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+from h2o_cli.cli import options
+from h2o_cli.cli.common import load, stderr
+from h2o_cli.errors import UsageError
+
+EXAMPLES = """
+Examples:
+  h2o eval copa piqa openbookqa winogrande rte mathqa --budget 0.2 --policies full,local,sink,tova,h2o --shots 5
+  h2o eval xsum --budget 0.2 --limit 200
+  h2o eval hotpotqa kv-retrieval needle --budget 0.1 --limit 20
+  h2o eval copa --data my_copa.xml --json > copa.json
+"""
+
+COLUMNS = (
+    "task",
+    "policy",
+    "budget",
+    "budget_tokens_mean",
+    "n",
+    "acc",
+    "acc_norm",
+    "ci_low",
+    "ci_high",
+    "em",
+    "rouge1",
+    "rouge2",
+    "rougeL",
+    "length",
+    "depth",
+)
+
+
+def _render(rows: list[dict]) -> None:
+    from rich.table import Table
+
+    table = Table(title="h2o eval", title_style="bold")
+    present = [name for name in COLUMNS if any(name in row for row in rows)]
+    for name in present:
+        table.add_column(name, justify="left" if name in ("task", "policy", "depth") else "right")
+    for row in rows:
+        table.add_row(*(_cell(row.get(name)) for name in present))
+    stderr.print(table)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def eval(  # noqa: A001 - the command is called eval
+    tasks: Annotated[
+        list[str],
+        typer.Argument(
+            help="copa piqa openbookqa winogrande rte mathqa xsum hotpotqa "
+            "kv-retrieval needle, or any lm-eval task name / YAML path."
+        ),
+    ],
+    budget: Annotated[
+        float, typer.Option("--budget", "-b", help="Fraction (0,1] of each prompt, or a count > 1.")
+    ] = 0.2,
+    policies: Annotated[
+        str, typer.Option("--policies", help="Comma-separated policies to compare.")
+    ] = "full,local,h2o",
+    shots: Annotated[
+        int, typer.Option("--shots", min=0, help="Few-shot examples per prompt (harness tasks).")
+    ] = 0,
+    limit: Annotated[
+        int | None, typer.Option("--limit", min=1, help="At most this many examples per task.")
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for few-shot sampling.")] = 1234,
+    data: Annotated[
+        str | None, typer.Option("--data", help="Use this file (same format) instead of the shared copy.")
+    ] = None,
+    score_norm: options.ScoreNorm = "sum",
+    heavy_ratio: options.HeavyRatio = 0.5,
+    sinks: options.Sinks = 4,
+    chunk: options.Chunk = 256,
+    model: options.Model = options.DEFAULTS["model"],
+    device: options.Device = "auto",
+    dtype: options.Dtype = "auto",
+    threads: options.Threads = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON list of rows on stdout.")] = False,
+    csv_out: Annotated[bool, typer.Option("--csv", help="Print the rows as CSV on stdout.")] = False,
+) -> None:
+    """Score tasks through the H2O cache for each policy: accuracy with 95% CIs and the real budget in tokens."""
+    from h2o_cli.config import POLICIES
+    from h2o_cli.eval.long_tasks import LONG_TASKS
+    from h2o_cli.eval.scoring import EvalCache
+
+    chosen = [name.strip() for name in policies.split(",") if name.strip()]
+    for name in chosen:
+        if name not in POLICIES:
+            raise UsageError(f"--policies: {name!r} is not one of {', '.join(POLICIES)}")
+    if budget <= 0 or (budget > 1 and budget != int(budget)):
+        raise UsageError(f"--budget {budget} must be a fraction in (0, 1] or a whole token count")
+    try:
+        from h2o_cli.eval.lm_eval_model import H2OLM
+        from h2o_cli.eval.runner import run_harness, run_long
+    except ImportError as error:
+        raise UsageError(f"h2o eval needs the eval extra (pip install 'h2o-cli[eval]'): {error}") from error
+
+    loaded = load(model, device, dtype, False, threads)
+    lm = H2OLM(model=loaded)
+    rows: list[dict] = []
+    for task in tasks:
+        for policy in chosen:
+            spec = EvalCache(
+                budget=budget,
+                policy=policy,
+                heavy_ratio=heavy_ratio,
+                sinks=sinks,
+                score_norm=score_norm,
+                chunk=chunk,
+            )
+            stderr.print(f"[dim]{task} · {policy} · budget {budget}[/]")
+            if task in LONG_TASKS:
+                rows.extend(run_long(loaded[0], loaded[1], task, spec, limit, data))
+            else:
+                rows.append(run_harness(lm, task, spec, limit, shots, seed, data))
+    _render(rows)
+    if json_out:
+        print(json.dumps(rows))
+    elif csv_out:
+        names = [name for name in COLUMNS if any(name in row for row in rows)]
+        names += sorted({key for row in rows for key in row} - set(names))
+        writer = csv.DictWriter(sys.stdout, fieldnames=names)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+eval.__doc__ = (eval.__doc__ or "") + EXAMPLES

@@ -1,0 +1,132 @@
+"""Loaders for the real task files in the shared data folder (each folder documents itself in SOURCE.txt).
+
+Each loader returns plain dicts in the field names lm-eval's own task of the same name uses, so the task
+YAMLs in `h2o_cli/eval/tasks/` can copy lm-eval's prompts. `path` overrides the default file.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import gzip
+import json
+import os
+import re
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+from h2o_cli.errors import H2OError
+
+DATA_ENV = "H2O_DATA_DIR"
+
+
+def data_dir() -> Path:
+    """`$H2O_DATA_DIR`, else the project's `../shared/data` beside the checkout."""
+    if os.environ.get(DATA_ENV):
+        return Path(os.environ[DATA_ENV])
+    return Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+def _file(path: str | os.PathLike | None, default: str) -> Path:
+    file = Path(path) if path else data_dir() / default
+    if not file.is_file():
+        raise H2OError(f"data file {file} not found; point --data at a copy (or set ${DATA_ENV})")
+    return file
+
+
+def read_jsonl(file: Path) -> list[dict]:
+    opener = gzip.open if file.suffix == ".gz" else open
+    with opener(file, "rt", encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def load_copa(path=None) -> dict[str, list[dict]]:
+    """COPA dev XML (500 items): SuperGLUE train = ids 1-400, validation = ids 401-500 (SOURCE.txt)."""
+    root = ElementTree.parse(_file(path, "copa/copa-dev.xml")).getroot()
+    splits: dict[str, list[dict]] = {"train": [], "validation": []}
+    for item in root.iter("item"):
+        doc = {
+            "idx": int(item.get("id")),
+            "premise": item.findtext("p"),
+            "choice1": item.findtext("a1"),
+            "choice2": item.findtext("a2"),
+            "question": item.get("asks-for"),
+            "label": int(item.get("most-plausible-alternative")) - 1,
+        }
+        splits["validation" if doc["idx"] > 400 else "train"].append(doc)
+    return splits
+
+
+def load_piqa(path=None) -> list[dict]:
+    """PIQA validation (1838): valid.jsonl with labels from valid-labels.lst beside it."""
+    file = _file(path, "piqa/valid.jsonl")
+    labels = (file.parent / "valid-labels.lst").read_text().split()
+    docs = read_jsonl(file)
+    if len(labels) != len(docs):
+        raise H2OError(f"{file}: {len(docs)} questions but {len(labels)} labels")
+    return [{**doc, "label": int(label)} for doc, label in zip(docs, labels, strict=False)]
+
+
+def load_openbookqa(path=None) -> list[dict]:
+    """OpenBookQA main test (500), MosaicML form {query, choices, gold}."""
+    return read_jsonl(_file(path, "llmfoundry_mc/openbook_qa.jsonl"))
+
+
+def load_winogrande(path=None) -> list[dict]:
+    """WinoGrande dev (1267), MosaicML partial-scoring form {context_options, continuation, gold}."""
+    return read_jsonl(_file(path, "llmfoundry_mc/winogrande.jsonl"))
+
+
+def load_rte(path=None) -> list[dict]:
+    """GLUE RTE validation (277): dev.tsv with sentence1, sentence2, label (0 = entailment), idx."""
+    with open(_file(path, "rte/dev.tsv"), encoding="utf-8", newline="") as handle:
+        rows = list(csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE))
+    return [{**row, "label": int(row["label"]), "idx": int(row["idx"])} for row in rows]
+
+
+def mathqa_options(options: str) -> list[str]:
+    """'a ) 12 , b ) 16 , ...' -> ['12', '16', ...] with lm-eval mathqa's own regex (list-string quirk joined first)."""
+    if options.lstrip().startswith("["):
+        options = " , ".join(str(part).strip() for part in ast.literal_eval(options))
+    return [choice[4:].rstrip(" ,") for choice in re.findall(r"[abcd] \) .*?, |e \) .*?$", options)]
+
+
+def load_mathqa(path=None) -> list[dict]:
+    """MathQA test subset (1000) with lm-eval's fields: Problem, options, correct, choices (parsed)."""
+    docs = read_jsonl(_file(path, "mathqa/test_1000.jsonl"))
+    return [
+        {
+            "Problem": doc["problem"],
+            "options": doc["options"],
+            "correct": doc["correct"],
+            "choices": mathqa_options(doc["options"]),
+        }
+        for doc in docs
+    ]
+
+
+def load_xsum(path=None) -> list[dict]:
+    """The H2O authors' XSUM 0-shot prompts (1000): {article (full prompt), summary_gt, stop, max_tokens}."""
+    return read_jsonl(_file(path, "xsum_h2o/xsum_0shot.jsonl"))
+
+
+def load_hotpotqa(path=None) -> list[dict]:
+    """HotpotQA distractor dev, first 103 questions: {question, answer, context: [[title, sentences]], ...}."""
+    with open(
+        _file(path, "hotpotqa_distractor/hotpot_dev_distractor_v1_first103.json"), encoding="utf-8"
+    ) as f:
+        return json.load(f)
+
+
+def load_kv_retrieval(path=None) -> list[dict]:
+    """Lost-in-the-middle KV retrieval, 75 keys (500): {ordered_kv_records, key, value}."""
+    return read_jsonl(_file(path, "lost_in_the_middle/kv-retrieval-75_keys.jsonl.gz"))
+
+
+def load_essays(path=None) -> str:
+    """Paul Graham essays concatenated in name order (the needle-in-a-haystack haystack)."""
+    folder = Path(path) if path else data_dir() / "paul_graham_essays" / "PaulGrahamEssays"
+    files = sorted(folder.glob("*.txt"))
+    if not files:
+        raise H2OError(f"no essays (*.txt) in {folder}; point --data at the PaulGrahamEssays folder")
+    return "\n".join(file.read_text(encoding="utf-8") for file in files)

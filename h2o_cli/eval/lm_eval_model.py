@@ -1,0 +1,154 @@
+"""`lm_eval --model h2o`: an lm-evaluation-harness model that scores through the H2O cache.
+
+    lm_eval --model h2o --model_args model=smollm2-135m,budget=0.2,policy=h2o \
+        --tasks h2o_copa --include_path h2o_cli/eval/tasks
+
+Requests run one at a time (the cache holds one sequence). Requests sharing a context are prefilled once.
+Every request's budget (in tokens) is recorded in `budget_tokens` for reporting.
+"""
+
+from __future__ import annotations
+
+from itertools import groupby
+
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from h2o_cli.eval.scoring import CachePool, EvalCache, continuation_scores, greedy_answer
+
+
+@register_model("h2o")
+class H2OLM(TemplateLM):
+    """Model args: model, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk, device, dtype, threads.
+
+    `model` may also be an already loaded `(model, tokenizer)` pair (from Python, not the command line).
+    """
+
+    def __init__(
+        self,
+        model="smollm2-135m",
+        budget: float | str = 0.2,
+        policy: str = "h2o",
+        heavy_ratio: float = 0.5,
+        sinks: int = 4,
+        positions: str = "rolling",
+        score_norm: str = "sum",
+        chunk: int = 256,
+        device: str = "cpu",
+        dtype: str = "auto",
+        threads: int = 0,
+        pretrained=None,
+        tokenizer=None,
+        **_ignored,
+    ) -> None:
+        super().__init__()
+        if threads:
+            torch.set_num_threads(int(threads))
+        if isinstance(model, tuple):
+            self.model, self.tokenizer = model
+        else:
+            from h2o_cli.models import load_model
+
+            self.model, self.tokenizer = load_model(pretrained or model, device=device or "cpu", dtype=dtype)
+        self.spec = EvalCache(
+            budget=float(budget),
+            policy=policy,
+            heavy_ratio=float(heavy_ratio),
+            sinks=int(sinks),
+            positions=positions,
+            score_norm=score_norm,
+            chunk=int(chunk),
+        )
+        self.pool = CachePool(self.model, self.spec)
+        self.budget_tokens: list[int] = []
+
+    def configure(self, spec: EvalCache) -> None:
+        """Switch policy/budget without reloading the weights."""
+        self.spec = spec
+        self.pool = CachePool(self.model, spec)
+        self.budget_tokens = []
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self.pool.window
+
+    @property
+    def device(self):
+        return self.model.device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "name_or_path", "h2o")).replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tokenizer(string, add_special_tokens=bool(add_special_tokens))["input_ids"]
+
+    def tok_decode(self, tokens) -> str:
+        return self.tokenizer.decode(tokens)
+
+    def _cache(self, prompt_tokens: int, extra_tokens: int):
+        cache = self.pool.cache_for(prompt_tokens, extra_tokens)
+        self.budget_tokens.append(prompt_tokens if self.spec.policy == "full" else cache.stores[0].budget)
+        return cache
+
+    def _loglikelihood_tokens(
+        self, requests, disable_tqdm: bool = False, **kwargs
+    ) -> list[tuple[float, bool]]:
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        order = sorted(range(len(requests)), key=lambda i: tuple(requests[i][1]))
+        progress = tqdm(total=len(requests), disable=disable_tqdm, desc="h2o loglikelihood")
+        for context, group in groupby(order, key=lambda i: tuple(requests[i][1])):
+            indices = list(group)
+            window = self.max_length
+            continuations = [requests[i][2] for i in indices]
+            context_ids = list(context)[-(window - max(len(c) for c in continuations)) :]
+            scores = continuation_scores(
+                self.model,
+                self._cache(len(context_ids), max(len(c) for c in continuations)),
+                context_ids,
+                continuations,
+                self.spec.chunk,
+            )
+            for index, score in zip(indices, scores, strict=False):
+                results[index] = score
+                self.cache_hook.add_partial("loglikelihood", requests[index][0], score)
+            progress.update(len(indices))
+        progress.close()
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        results = []
+        for request in tqdm(requests, disable=disable_tqdm, desc="h2o rolling"):
+            ids = self.tok_encode(request.args[0])
+            ((score, _),) = continuation_scores(
+                self.model, self._cache(1, len(ids)), [self.prefix_token_id], [ids], self.spec.chunk
+            )
+            results.append(score)
+        return results
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        results = []
+        for request in tqdm(requests, disable=disable_tqdm, desc="h2o generate"):
+            context, gen_kwargs = request.args
+            until = gen_kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(gen_kwargs.get("max_gen_toks", 256))
+            ids = self.tok_encode(context)[-(self.max_length - max_new) :]
+            text = greedy_answer(
+                self.model,
+                self.tokenizer,
+                self._cache(len(ids), max_new),
+                ids,
+                max_new,
+                self.spec.chunk,
+                until,
+            )
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            results.append(text)
+        return results

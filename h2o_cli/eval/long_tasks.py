@@ -1,0 +1,82 @@
+"""Long-context tasks the harness does not fit: answers in the middle of a long prompt, scored by greedy answers.
+
+- `hotpotqa`: 10-document HotpotQA distractor questions in the lost-in-the-middle QA prompt.
+- `kv-retrieval`: lost-in-the-middle JSON key-value retrieval (75 keys), gold pair moved to the middle.
+- `needle`: the Paul Graham needle-in-a-haystack over a length x depth grid.
+Each example is `LongExample(prompt, answers, cell)`; `cell` names its grid point (needle) or "".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from h2o_cli.eval import data
+
+QA_PROMPT = (
+    "Write a high-quality answer for the given question using only the provided search results "
+    "(some of which might be irrelevant).\n\n{search_results}\n\nQuestion: {question}\nAnswer:"
+)
+KV_PROMPT = (
+    "Extract the value corresponding to the specified key in the JSON object below.\n\n"
+    'JSON data:\n{records}\n\nKey: "{key}"\nCorresponding value:'
+)
+NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
+NEEDLE_QUESTION = "What is the best thing to do in San Francisco?"
+NEEDLE_ANSWERS = ("eat a sandwich", "dolores park")
+LONG_TASKS = ("hotpotqa", "kv-retrieval", "needle")
+MAX_NEW_TOKENS = {"hotpotqa": 24, "kv-retrieval": 40, "needle": 32}
+
+
+@dataclass(frozen=True)
+class LongExample:
+    prompt: str
+    answers: tuple[str, ...]
+    cell: str = ""
+
+
+def hotpotqa_examples(path=None) -> Iterator[LongExample]:
+    for item in data.load_hotpotqa(path):
+        documents = "\n".join(
+            f"Document [{number}](Title: {title}) {''.join(sentences).strip()}"
+            for number, (title, sentences) in enumerate(item["context"], start=1)
+        )
+        yield LongExample(
+            QA_PROMPT.format(search_results=documents, question=item["question"]), (item["answer"],)
+        )
+
+
+def kv_examples(path=None) -> Iterator[LongExample]:
+    for item in data.load_kv_retrieval(path):
+        records = [pair for pair in item["ordered_kv_records"] if pair[0] != item["key"]]
+        records.insert(len(records) // 2, [item["key"], item["value"]])
+        body = "{" + ",\n ".join(f"{json.dumps(key)}: {json.dumps(value)}" for key, value in records) + "}"
+        yield LongExample(KV_PROMPT.format(records=body, key=item["key"]), (item["value"],))
+
+
+def needle_examples(
+    tokenizer, lengths=(1000, 2000, 4000), depths=(0, 25, 50, 75, 100), path=None
+) -> Iterator[LongExample]:
+    """Haystack cut to `length` tokens, needle inserted at `depth` % (at a sentence end, as Kamradt's tester)."""
+    haystack_ids = tokenizer(data.load_essays(path), add_special_tokens=False)["input_ids"]
+    question = f"\n\n{NEEDLE_QUESTION} Answer from the text above:"
+    for length in lengths:
+        context = tokenizer.decode(
+            haystack_ids[: max(0, length - len(tokenizer(NEEDLE + question)["input_ids"]))]
+        )
+        for depth in depths:
+            cut = int(len(context) * depth / 100)
+            if 0 < cut < len(context):
+                period = context.rfind(".", 0, cut)
+                cut = period + 1 if period >= 0 else cut
+            prompt = context[:cut] + NEEDLE + context[cut:] + question
+            yield LongExample(prompt, NEEDLE_ANSWERS, f"{length}x{depth}%")
+
+
+def examples(task: str, tokenizer, path=None) -> Iterator[LongExample]:
+    if task == "hotpotqa":
+        return hotpotqa_examples(path)
+    if task == "kv-retrieval":
+        return kv_examples(path)
+    return needle_examples(tokenizer, path=path)

@@ -1,0 +1,113 @@
+"""Run tasks x policies and return plain rows (one per task, policy, and grid cell for the needle)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from statistics import mean
+
+from h2o_cli.eval.long_tasks import MAX_NEW_TOKENS, examples
+from h2o_cli.eval.scoring import (
+    CachePool,
+    EvalCache,
+    contains_answer,
+    exact_match,
+    greedy_answer,
+    wilson_interval,
+)
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+HARNESS_TASKS = {
+    name: f"h2o_{name}" for name in ("copa", "piqa", "openbookqa", "winogrande", "rte", "mathqa", "xsum")
+}
+
+
+def _row(task: str, spec: EvalCache, budget_tokens: Sequence[int], n: int, **metrics) -> dict:
+    row = {
+        "task": task,
+        "policy": spec.policy,
+        "budget": spec.budget,
+        "score_norm": spec.score_norm,
+        "budget_tokens_mean": round(mean(budget_tokens), 1) if budget_tokens else None,
+        "n": n,
+    }
+    if "acc" in metrics and metrics["acc"] is not None:
+        row["acc"] = metrics.pop("acc")
+        row["ci_low"], row["ci_high"] = wilson_interval(row["acc"], n)
+    row.update(metrics)
+    return row
+
+
+def run_harness(
+    lm, task: str, spec: EvalCache, limit: int | None, shots: int, seed: int, data: str | None
+) -> dict:
+    """One lm-eval task (friendly name, registered name or YAML path) scored through `lm` with `spec`."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    lm.configure(spec)
+    name = HARNESS_TASKS.get(task, task)
+    include = [str(TASKS_DIR)]
+    if os.path.isfile(name) and name.endswith((".yaml", ".yml")):
+        include.append(str(Path(name).resolve().parent))
+        name = Path(name).stem
+    task_spec: str | dict = name
+    if data:
+        task_spec = {"task": name, "dataset_kwargs": {"data_path": data}}
+    out = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=[task_spec],
+        limit=limit,
+        num_fewshot=shots,
+        task_manager=TaskManager(include_path=include),
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+        verbosity="ERROR",
+        bootstrap_iters=0,
+    )
+    results = out["results"][name]
+    n = int(out.get("n-samples", {}).get(name, {}).get("effective", 0))
+    metrics = {
+        key.split(",")[0]: value
+        for key, value in results.items()
+        if "," in key and "stderr" not in key and isinstance(value, (int, float))
+    }
+    return _row(task, spec, lm.budget_tokens, n, **metrics)
+
+
+def run_long(
+    model,
+    tokenizer,
+    task: str,
+    spec: EvalCache,
+    limit: int | None,
+    data: str | None,
+    on_example: Callable[[int], None] | None = None,
+) -> list[dict]:
+    """Greedy answers for a long-context task; rows per needle cell, one row otherwise."""
+    pool = CachePool(model, spec)
+    cells: dict[str, dict[str, list]] = defaultdict(lambda: {"hit": [], "em": [], "budget": []})
+    for number, example in enumerate(itertools.islice(examples(task, tokenizer, data), limit)):
+        ids = tokenizer(example.prompt)["input_ids"][-(pool.window - MAX_NEW_TOKENS[task]) :]
+        cache = pool.cache_for(len(ids), MAX_NEW_TOKENS[task])
+        answer = greedy_answer(model, tokenizer, cache, ids, MAX_NEW_TOKENS[task], spec.chunk, ("\n\n",))
+        cell = cells[example.cell]
+        cell["hit"].append(contains_answer(answer, example.answers))
+        cell["em"].append(exact_match(answer.strip().split("\n")[0], example.answers))
+        cell["budget"].append(len(ids) if spec.policy == "full" else cache.stores[0].budget)
+        if on_example is not None:
+            on_example(number + 1)
+    rows = []
+    for name, cell in cells.items():
+        n = len(cell["hit"])
+        row = _row(task, spec, cell["budget"], n, acc=sum(cell["hit"]) / n, em=sum(cell["em"]) / n)
+        if name:
+            length, depth = name.split("x")
+            row.update(length=int(length), depth=depth)
+        rows.append(row)
+    return rows

@@ -1,0 +1,74 @@
+"""Task loaders on the real shared files (counts from each SOURCE.txt) and the scorers on hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from h2o_cli.eval import data
+from h2o_cli.eval.scoring import EvalCache, contains_answer, exact_match, wilson_interval
+
+pytestmark = pytest.mark.skipif(not data.data_dir().is_dir(), reason="shared data folder not present")
+
+
+def test_loader_counts_match_source_txt():
+    copa = data.load_copa()
+    assert (len(copa["train"]), len(copa["validation"])) == (400, 100)
+    assert copa["validation"][0]["premise"] == "The man turned on the faucet."  # SuperGLUE val idx 0
+    assert len(data.load_piqa()) == 1838
+    assert len(data.load_openbookqa()) == 500
+    assert len(data.load_winogrande()) == 1267
+    rte = data.load_rte()
+    assert len(rte) == 277 and sum(row["label"] == 0 for row in rte) == 146
+    mathqa = data.load_mathqa()
+    assert len(mathqa) == 1000 and all(len(doc["choices"]) == 5 for doc in mathqa)
+    assert mathqa[0]["choices"] == ["12", "16", "18", "24", "26"]
+    assert len(data.load_xsum()) == 1000
+    hotpot = data.load_hotpotqa()
+    assert len(hotpot) == 103 and sum(item["type"] == "bridge" for item in hotpot) == 82
+    assert len(data.load_kv_retrieval()) == 500
+
+
+def test_mathqa_list_quirk_parses_like_the_plain_form():
+    plain = data.mathqa_options("a ) 1 , b ) 2 , c ) 3 , d ) 4 , e ) 5")
+    quirk = data.mathqa_options("['a ) 1', 'b ) 2', 'c ) 3', 'd ) 4', 'e ) 5']")
+    assert plain == quirk == ["1", "2", "3", "4", "5"]
+
+
+def test_wilson_interval_hand_computed():
+    # p = 0.5, n = 4, z = 1.96: centre 0.5, half = 1.96*sqrt(0.0625 + 0.2401)/1.9604 = 0.34998...
+    low, high = wilson_interval(0.5, 4)
+    half = 1.959964 * math.sqrt(0.25 / 4 + 1.959964**2 / 64) / (1 + 1.959964**2 / 4)
+    assert (low, high) == pytest.approx((0.5 - half, 0.5 + half))
+    assert half == pytest.approx(0.34996, abs=1e-4)
+
+
+def test_answer_matching():
+    assert exact_match("The Eiffel Tower.", ["eiffel tower"])
+    assert not exact_match("It is the Eiffel Tower", ["eiffel tower"])
+    assert contains_answer("It is the Eiffel Tower", ["eiffel tower"])
+
+
+def test_budget_is_a_fraction_of_each_prompt():
+    spec = EvalCache(budget=0.2, policy="h2o")
+    assert spec.settings(100, 8192).budget == 20
+    assert spec.settings(4, 8192).budget == 2  # never below 2 tokens
+    assert EvalCache(policy="sink", budget=0.2).settings(10, 8192).sinks == 1
+
+
+def test_multiple_choice_score_hand_computed(tiny_pair):
+    """continuation_scores on a tiny model equals a log-likelihood computed by hand from one plain forward."""
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.eval.scoring import continuation_scores
+
+    reference, model = tiny_pair
+    context, choices = [5, 9, 17, 3, 40, 41], [[7, 8], [60]]
+    cache = H2OCache(model, EvalCache(policy="full").settings(len(context), 256, 2))
+    ours = continuation_scores(model, cache, context, choices, chunk=4)
+    for (score, _), choice in zip(ours, choices, strict=False):
+        whole = torch.tensor([context + choice])
+        logprobs = torch.log_softmax(reference(whole).logits[0].float(), -1)
+        expected = sum(float(logprobs[len(context) - 1 + i, token]) for i, token in enumerate(choice))
+        assert score == pytest.approx(expected, abs=1e-4)
