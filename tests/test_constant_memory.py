@@ -9,15 +9,14 @@ import torch
 
 from h2o_cli.cache import H2OCache
 from h2o_cli.config import CacheSettings
-from h2o_cli.store import LayerStore
 from h2o_cli.streaming import stream_perplexity
-
-STATE = LayerStore._state_names()
 
 
 def buffer_layout(cache: H2OCache) -> list[tuple[int, tuple[int, ...]]]:
     return [
-        (getattr(s, name).data_ptr(), tuple(getattr(s, name).shape)) for s in cache.stores for name in STATE
+        (getattr(store, name).data_ptr(), tuple(getattr(store, name).shape))
+        for store in cache.stores
+        for name in store._state_names()
     ]
 
 
