@@ -79,7 +79,9 @@ class H2OLayer(CacheLayerMixin):
         positions = (kwargs or {}).get("position_ids")
         if positions is None:
             positions = torch.arange(store.tokens_seen, store.tokens_seen + chunk, device=key_states.device)
-        positions = positions.reshape(-1)[-chunk:]
+        elif positions.numel() != chunk:
+            positions = positions.reshape(-1)[-chunk:]
+        # The same tensor object for every layer of a forward pass, so Rope computes its cos/sin once.
         cos, sin = self.rope.cos_sin(positions, key_states.dtype)
         store.write(unrotate(key_states[0], cos, sin), value_states[0])
         self._model_positions = positions

@@ -85,6 +85,8 @@ class LayerStore:
 
     def allowed(self, chunk: int) -> torch.Tensor:
         """E_q for each query of the last written chunk: `[n_kv_heads, chunk, slots]` bool."""
+        if chunk == 1:  # decode: the one query sees every valid entry
+            return self.valid.unsqueeze(1)
         first = self.tokens_seen - chunk
         query_index = torch.arange(first, first + chunk, device=self.keys.device)
         return self.valid.unsqueeze(1) & (self.token_index.unsqueeze(1) <= query_index.view(1, -1, 1))
@@ -93,6 +95,9 @@ class LayerStore:
         """Add a chunk's attention to the accumulated scores (SPEC step 3)."""
         self.scores += score_increments
         self.last_probs.copy_(last_probs)
+        if chunk == 1:  # decode: the one query saw every valid entry
+            self.seen += self.valid
+            return
         # Queries of this chunk that saw each entry: all of them for old entries, fewer for the chunk's own.
         first = self.tokens_seen - chunk
         seen_by = (self.tokens_seen - torch.clamp(self.token_index, min=first)).clamp(0, chunk)
@@ -106,7 +111,10 @@ class LayerStore:
         slots = select_evictions(policy.priority(self), self.token_index, excess)
         evicted_rank = self.rank.gather(1, slots)
         # Ranks stay dense 0..length-1: each entry moves down by the evicted entries older than it.
-        self.rank -= (self.rank.unsqueeze(-1) > evicted_rank.unsqueeze(1)).sum(-1)
+        if excess == 1:
+            self.rank -= (self.rank > evicted_rank).long()
+        else:
+            self.rank -= (self.rank.unsqueeze(-1) > evicted_rank.unsqueeze(1)).sum(-1)
         self.valid.scatter_(1, slots, False)
         self.token_index.scatter_(1, slots, -1)
         self.length -= excess
