@@ -12,7 +12,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import ContextOverflowError, UnsupportedModelError
-from h2o_kernels import slot_attention
+from h2o_kernels import decode_attention, prefill_attention, slot_attention, use_triton
 from h2o_cli.policies import make_policy
 from h2o_cli.positions import Rope, rotate, unrotate
 from h2o_cli.store import LayerStore
@@ -107,6 +107,10 @@ class H2OLayer(CacheLayerMixin):
             key_positions = store.token_index
             first_query_position = store.tokens_seen - chunk
         cos_table, sin_table = self.rope.table(first_query_position + chunk, dtype, query.device)
+        if use_triton(query.device):
+            return self._attend_fused(
+                query, key_positions, first_query_position, cos_table, sin_table, scaling
+            )
         key_positions = key_positions.clamp_min(0)
         query_positions = slice(first_query_position, first_query_position + chunk)
         output, increments, last_probs = slot_attention(
@@ -123,6 +127,34 @@ class H2OLayer(CacheLayerMixin):
         store.accumulate(increments, last_probs, chunk)
         store.evict(self.policy)
         return output.transpose(0, 1).unsqueeze(0)
+
+    def _attend_fused(self, query, key_positions, first_query_position, cos_table, sin_table, scaling):
+        """The CUDA path: one Triton launch per layer for decode (scores accumulated in place, eviction
+        candidate found in the same pass), the two-pass prefill kernel for a chunk."""
+        chunk, store = query.shape[1], self.store
+        if chunk > 1:
+            output, increments, last_probs = prefill_attention(
+                query, store.keys, store.values, store.valid, store.token_index, key_positions,
+                store.tokens_seen - chunk, first_query_position, cos_table, sin_table, scaling,
+            )  # fmt: skip
+            store.accumulate(increments, last_probs, chunk)
+            store.evict(self.policy)
+            return output.transpose(0, 1).unsqueeze(0)
+        policy = self.policy
+        heavy_hitter = (
+            policy.name == "h2o" and policy.score_norm == "sum" and store.length - store.budget == 1
+        )
+        recent_rank = store.length - policy.recent if heavy_hitter else 0
+        output, increments, candidate = decode_attention(
+            query[:, 0], store.keys, store.values, store.valid, key_positions, store.rank, store.token_index,
+            first_query_position, cos_table, sin_table, scaling, store.scores, recent_rank,
+        )  # fmt: skip
+        store.accumulate(increments, increments, chunk, scores_added=True)
+        if heavy_hitter:
+            store.drop(candidate.unsqueeze(1))
+        else:
+            store.evict(policy)
+        return output.unsqueeze(0).unsqueeze(0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.store.length + query_length, 0

@@ -91,9 +91,12 @@ class LayerStore:
         query_index = torch.arange(first, first + chunk, device=self.keys.device)
         return self.valid.unsqueeze(1) & (self.token_index.unsqueeze(1) <= query_index.view(1, -1, 1))
 
-    def accumulate(self, score_increments: torch.Tensor, last_probs: torch.Tensor, chunk: int) -> None:
-        """Add a chunk's attention to the accumulated scores (SPEC step 3)."""
-        self.scores += score_increments
+    def accumulate(
+        self, score_increments: torch.Tensor, last_probs: torch.Tensor, chunk: int, scores_added: bool = False
+    ) -> None:
+        """Add a chunk's attention to the accumulated scores (SPEC step 3); `scores_added`: a kernel already did."""
+        if not scores_added:
+            self.scores += score_increments
         self.last_probs.copy_(last_probs)
         if chunk == 1:  # decode: the one query saw every valid entry
             self.seen += self.valid
@@ -108,7 +111,11 @@ class LayerStore:
         excess = self.length - self.budget
         if excess <= 0 or not policy.evicts:
             return None
-        slots = select_evictions(policy.priority(self), self.token_index, excess)
+        return self.drop(select_evictions(policy.priority(self), self.token_index, excess))
+
+    def drop(self, slots: torch.Tensor) -> torch.Tensor:
+        """Evict the entries in `slots` [n_kv_heads, n] (one per head per column). Returns `slots`."""
+        excess = slots.shape[1]
         evicted_rank = self.rank.gather(1, slots)
         # Ranks stay dense 0..length-1: each entry moves down by the evicted entries older than it.
         if excess == 1:

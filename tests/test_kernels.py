@@ -48,7 +48,9 @@ def tolerance(result: torch.Tensor, exact: torch.Tensor, torch_result: torch.Ten
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("n_heads", "n_kv", "slots", "length"), [(6, 2, 63, 40), (4, 4, 33, 33), (9, 3, 130, 97)])
+@pytest.mark.parametrize(
+    ("n_heads", "n_kv", "slots", "length"), [(6, 2, 63, 40), (4, 4, 33, 33), (9, 3, 130, 97)]
+)
 def test_decode_matches_reference(dtype, n_heads, n_kv, slots, length):
     head_dim = 32
     gen = torch.Generator().manual_seed(slots)
@@ -62,7 +64,14 @@ def test_decode_matches_reference(dtype, n_heads, n_kv, slots, length):
     def run(fn, q_dtype, table_dtype):
         cos, sin = rope_tables(length + 1, head_dim, table_dtype)
         s = scores.clone()
-        args = (query.to(DEVICE, q_dtype), keys.to(DEVICE, q_dtype), values.to(DEVICE, q_dtype), valid, rank, rank)
+        args = (
+            query.to(DEVICE, q_dtype),
+            keys.to(DEVICE, q_dtype),
+            values.to(DEVICE, q_dtype),
+            valid,
+            rank,
+            rank,
+        )
         out = fn(*args, token_index, length, cos, sin, head_dim**-0.5, s, recent_rank)
         return (*out, s)
 
@@ -97,7 +106,9 @@ def run_prefill(fn, dtype, table_dtype, tensors, state, chunk, head_dim):
     first_index = int(token_index.max()) + 1 - chunk
     length = int(valid.sum(dim=1).max())
     cos, sin = rope_tables(length + 1, head_dim, table_dtype)
-    return fn(query, keys, values, valid, token_index, rank, first_index, length - chunk, cos, sin, head_dim**-0.5)
+    return fn(
+        query, keys, values, valid, token_index, rank, first_index, length - chunk, cos, sin, head_dim**-0.5
+    )
 
 
 def chunk_state(n_kv: int, slots: int, old: int, chunk: int, seed: int):
@@ -111,7 +122,9 @@ def chunk_state(n_kv: int, slots: int, old: int, chunk: int, seed: int):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("n_heads", "n_kv", "slots", "old", "chunk"), [(6, 2, 70, 40, 23), (4, 4, 63, 0, 63)])
+@pytest.mark.parametrize(
+    ("n_heads", "n_kv", "slots", "old", "chunk"), [(6, 2, 70, 40, 23), (4, 4, 63, 0, 63)]
+)
 def test_prefill_matches_reference(dtype, n_heads, n_kv, slots, old, chunk):
     head_dim = 32
     gen = torch.Generator().manual_seed(chunk)
@@ -121,7 +134,9 @@ def test_prefill_matches_reference(dtype, n_heads, n_kv, slots, old, chunk):
         torch.randn(n_kv, slots, head_dim, generator=gen),
     )
     state = chunk_state(n_kv, slots, old, chunk, seed=chunk)
-    exact = run_prefill(prefill_ref.prefill_attention, torch.float64, torch.float64, tensors, state, chunk, head_dim)
+    exact = run_prefill(
+        prefill_ref.prefill_attention, torch.float64, torch.float64, tensors, state, chunk, head_dim
+    )
     torch_out = run_prefill(prefill_ref.prefill_attention, dtype, dtype, tensors, state, chunk, head_dim)
     kernel_out = run_prefill(triton_prefill.prefill_attention, dtype, dtype, tensors, state, chunk, head_dim)
     for got, want, theirs in zip(kernel_out, exact, torch_out):
@@ -139,9 +154,45 @@ def test_prefill_long_chunk_4001():
         torch.randn(1, chunk + 7, head_dim, generator=gen),
     )
     state = chunk_state(1, chunk + 7, 0, chunk, seed=3)
-    exact = run_prefill(prefill_ref.prefill_attention, torch.float64, torch.float64, tensors, state, chunk, head_dim)
-    torch_out = run_prefill(prefill_ref.prefill_attention, torch.float32, torch.float32, tensors, state, chunk, head_dim)
+    exact = run_prefill(
+        prefill_ref.prefill_attention, torch.float64, torch.float64, tensors, state, chunk, head_dim
+    )
+    torch_out = run_prefill(
+        prefill_ref.prefill_attention, torch.float32, torch.float32, tensors, state, chunk, head_dim
+    )
     kernel_out = run_prefill(triton_prefill.prefill_attention, torch.float32, torch.float32, tensors, state, chunk,
                              head_dim)  # fmt: skip
     for got, want, theirs in zip(kernel_out, exact, torch_out):
         assert tolerance(got, want, theirs)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova"])
+def test_cache_on_kernels_matches_reference_path(tiny_pair, monkeypatch, policy):
+    """The whole cache (prefill chunks, decode, eviction) on the Triton path equals the torch path."""
+    import h2o_cli.cache as cache_module
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.config import CacheSettings
+    from h2o_kernels import dispatch
+
+    _, model = tiny_pair
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    settings = CacheSettings(budget=16, policy=policy, chunk=8)
+
+    def run() -> tuple[torch.Tensor, list]:
+        cache = H2OCache(model, settings)
+        logits = []
+        with torch.inference_mode():
+            for piece in (ids[:, :12], ids[:, 12:20]):  # two prefill chunks, the second one evicts
+                logits.append(model(input_ids=piece, cache=cache, use_cache=True).logits[0])
+            for step in range(20, 40):  # decode with one eviction per step
+                logits.append(model(input_ids=ids[:, step : step + 1], cache=cache, use_cache=True).logits[0])
+        return torch.cat(logits), [(s.token_index.clone(), s.scores.clone()) for s in cache.stores]
+
+    reference_logits, reference_state = run()
+    monkeypatch.setattr(cache_module, "use_triton", lambda device: True)
+    monkeypatch.setattr(dispatch, "use_triton", lambda device: True)
+    kernel_logits, kernel_state = run()
+    torch.testing.assert_close(kernel_logits, reference_logits, rtol=1e-4, atol=1e-4)
+    for (tokens, scores), (ref_tokens, ref_scores) in zip(kernel_state, reference_state):
+        assert torch.equal(torch.sort(tokens, dim=1).values, torch.sort(ref_tokens, dim=1).values)
+        torch.testing.assert_close(scores, ref_scores, rtol=1e-4, atol=1e-5)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 
-
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE rotation in the `rotate_half` convention (cos, sin broadcast against x's last dims)."""
     half = x.shape[-1] // 2

@@ -26,8 +26,12 @@ def _rotated(base, rows, row_mask, positions, cos_ptr, sin_ptr, HEAD_DIM: tl.con
     mask = row_mask[:, None]
     x = tl.load(base + rows[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(base + rows[:, None] * HEAD_DIM + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    cos = tl.load(cos_ptr + positions[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + positions[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + positions[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0).to(
+        tl.float32
+    )
+    sin = tl.load(sin_ptr + positions[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0).to(
+        tl.float32
+    )
     return x * cos + xp * sign[None, :] * sin
 
 
