@@ -8,11 +8,11 @@
 from __future__ import annotations
 
 import torch
+from h2o_kernels import decode_attention, prefill_attention, slot_attention, use_triton
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import ContextOverflowError, UnsupportedModelError
-from h2o_kernels import decode_attention, prefill_attention, slot_attention, use_triton
 from h2o_cli.policies import make_policy
 from h2o_cli.positions import Rope, rotate, unrotate
 from h2o_cli.store import LayerStore

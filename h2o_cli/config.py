@@ -17,9 +17,7 @@ def parse_budget(value: str | float, context_tokens: int) -> int:
     try:
         budget = float(value)
     except (TypeError, ValueError):
-        raise UsageError(
-            f"--budget {value!r} is not a number; give a fraction like 0.1 or a token count like 512"
-        )
+        raise UsageError(f"--budget {value!r} is not a number; give a fraction like 0.1 or a token count like 512")
     if math.isnan(budget) or math.isinf(budget) or budget <= 0:
         raise UsageError(f"--budget {value} must be > 0: a fraction in (0, 1] or a token count > 1")
     if budget <= 1:

@@ -102,15 +102,11 @@ def resolve(name: str) -> ModelSource:
         return ModelSource(name, "gguf", str(path.resolve()))
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelNotFoundError(
-                f"folder {name} has no config.json; point --model at a saved model folder"
-            )
+            raise ModelNotFoundError(f"folder {name} has no config.json; point --model at a saved model folder")
         return ModelSource(name, "folder", str(path.resolve()))
     if name.count("/") == 1 and not name.startswith((".", "/")):
         return ModelSource(name, "hub", name)
-    raise UsageError(
-        f"--model {name!r} is not an alias, a .gguf file, a model folder or a hub id; see `h2o models`"
-    )
+    raise UsageError(f"--model {name!r} is not an alias, a .gguf file, a model folder or a hub id; see `h2o models`")
 
 
 def pick_device(device: str) -> torch.device:
@@ -248,9 +244,7 @@ def describe_presets() -> list[dict]:
         gguf = embedded_gguf(preset)
         if gguf is not None:
             converted = gguf_cache_dir(gguf)
-            local = f"embedded GGUF ({gguf.name})" + (
-                ", converted" if (converted / "config.json").is_file() else ""
-            )
+            local = f"embedded GGUF ({gguf.name})" + (", converted" if (converted / "config.json").is_file() else "")
         elif hub_cached(preset.hub_id):
             local = "in the Hugging Face cache"
         else:

@@ -45,9 +45,8 @@ class Rope:
         self.scaling = float(getattr(rotary_emb, "attention_scaling", 1.0))
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
-        self._last: tuple | None = (
-            None  # (positions tensor, dtype, cos, sin): every layer asks for the same step
-        )
+        # (positions tensor, dtype, cos, sin): every layer of a forward pass asks for the same positions.
+        self._last: tuple | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Pure rotation for `positions` [n] → cos, sin [n, head_dim] in `dtype`.
@@ -70,9 +69,7 @@ class Rope:
         self._last = (positions, dtype, cos, sin)
         return cos, sin
 
-    def table(
-        self, length: int, dtype: torch.dtype, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def table(self, length: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables cos, sin [>= length, head_dim] for positions 0 .. length-1, grown on demand, never shrunk."""
         if self._cos.shape[0] < length or self._cos.dtype != dtype or self._cos.device != device:
             size = max(length, 2 * self._cos.shape[0])

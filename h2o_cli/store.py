@@ -94,7 +94,7 @@ class LayerStore:
     def accumulate(
         self, score_increments: torch.Tensor, last_probs: torch.Tensor, chunk: int, scores_added: bool = False
     ) -> None:
-        """Add a chunk's attention to the accumulated scores (SPEC step 3); `scores_added`: a kernel already did."""
+        """Add a chunk's attention to the scores (SPEC step 3); `scores_added`: a kernel already did that."""
         if not scores_added:
             self.scores += score_increments
         self.last_probs.copy_(last_probs)

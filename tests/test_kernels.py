@@ -139,7 +139,7 @@ def test_prefill_matches_reference(dtype, n_heads, n_kv, slots, old, chunk):
     )
     torch_out = run_prefill(prefill_ref.prefill_attention, dtype, dtype, tensors, state, chunk, head_dim)
     kernel_out = run_prefill(triton_prefill.prefill_attention, dtype, dtype, tensors, state, chunk, head_dim)
-    for got, want, theirs in zip(kernel_out, exact, torch_out):
+    for got, want, theirs in zip(kernel_out, exact, torch_out, strict=True):
         assert tolerance(got, want, theirs)
     assert kernel_out[0].dtype == dtype
 
@@ -162,17 +162,18 @@ def test_prefill_long_chunk_4001():
     )
     kernel_out = run_prefill(triton_prefill.prefill_attention, torch.float32, torch.float32, tensors, state, chunk,
                              head_dim)  # fmt: skip
-    for got, want, theirs in zip(kernel_out, exact, torch_out):
+    for got, want, theirs in zip(kernel_out, exact, torch_out, strict=True):
         assert tolerance(got, want, theirs)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "tova"])
 def test_cache_on_kernels_matches_reference_path(tiny_pair, monkeypatch, policy):
     """The whole cache (prefill chunks, decode, eviction) on the Triton path equals the torch path."""
+    from h2o_kernels import dispatch
+
     import h2o_cli.cache as cache_module
     from h2o_cli.cache import H2OCache
     from h2o_cli.config import CacheSettings
-    from h2o_kernels import dispatch
 
     _, model = tiny_pair
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -193,6 +194,6 @@ def test_cache_on_kernels_matches_reference_path(tiny_pair, monkeypatch, policy)
     monkeypatch.setattr(dispatch, "use_triton", lambda device: True)
     kernel_logits, kernel_state = run()
     torch.testing.assert_close(kernel_logits, reference_logits, rtol=1e-4, atol=1e-4)
-    for (tokens, scores), (ref_tokens, ref_scores) in zip(kernel_state, reference_state):
+    for (tokens, scores), (ref_tokens, ref_scores) in zip(kernel_state, reference_state, strict=True):
         assert torch.equal(torch.sort(tokens, dim=1).values, torch.sort(ref_tokens, dim=1).values)
         torch.testing.assert_close(scores, ref_scores, rtol=1e-4, atol=1e-5)

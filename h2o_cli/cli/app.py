@@ -32,9 +32,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def root(
-    version: bool = typer.Option(
-        False, "--version", callback=_version, is_eager=True, help="Print the version."
-    ),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     """h2o: H2O heavy-hitter KV-cache eviction for long contexts in constant memory."""
 

@@ -27,59 +27,40 @@ Model = Annotated[
 Budget = Annotated[
     str,
     typer.Option(
-        "--budget",
-        "-b",
-        help="Tokens kept per KV head: a fraction (0,1] of the context window, or a count > 1.",
+        "--budget", "-b", help="Tokens kept per KV head: a fraction (0,1] of the context window, or a count > 1."
     ),
 ]
 Policy = Annotated[
-    str,
-    typer.Option(
-        "--policy",
-        "-p",
-        help=f"Eviction policy: {', '.join(POLICIES)}.",
-        callback=_choice("policy", POLICIES),
-    ),
+    str, typer.Option("--policy", "-p", help=f"Eviction policy: {', '.join(POLICIES)}.", callback=_choice("policy", POLICIES))
 ]
 HeavyRatio = Annotated[
-    float,
-    typer.Option(
-        "--heavy-ratio", min=0.0, max=1.0, help="Share of the budget for heavy hitters (h2o, tova)."
-    ),
+    float, typer.Option("--heavy-ratio", min=0.0, max=1.0, help="Share of the budget for heavy hitters (h2o, tova).")
 ]
 Sinks = Annotated[int, typer.Option("--sinks", min=0, help="Attention-sink tokens kept by --policy sink.")]
 Positions = Annotated[
     str,
     typer.Option(
-        "--positions",
-        help="rolling (any length) or original (exact, within the context window).",
+        "--positions", help="rolling (any length) or original (exact, within the context window).",
         callback=_choice("positions", POSITIONS),
     ),
 ]
 ScoreNorm = Annotated[
     str,
     typer.Option(
-        "--score-norm",
-        help="h2o scores: sum (the paper) or mean (per query that saw the token).",
+        "--score-norm", help="h2o scores: sum (the paper) or mean (per query that saw the token).",
         callback=_choice("score-norm", SCORE_NORMS),
     ),
 ]
 Chunk = Annotated[int, typer.Option("--chunk", min=1, help="Tokens per forward pass (1 = token by token).")]
 Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
-Dtype = Annotated[
-    str, typer.Option("--dtype", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16.")
-]
-Threads = Annotated[
-    int, typer.Option("--threads", min=0, help="CPU threads for torch (0 = torch's default).")
-]
+Dtype = Annotated[str, typer.Option("--dtype", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16.")]
+Threads = Annotated[int, typer.Option("--threads", min=0, help="CPU threads for torch (0 = torch's default).")]
 TrustRemoteCode = Annotated[
     bool, typer.Option("--trust-remote-code", help="Allow a hub model's own Python code (off by default).")
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", "-n", min=0, help="Most tokens to generate.")]
-Temperature = Annotated[
-    float, typer.Option("--temperature", "-t", min=0.0, help="Sampling temperature; 0 = greedy.")
-]
+Temperature = Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="Sampling temperature; 0 = greedy.")]
 TopP = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.")]
 Seed = Annotated[int | None, typer.Option("--seed", help="Random seed for sampling.")]
 

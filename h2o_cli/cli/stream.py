@@ -52,12 +52,8 @@ def _progress(total_bytes: int | None):
 def stream(
     source: Annotated[str, typer.Argument(metavar="FILE", help="Text file to read, or - for stdin.")],
     ppl: Annotated[bool, typer.Option("--ppl", help="Report the perplexity of the text.")] = False,
-    max_tokens: Annotated[
-        int | None, typer.Option("--max-tokens", min=1, help="Read only the first N tokens.")
-    ] = None,
-    prompt: Annotated[
-        str | None, typer.Option("--prompt", help="Question to answer after reading the text.")
-    ] = None,
+    max_tokens: Annotated[int | None, typer.Option("--max-tokens", min=1, help="Read only the first N tokens.")] = None,
+    prompt: Annotated[str | None, typer.Option("--prompt", help="Question to answer after reading the text.")] = None,
     model: opt.Model = opt.DEFAULTS["model"],
     budget: opt.Budget = opt.DEFAULTS["budget"],
     policy: opt.Policy = "h2o",
@@ -99,9 +95,7 @@ def stream(
     cache = H2OCache(lm, settings)
     counter = ByteCounter(source_file)
     run = _run_ppl if ppl else _run_generate
-    report = run(
-        lm, tokenizer, cache, counter, source, total_bytes, max_tokens, chunk, prompt, sampling, as_json
-    )
+    report = run(lm, tokenizer, cache, counter, source, total_bytes, max_tokens, chunk, prompt, sampling, as_json)
     report["model"] = model
     if as_json:
         print(json.dumps(report))
@@ -115,9 +109,7 @@ def _pieces(tokenizer, counter: ByteCounter, source: str):
     return token_stream(tokenizer, text_blocks(counter, name="stdin" if source == "-" else source))
 
 
-def _run_ppl(
-    lm, tokenizer, cache, counter, source, total_bytes, max_tokens, chunk, prompt, sampling, quiet
-) -> dict:
+def _run_ppl(lm, tokenizer, cache, counter, source, total_bytes, max_tokens, chunk, prompt, sampling, quiet) -> dict:
     from h2o_cli.runtime import cache_summary, peak_rss_bytes
     from h2o_cli.streaming import stream_perplexity
 
@@ -147,11 +139,7 @@ def _run_ppl(
     }
     if stats.error:
         report["error"] = stats.error
-    partial = (
-        " (interrupted: partial)"
-        if stats.interrupted
-        else (" (stopped early: partial)" if stats.error else "")
-    )
+    partial = " (interrupted: partial)" if stats.interrupted else (" (stopped early: partial)" if stats.error else "")
     stderr.print(
         f"perplexity {stats.ppl:.4f} over {stats.predictions:,} predictions{partial} · {stats.tokens_per_s:,.1f} tok/s"
         f" · cache {report['kv_cache_bytes'] / 2**20:,.1f} MiB ({report['policy']}, {report['budget_tokens']} tokens)"
@@ -160,9 +148,7 @@ def _run_ppl(
     return report
 
 
-def _run_generate(
-    lm, tokenizer, cache, counter, source, total_bytes, max_tokens, chunk, prompt, sampling, quiet
-) -> dict:
+def _run_generate(lm, tokenizer, cache, counter, source, total_bytes, max_tokens, chunk, prompt, sampling, quiet) -> dict:
     import time
 
     from h2o_cli.generation import TextStreamer, generate_ids
@@ -180,9 +166,7 @@ def _run_generate(
         task = progress.add_task("read", total=total_bytes, status="")
 
         def update(stats) -> None:
-            progress.update(
-                task, completed=counter.bytes, status=f"{stats.tokens:,} tok  {stats.tokens_per_s:,.0f} tok/s"
-            )
+            progress.update(task, completed=counter.bytes, status=f"{stats.tokens:,} tok  {stats.tokens_per_s:,.0f} tok/s")
 
         logits, stats = prefill(lm, cache, pieces, chunk, max_tokens, update)
     if logits is None:

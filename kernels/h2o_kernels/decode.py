@@ -1,4 +1,4 @@
-"""Pure-torch reference of the fused decode step (the Triton kernel in `triton_decode.py` has this signature)."""
+"""Pure-torch reference of the fused decode step (`triton_decode.py` has the same signature)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,10 @@ def decode_attention(
 
     query: [n_heads, head_dim] unrotated; keys, values: [n_kv_heads, slots, head_dim] unrotated.
     valid: [n_kv_heads, slots] bool (the set E_q); key_positions, rank, token_index: [n_kv_heads, slots] int64.
-    cos_table, sin_table: [positions, head_dim]; the query is rotated at `query_position`, key j at key_positions[j].
-    scores: [n_kv_heads, slots] float32, gets the probabilities summed over each KV head's query heads.
+    cos_table, sin_table: [positions, head_dim]; the query is rotated at `query_position`,
+    key j at key_positions[j].
+    scores: [n_kv_heads, slots] float32, gets the probabilities summed over each KV head's query
+    heads.
     Returns output [n_heads, head_dim], last_probs [n_kv_heads, slots] (this step's increments) and the
     eviction candidate [n_kv_heads] int64: the slot with the smallest updated score among valid entries with
     rank < recent_rank, ties to the smallest token index (-1 when there is none).
