@@ -9,7 +9,7 @@ import click
 import typer
 
 from h2o_cli import __version__
-from h2o_cli.cli import models_cmd, stream
+from h2o_cli.cli import bench, models_cmd, stream
 from h2o_cli.errors import H2OError
 
 app = typer.Typer(
@@ -22,6 +22,7 @@ app = typer.Typer(
 )
 app.command("stream", no_args_is_help=True)(stream.stream)
 app.command("models")(models_cmd.models)
+app.command("bench")(bench.bench)
 
 
 def _version(value: bool) -> None:
