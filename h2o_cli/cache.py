@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import torch
-from h2o_kernels import slot_attention
+from h2o_kernels import decode_attention, prefill_attention, slot_attention, use_triton
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_cli.config import CacheSettings
@@ -81,7 +81,9 @@ class H2OLayer(CacheLayerMixin):
         positions = (kwargs or {}).get("position_ids")
         if positions is None:
             positions = torch.arange(store.tokens_seen, store.tokens_seen + chunk, device=key_states.device)
-        positions = positions.reshape(-1)[-chunk:]
+        elif positions.numel() != chunk:
+            positions = positions.reshape(-1)[-chunk:]
+        # The same tensor object for every layer of a forward pass, so Rope computes its cos/sin once.
         cos, sin = self.rope.cos_sin(positions, key_states.dtype)
         store.write(unrotate(key_states[0], cos, sin), value_states[0])
         self._model_positions = positions
@@ -107,6 +109,10 @@ class H2OLayer(CacheLayerMixin):
             key_positions = store.token_index
             first_query_position = store.tokens_seen - chunk
         cos_table, sin_table = self.rope.table(first_query_position + chunk, dtype, query.device)
+        if use_triton(query.device):
+            return self._attend_fused(
+                query, key_positions, first_query_position, cos_table, sin_table, scaling
+            )
         key_positions = key_positions.clamp_min(0)
         query_positions = slice(first_query_position, first_query_position + chunk)
         output, increments, last_probs = slot_attention(
@@ -123,6 +129,35 @@ class H2OLayer(CacheLayerMixin):
         store.accumulate(increments, last_probs, chunk)
         store.evict(self.policy)
         return output.transpose(0, 1).unsqueeze(0)
+
+    def _attend_fused(self, query, key_positions, first_query_position, cos_table, sin_table, scaling):
+        """The CUDA path: one Triton launch per layer for decode (scores accumulated in place, eviction
+        candidate found in the same pass), the two-pass prefill kernel for a chunk."""
+        chunk, store = query.shape[1], self.store
+        if chunk > 1:
+            output, increments, last_probs = prefill_attention(
+                query, store.key_states(), store.value_states(), store.valid, store.token_index, key_positions,
+                store.tokens_seen - chunk, first_query_position, cos_table, sin_table, scaling,
+            )  # fmt: skip
+            store.accumulate(increments, last_probs, chunk)
+            store.evict(self.policy)
+            return output.transpose(0, 1).unsqueeze(0)
+        policy = self.policy
+        heavy_hitter = (
+            policy.name == "h2o" and policy.score_norm == "sum" and store.length - store.budget == 1
+        )
+        recent_rank = store.length - policy.recent if heavy_hitter else 0
+        output, increments, candidate = decode_attention(
+            query[:, 0], store.key_states(), store.value_states(), store.valid, key_positions, store.rank,
+            store.token_index,
+            first_query_position, cos_table, sin_table, scaling, store.scores, recent_rank,
+        )  # fmt: skip
+        store.accumulate(increments, increments, chunk, scores_added=True)
+        if heavy_hitter:
+            store.drop(candidate.unsqueeze(1))
+        else:
+            store.evict(policy)
+        return output.unsqueeze(0).unsqueeze(0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.store.length + query_length, 0

@@ -45,9 +45,17 @@ class Rope:
         self.scaling = float(getattr(rotary_emb, "attention_scaling", 1.0))
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
+        # (positions tensor, dtype, cos, sin): every layer of a forward pass asks for the same positions.
+        self._last: tuple | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pure rotation for `positions` [n] → cos, sin [n, head_dim] in `dtype`."""
+        """Pure rotation for `positions` [n] → cos, sin [n, head_dim] in `dtype`.
+
+        The last answer is kept: all layers of one forward pass ask for the same `positions` tensor object.
+        """
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
         dummy = torch.empty(0, dtype=dtype, device=positions.device)
         cos, sin = self.rotary_emb(dummy, positions.reshape(1, -1))
         if cos.shape[-1] != self.head_dim:
@@ -57,7 +65,9 @@ class Rope:
             )
         if self.scaling != 1.0:
             cos, sin = cos / self.scaling, sin / self.scaling
-        return cos[0].to(dtype), sin[0].to(dtype)
+        cos, sin = cos[0].to(dtype), sin[0].to(dtype)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
 
     def table(
         self, length: int, dtype: torch.dtype, device: torch.device
@@ -66,4 +76,5 @@ class Rope:
         if self._cos.shape[0] < length or self._cos.dtype != dtype or self._cos.device != device:
             size = max(length, 2 * self._cos.shape[0])
             self._cos, self._sin = self.cos_sin(torch.arange(size, device=device), dtype)
+            self._last = None
         return self._cos, self._sin

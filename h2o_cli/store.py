@@ -124,14 +124,22 @@ class LayerStore:
 
     def allowed(self, chunk: int) -> torch.Tensor:
         """E_q for each query of the last written chunk: `[n_kv_heads, chunk, slots]` bool."""
+        if chunk == 1:  # decode: the one query sees every valid entry
+            return self.valid.unsqueeze(1)
         first = self.tokens_seen - chunk
         query_index = torch.arange(first, first + chunk, device=self.keys.device)
         return self.valid.unsqueeze(1) & (self.token_index.unsqueeze(1) <= query_index.view(1, -1, 1))
 
-    def accumulate(self, score_increments: torch.Tensor, last_probs: torch.Tensor, chunk: int) -> None:
-        """Add a chunk's attention to the accumulated scores (SPEC step 3)."""
-        self.scores += score_increments
+    def accumulate(
+        self, score_increments: torch.Tensor, last_probs: torch.Tensor, chunk: int, scores_added: bool = False
+    ) -> None:
+        """Add a chunk's attention to the scores (SPEC step 3); `scores_added`: a kernel already did that."""
+        if not scores_added:
+            self.scores += score_increments
         self.last_probs.copy_(last_probs)
+        if chunk == 1:  # decode: the one query saw every valid entry
+            self.seen += self.valid
+            return
         # Queries of this chunk that saw each entry: all of them for old entries, fewer for the chunk's own.
         first = self.tokens_seen - chunk
         seen_by = (self.tokens_seen - torch.clamp(self.token_index, min=first)).clamp(0, chunk)
@@ -142,10 +150,17 @@ class LayerStore:
         excess = self.length - self.budget
         if excess <= 0 or not policy.evicts:
             return None
-        slots = select_evictions(policy.priority(self), self.token_index, excess)
+        return self.drop(select_evictions(policy.priority(self), self.token_index, excess))
+
+    def drop(self, slots: torch.Tensor) -> torch.Tensor:
+        """Evict the entries in `slots` [n_kv_heads, n] (one per head per column). Returns `slots`."""
+        excess = slots.shape[1]
         evicted_rank = self.rank.gather(1, slots)
         # Ranks stay dense 0..length-1: each entry moves down by the evicted entries older than it.
-        self.rank -= (self.rank.unsqueeze(-1) > evicted_rank.unsqueeze(1)).sum(-1)
+        if excess == 1:
+            self.rank -= (self.rank > evicted_rank).long()
+        else:
+            self.rank -= (self.rank.unsqueeze(-1) > evicted_rank.unsqueeze(1)).sum(-1)
         self.valid.scatter_(1, slots, False)
         self.token_index.scatter_(1, slots, -1)
         self.length -= excess

@@ -8,7 +8,7 @@ import sys
 import typer
 
 from h2o_cli import __version__
-from h2o_cli.cli import compare, memory, models_cmd, plot, stream
+from h2o_cli.cli import bench, compare, memory, models_cmd, plot, stream
 from h2o_cli.cli import eval as eval_cmd
 from h2o_cli.errors import H2OError
 
@@ -26,6 +26,7 @@ app.command("memory")(memory.memory)
 app.command("eval", no_args_is_help=True)(eval_cmd.eval)
 app.command("compare", no_args_is_help=True)(compare.compare)
 app.command("plot", no_args_is_help=True)(plot.plot)
+app.command("bench")(bench.bench)
 
 
 def _version(value: bool) -> None:

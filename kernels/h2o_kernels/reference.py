@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from h2o_cli.positions import rotate
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE rotation in the `rotate_half` convention (cos, sin broadcast against x's last dims)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def slot_attention(
@@ -28,15 +32,16 @@ def slot_attention(
     [n_kv_heads, slots] (summed over query heads).
     """
     n_heads, chunk, head_dim = query.shape
-    n_kv_heads = keys.shape[0]
+    n_kv_heads, slots = keys.shape[:2]
     group = n_heads // n_kv_heads
-    # [n_kv, group, chunk, d]: the query heads that share each KV head, side by side.
-    q = rotate(query, query_cos, query_sin).view(n_kv_heads, group, chunk, head_dim)
+    # [n_kv, group * chunk, d]: the query heads that share each KV head stacked, so one bmm per KV head
+    # serves them all (a broadcast matmul over the group would copy the keys group times).
+    q = rotate(query, query_cos, query_sin).reshape(n_kv_heads, group * chunk, head_dim)
     k = rotate(keys, key_cos, key_sin)
-    logits = torch.matmul(q, k.transpose(1, 2).unsqueeze(1)).float() * scaling  # [n_kv, group, chunk, slots]
-    logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    output = torch.matmul(probs.to(values.dtype), values.unsqueeze(1))  # [n_kv, group, chunk, d]
-    score_increments = probs.sum(dim=(1, 2))
+    logits = torch.bmm(q, k.transpose(1, 2)).float().mul_(scaling)  # [n_kv, group * chunk, slots]
+    logits = logits.view(n_kv_heads, group, chunk, slots).masked_fill_(~allowed.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # [n_kv, group, chunk, slots]
+    output = torch.bmm(probs.view(n_kv_heads, group * chunk, slots).to(values.dtype), values)
     last_probs = probs[:, :, -1].sum(dim=1)
-    return output.reshape(n_heads, chunk, head_dim), score_increments, last_probs
+    score_increments = last_probs if chunk == 1 else probs.sum(dim=(1, 2))
+    return output.view(n_heads, chunk, head_dim), score_increments, last_probs

@@ -1,0 +1,199 @@
+"""Triton kernels against their pure-torch references (CPU: TRITON_INTERPRET=1; set before triton loads)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from h2o_kernels import decode as decode_ref  # noqa: E402
+from h2o_kernels import prefill as prefill_ref  # noqa: E402
+from h2o_kernels import triton_decode, triton_prefill  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def rope_tables(length: int, head_dim: int, dtype: torch.dtype):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+
+
+def slot_state(n_kv: int, slots: int, length: int, seed: int):
+    """A slot cache with `length` valid entries per head in scattered slots, ranks dense by token index."""
+    gen = torch.Generator().manual_seed(seed)
+    valid = torch.zeros(n_kv, slots, dtype=torch.bool)
+    token_index = torch.full((n_kv, slots), -1, dtype=torch.int64)
+    rank = torch.zeros(n_kv, slots, dtype=torch.int64)
+    for head in range(n_kv):
+        chosen = torch.randperm(slots, generator=gen)[:length]
+        tokens = torch.sort(torch.randperm(4 * slots, generator=gen)[:length]).values
+        valid[head, chosen] = True
+        token_index[head, chosen] = tokens
+        rank[head, chosen] = torch.arange(length)
+    return valid.to(DEVICE), token_index.to(DEVICE), rank.to(DEVICE)
+
+
+def tolerance(result: torch.Tensor, exact: torch.Tensor, torch_result: torch.Tensor) -> bool:
+    """FlagAttention's rule: kernel error <= 2 * torch's own error (same dtype) + 1e-5."""
+    torch_err = (torch_result.double() - exact.double()).abs().max().item()
+    kernel_err = (result.double() - exact.double()).abs().max().item()
+    return kernel_err <= 2 * torch_err + 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("n_heads", "n_kv", "slots", "length"), [(6, 2, 63, 40), (4, 4, 33, 33), (9, 3, 130, 97)]
+)
+def test_decode_matches_reference(dtype, n_heads, n_kv, slots, length):
+    head_dim = 32
+    gen = torch.Generator().manual_seed(slots)
+    query = torch.randn(n_heads, head_dim, generator=gen)
+    keys = torch.randn(n_kv, slots, head_dim, generator=gen)
+    values = torch.randn(n_kv, slots, head_dim, generator=gen)
+    valid, token_index, rank = slot_state(n_kv, slots, length, seed=slots)
+    scores = torch.rand(n_kv, slots, generator=gen).to(DEVICE)
+    recent_rank = length - 8
+
+    def run(fn, q_dtype, table_dtype):
+        cos, sin = rope_tables(length + 1, head_dim, table_dtype)
+        s = scores.clone()
+        args = (
+            query.to(DEVICE, q_dtype),
+            keys.to(DEVICE, q_dtype),
+            values.to(DEVICE, q_dtype),
+            valid,
+            rank,
+            rank,
+        )
+        out = fn(*args, token_index, length, cos, sin, head_dim**-0.5, s, recent_rank)
+        return (*out, s)
+
+    exact = run(decode_ref.decode_attention, torch.float64, torch.float64)
+    torch_out = run(decode_ref.decode_attention, dtype, dtype)
+    kernel_out = run(triton_decode.decode_attention, dtype, dtype)
+    for index in (0, 1, 3):  # output, increments, updated scores
+        assert tolerance(kernel_out[index], exact[index], torch_out[index])
+    assert kernel_out[0].dtype == dtype
+    # The candidate: the same slot as the reference on the kernel's own scores (ties are exact there).
+    priority = torch.where(valid & (rank < recent_rank), kernel_out[3], float("inf"))
+    assert torch.equal(kernel_out[2], priority.argmin(dim=1)) or torch.equal(kernel_out[2], exact[2])
+
+
+def test_decode_candidate_ties_go_to_oldest():
+    n_kv, slots, head_dim = 2, 16, 16
+    valid, token_index, rank = slot_state(n_kv, slots, 12, seed=1)
+    cos, sin = rope_tables(13, head_dim, torch.float32)
+    query = torch.zeros(4, head_dim, device=DEVICE)  # uniform attention: every valid entry ties
+    kv = torch.randn(n_kv, slots, head_dim, device=DEVICE)
+    scores = torch.zeros(n_kv, slots, device=DEVICE)
+    *_, candidate = triton_decode.decode_attention(
+        query, kv, kv, valid, rank, rank, token_index, 12, cos, sin, 0.25, scores, 8
+    )
+    oldest = torch.where(valid, token_index, 10**9).argmin(dim=1)
+    assert torch.equal(candidate, oldest)
+
+
+def run_prefill(fn, dtype, table_dtype, tensors, state, chunk, head_dim):
+    query, keys, values = (t.to(DEVICE, dtype) for t in tensors)
+    valid, token_index, rank = state
+    first_index = int(token_index.max()) + 1 - chunk
+    length = int(valid.sum(dim=1).max())
+    cos, sin = rope_tables(length + 1, head_dim, table_dtype)
+    return fn(
+        query, keys, values, valid, token_index, rank, first_index, length - chunk, cos, sin, head_dim**-0.5
+    )
+
+
+def chunk_state(n_kv: int, slots: int, old: int, chunk: int, seed: int):
+    """`old` cached entries (scattered slots and token indices) plus a chunk of `chunk` new consecutive tokens."""
+    valid, token_index, rank = slot_state(n_kv, slots, old + chunk, seed)
+    first = 4 * slots + 1
+    for head in range(n_kv):
+        newest = torch.where(valid[head] & (rank[head] >= old))[0]
+        token_index[head, newest] = first + rank[head, newest] - old
+    return valid, token_index, rank
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("n_heads", "n_kv", "slots", "old", "chunk"), [(6, 2, 70, 40, 23), (4, 4, 63, 0, 63)]
+)
+def test_prefill_matches_reference(dtype, n_heads, n_kv, slots, old, chunk):
+    head_dim = 32
+    gen = torch.Generator().manual_seed(chunk)
+    tensors = (
+        torch.randn(n_heads, chunk, head_dim, generator=gen),
+        torch.randn(n_kv, slots, head_dim, generator=gen),
+        torch.randn(n_kv, slots, head_dim, generator=gen),
+    )
+    state = chunk_state(n_kv, slots, old, chunk, seed=chunk)
+    exact = run_prefill(
+        prefill_ref.prefill_attention, torch.float64, torch.float64, tensors, state, chunk, head_dim
+    )
+    torch_out = run_prefill(prefill_ref.prefill_attention, dtype, dtype, tensors, state, chunk, head_dim)
+    kernel_out = run_prefill(triton_prefill.prefill_attention, dtype, dtype, tensors, state, chunk, head_dim)
+    for got, want, theirs in zip(kernel_out, exact, torch_out, strict=True):
+        assert tolerance(got, want, theirs)
+    assert kernel_out[0].dtype == dtype
+
+
+@pytest.mark.slow
+def test_prefill_long_chunk_4001():
+    head_dim, chunk = 16, 4001
+    gen = torch.Generator().manual_seed(0)
+    tensors = (
+        torch.randn(2, chunk, head_dim, generator=gen),
+        torch.randn(1, chunk + 7, head_dim, generator=gen),
+        torch.randn(1, chunk + 7, head_dim, generator=gen),
+    )
+    state = chunk_state(1, chunk + 7, 0, chunk, seed=3)
+    exact = run_prefill(
+        prefill_ref.prefill_attention, torch.float64, torch.float64, tensors, state, chunk, head_dim
+    )
+    torch_out = run_prefill(
+        prefill_ref.prefill_attention, torch.float32, torch.float32, tensors, state, chunk, head_dim
+    )
+    kernel_out = run_prefill(triton_prefill.prefill_attention, torch.float32, torch.float32, tensors, state, chunk,
+                             head_dim)  # fmt: skip
+    for got, want, theirs in zip(kernel_out, exact, torch_out, strict=True):
+        assert tolerance(got, want, theirs)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova"])
+def test_cache_on_kernels_matches_reference_path(tiny_pair, monkeypatch, policy):
+    """The whole cache (prefill chunks, decode, eviction) on the Triton path equals the torch path."""
+    from h2o_kernels import dispatch
+
+    import h2o_cli.cache as cache_module
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.config import CacheSettings
+
+    _, model = tiny_pair
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    settings = CacheSettings(budget=16, policy=policy, chunk=8)
+
+    def run() -> tuple[torch.Tensor, list]:
+        cache = H2OCache(model, settings)
+        logits = []
+        with torch.inference_mode():
+            for piece in (ids[:, :12], ids[:, 12:20]):  # two prefill chunks, the second one evicts
+                logits.append(model(input_ids=piece, cache=cache, use_cache=True).logits[0])
+            for step in range(20, 40):  # decode with one eviction per step
+                logits.append(model(input_ids=ids[:, step : step + 1], cache=cache, use_cache=True).logits[0])
+        return torch.cat(logits), [(s.token_index.clone(), s.scores.clone()) for s in cache.stores]
+
+    reference_logits, reference_state = run()
+    monkeypatch.setattr(cache_module, "use_triton", lambda device: True)
+    monkeypatch.setattr(dispatch, "use_triton", lambda device: True)
+    kernel_logits, kernel_state = run()
+    torch.testing.assert_close(kernel_logits, reference_logits, rtol=1e-4, atol=1e-4)
+    for (tokens, scores), (ref_tokens, ref_scores) in zip(kernel_state, reference_state, strict=True):
+        assert torch.equal(torch.sort(tokens, dim=1).values, torch.sort(ref_tokens, dim=1).values)
+        torch.testing.assert_close(scores, ref_scores, rtol=1e-4, atol=1e-5)
