@@ -9,7 +9,7 @@ import click
 import typer
 
 from h2o_cli import __version__
-from h2o_cli.cli import models_cmd, stream
+from h2o_cli.cli import chat, models_cmd, stream
 from h2o_cli.errors import H2OError
 
 app = typer.Typer(
@@ -21,6 +21,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 app.command("stream", no_args_is_help=True)(stream.stream)
+app.command("chat")(chat.chat)
 app.command("models")(models_cmd.models)
 
 
