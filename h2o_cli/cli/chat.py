@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Annotated
 
@@ -64,7 +65,12 @@ def chat(
     settings = make_settings(lm, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk)
     session = ChatSession(lm, tokenizer, settings, sampling, system)
     if one_shot:
-        _answer_once(session, message, as_json, model)
+        try:
+            _answer_once(session, message, as_json, model)
+        except BrokenPipeError:
+            # The reader went away (`| head -1`): stop quietly. (click would turn EPIPE into exit code 1.)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(0) from None
         return
     from h2o_cli.cli.chat_repl import ChatLoop
 
