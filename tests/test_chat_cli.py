@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO
 from typer.testing import CliRunner
 
-from conftest import REPO
 from h2o_cli.cli.app import app
 
 MAIN = [sys.executable, "-c", "from h2o_cli.cli.app import main; main()"]
@@ -71,7 +71,9 @@ def test_scripted_session_with_slash_commands(loaded, home):
             "/exit",
         ]
     )
-    result = CliRunner().invoke(app, ["chat", "-i", "--budget", "48", "-n", "5", "--threads", "1"], input=script + "\n")
+    result = CliRunner().invoke(
+        app, ["chat", "-i", "--budget", "48", "-n", "5", "--threads", "1"], input=script + "\n"
+    )
     assert result.exit_code == 0, result.output
     transcript = sorted((home / "chats").glob("*.json"))
     assert len(transcript) == 1
@@ -123,17 +125,21 @@ def test_empty_stdin_is_one_red_line(loaded, home):
 
 
 def test_piped_prompt_prints_exactly_the_answer(smollm, home):
-    """stdout is the answer and nothing else; the reference is plain greedy HF generation with full attention."""
+    """stdout is the answer and nothing else; the reference is plain greedy HF generation (full attention)."""
     import torch
 
     from h2o_cli.attention import enable
 
     message = "What is the capital of France?"
     command = MAIN + ["chat", "--budget", "512", "--max-new-tokens", "8", "--threads", "1"]
-    result = subprocess.run(command, input=(message + "\n").encode(), capture_output=True, env=_env(home), timeout=300)
+    result = subprocess.run(
+        command, input=(message + "\n").encode(), capture_output=True, env=_env(home), timeout=300
+    )
     assert result.returncode == 0, result.stderr
     model, tokenizer = smollm
-    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+    )
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     model.set_attn_implementation("sdpa")
     try:
@@ -148,9 +154,13 @@ def test_piped_prompt_prints_exactly_the_answer(smollm, home):
 
 
 def test_broken_pipe_ends_quietly(home):
-    script = f"echo 'Write a long poem about the sea.' | {' '.join(MAIN[:2])} '{MAIN[2]}' chat -n 40 --budget 32 --threads 1 | head -c 1"
+    h2o = f"{MAIN[0]} -c '{MAIN[2]}'"
+    script = f"echo 'Write a long poem about the sea.' | {h2o} chat -n 40 --budget 32 --threads 1 | head -c 1"
     result = subprocess.run(
-        ["bash", "-c", script + "; echo ${PIPESTATUS[1]} >&2"], capture_output=True, env=_env(home), timeout=300
+        ["bash", "-c", script + "; echo ${PIPESTATUS[1]} >&2"],
+        capture_output=True,
+        env=_env(home),
+        timeout=300,
     )
     assert len(result.stdout) == 1
     assert result.stderr.decode().strip().splitlines() == ["0"]
@@ -163,7 +173,8 @@ def test_terminal_session_shows_prompt_panel_and_answer(home):
     log = io.StringIO()
     child = pexpect.spawn(
         MAIN[0],
-        MAIN[1:] + ["chat", "--model", "smollm2-135m", "--budget", "64", "--max-new-tokens", "8", "--threads", "1"],
+        MAIN[1:]
+        + ["chat", "--model", "smollm2-135m", "--budget", "64", "--max-new-tokens", "8", "--threads", "1"],
         env=_env(home),
         encoding="utf-8",
         dimensions=(40, 120),

@@ -16,7 +16,13 @@ WORDS = (
 
 def _session(smollm, budget: int, new_tokens: int = 4, policy: str = "h2o", **kwargs) -> ChatSession:
     model, tokenizer = smollm
-    return ChatSession(model, tokenizer, CacheSettings(budget=budget, policy=policy, chunk=64), Sampling(new_tokens), **kwargs)
+    return ChatSession(
+        model,
+        tokenizer,
+        CacheSettings(budget=budget, policy=policy, chunk=64),
+        Sampling(new_tokens),
+        **kwargs,
+    )
 
 
 def test_fed_tokens_are_the_chat_template_of_the_transcript(smollm):

@@ -12,7 +12,11 @@ def rendered(tokenizer, system: str | None, history: list[dict]) -> str:
     if not getattr(tokenizer, "chat_template", None):
         text = "" if system is None else system + "\n\n"
         for message in history:
-            text += message["content"] if message["role"] == "user" else "\n\nAnswer:" + message["content"] + "\n\n"
+            text += (
+                message["content"]
+                if message["role"] == "user"
+                else "\n\nAnswer:" + message["content"] + "\n\n"
+            )
         return text
     messages = ([{"role": "system", "content": system}] if system else []) + list(history)
     return tokenizer.apply_chat_template(messages, tokenize=False)

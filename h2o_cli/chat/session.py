@@ -25,7 +25,7 @@ from h2o_cli.streaming import prefill
 
 @dataclass
 class Turn:
-    """One message. `start` is the token index where its framed text begins in the stream, `end` one past it."""
+    """One message. `start`: token index where its framed text begins in the stream; `end`: one past it."""
 
     role: str
     content: str
@@ -66,7 +66,9 @@ class ChatSession:
 
     def __post_init__(self) -> None:
         self.cache = H2OCache(self.model, self.settings)
-        self.ids = array("l")  # every token id fed, by token index (for re-reading and decoding heavy hitters)
+        self.ids = array(
+            "l"
+        )  # every token id fed, by token index (for re-reading and decoding heavy hitters)
         self.last = AnswerStats()
         self.started = time.time()
         self._suffix = answer_suffix(self.tokenizer, self.system)
@@ -86,7 +88,7 @@ class ChatSession:
         return logits
 
     def send(self, user_text: str) -> Iterator[str]:
-        """Add a user message and yield the answer's text pieces. The turn is closed even if the caller stops early."""
+        """Add a user message, yield the answer's text pieces; the turn is closed even if the caller stops."""
         if not user_text.strip():
             raise InputError("empty message; type some text")
         self.stop_requested = False
@@ -143,7 +145,7 @@ class ChatSession:
         self.turns = []
 
     def rebuild(self, settings: CacheSettings) -> None:
-        """Switch cache settings (budget, policy): a new cache re-reads every token of the conversation so far.
+        """Switch cache settings (budget, policy): a new cache re-reads every token of the conversation.
 
         The re-read costs one prefill of the whole transcript; token indices stay the same.
         """

@@ -1,4 +1,4 @@
-"""A cheap, consistent copy of what the cache holds, for the live panel (taken between tokens, not per token)."""
+"""A cheap, consistent copy of what the cache holds, for the live panel (taken between tokens)."""
 
 from __future__ import annotations
 

@@ -39,10 +39,12 @@ def chat(
     seed: opt.Seed = None,
     no_panel: Annotated[bool, typer.Option("--no-panel", help="Hide the live cache panel.")] = False,
     interactive: Annotated[
-        bool, typer.Option("--interactive", "-i", help="Keep the chat loop even when stdin is not a terminal.")
+        bool,
+        typer.Option("--interactive", "-i", help="Keep the chat loop even when stdin is not a terminal."),
     ] = False,
     as_json: Annotated[
-        bool, typer.Option("--json", help="One-shot mode: print one JSON object (answer and figures) on stdout.")
+        bool,
+        typer.Option("--json", help="One-shot mode: print one JSON object (answer and figures) on stdout."),
     ] = False,
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
@@ -51,8 +53,7 @@ def chat(
 ) -> None:
     """Chat with a model whose KV cache stays within --budget tokens per head, however long the talk.
 
-    On a terminal: an interactive loop (type /help) with a live panel of the cache on stderr. With stdin
-    piped: the whole input is one message; only the answer is printed on stdout.
+    On a terminal: a chat loop (/help) with a live cache panel on stderr. Piped: one answer on stdout.
     """
     from h2o_cli.chat import ChatSession
     from h2o_cli.generation import Sampling
@@ -83,7 +84,9 @@ def _read_stdin() -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise InputError(f"stdin is not UTF-8 text (byte {error.start}); convert it first, e.g. with iconv") from None
+        raise InputError(
+            f"stdin is not UTF-8 text (byte {error.start}); convert it first, e.g. with iconv"
+        ) from None
     if not text.strip():
         raise InputError('stdin is empty; pipe a message, e.g. echo "Hello" | h2o chat')
     return text.strip()

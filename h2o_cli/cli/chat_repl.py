@@ -77,8 +77,8 @@ class ChatLoop:
 
     def run(self) -> None:
         stderr.print(
-            f"[bold]h2o chat[/] · {escape(self.model_name)} · budget {self.session.settings.budget} tokens/head"
-            f" · {self.session.settings.policy} · /help for commands, Ctrl-D to leave"
+            f"[bold]h2o chat[/] · {escape(self.model_name)} · budget {self.session.settings.budget}"
+            f" tokens/head · {self.session.settings.policy} · /help for commands, Ctrl-D to leave"
         )
         try:
             while self.running:
@@ -164,7 +164,11 @@ class ChatLoop:
     def _stats(self, argument: str) -> None:
         figures = self.session.stats()
         for key, value in figures.items():
-            shown = f"{value:,.2f}" if isinstance(value, float) else (f"{value:,}" if isinstance(value, int) else value)
+            shown = (
+                f"{value:,.2f}"
+                if isinstance(value, float)
+                else (f"{value:,}" if isinstance(value, int) else value)
+            )
             stderr.print(f"  {key:<26} {shown}")
 
     def _budget(self, argument: str) -> None:
@@ -207,20 +211,31 @@ class ChatLoop:
             snapshot = take_snapshot(self.session.cache)
             turns = [(turn.role, turn.start) for turn in self.session.turns]
             stderr.print(
-                render_panel(snapshot, self.view, stderr.width, 10_000, self.session.decode_token, turns,
-                             self.session.last.tokens_per_s)
+                render_panel(
+                    snapshot,
+                    self.view,
+                    stderr.width,
+                    10_000,
+                    self.session.decode_token,
+                    turns,
+                    self.session.last.tokens_per_s,
+                )
             )
         elif words == ["on"] or words == ["off"]:
             self.show_panel = words[0] == "on"
             if self.show_panel and not sys.stderr.isatty():
-                stderr.print("[yellow]note:[/] stderr is not a terminal; the live panel stays off (/panel prints it)")
+                stderr.print(
+                    "[yellow]note:[/] stderr is not a terminal; the live panel stays off (/panel prints it)"
+                )
                 self.show_panel = False
         elif words == ["all"]:
             self.view = PanelView()
         elif words[0] == "layer" and len(words) == 2 and words[1].isdigit():
             layer = int(words[1])
             if layer >= len(self.session.cache.stores):
-                raise UsageError(f"layer {layer} does not exist; the model has {len(self.session.cache.stores)}")
+                raise UsageError(
+                    f"layer {layer} does not exist; the model has {len(self.session.cache.stores)}"
+                )
             self.view = PanelView(layer=layer)
         else:
             raise UsageError("/panel takes on, off, all or layer N")
@@ -239,6 +254,7 @@ class ChatLoop:
 @contextmanager
 def _stop_on_sigint(session):
     """Ctrl-C during an answer sets a flag checked between tokens, so no forward pass is cut in half."""
+
     def stop(signum, frame) -> None:
         session.stop_requested = True
 

@@ -1,4 +1,4 @@
-"""The live cache panel of `h2o chat`: rich renderables built from a `CacheSnapshot` (never from the live cache)."""
+"""The live cache panel of `h2o chat`: rich renderables built from a `CacheSnapshot`, not the live cache."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class PanelView:
 
 
 def strip_text(cells: list[tuple[int, int]], tokens_per_cell: float) -> Text:
-    """One KV head's timeline: green ▒ = recent window, yellow/red blocks = heavy hitters (denser = more kept)."""
+    """One KV head's timeline: green ▒ = recent window, yellow/red blocks = heavy hitters (taller = more)."""
     text = Text()
     for heavy, recent in cells:
         if recent:
@@ -99,7 +99,10 @@ def render_panel(
             heavy, recent = snapshot.kept(layer, head)
             row = Text(f"L{layer:<2} h{head:<3}"[:LABEL_WIDTH].ljust(LABEL_WIDTH), style="bold")
             row += strip_text(snapshot.strip(layer, head, strip_width), tokens_per_cell)
-            row += Text(f" {len(heavy) + len(recent):>4}/{snapshot.budget:<4} {len(heavy):>4}h {_size(snapshot.bytes_per_head):>9}")
+            kept = len(heavy) + len(recent)
+            row += Text(
+                f" {kept:>4}/{snapshot.budget:<4} {len(heavy):>4}h {_size(snapshot.bytes_per_head):>9}"
+            )
             lines.append(row)
             if view.layer is not None and decode is not None and heavy:
                 scores = snapshot.scores[layer, head]
@@ -108,21 +111,29 @@ def render_panel(
                 words = " ".join(f"{_shown(decode(int(index[i])))}@{int(index[i])}" for i in order)
                 lines.append(Text(" " * LABEL_WIDTH + "top: " + words, style="dim"))
     if view.layer is None and len(layers) < snapshot.n_layers:
-        lines.append(Text(f"showing {len(layers)} of {snapshot.n_layers} layers; /panel layer N shows one", style="dim"))
+        lines.append(
+            Text(
+                f"showing {len(layers)} of {snapshot.n_layers} layers; /panel layer N shows one", style="dim"
+            )
+        )
     if decode is not None:
         top = snapshot.top_heavy(8)
         if top:
             total = snapshot.n_layers * snapshot.n_kv_heads
             words = "  ".join(f"{_shown(decode(index))} {kept}/{total}" for index, kept in top)
             lines.append(Text.assemble(("most kept: ", "bold"), words))
-    legend = Text.assemble(("▒", "green"), " recent  ", ("▅", "yellow"), " heavy hitters  ", ("u a", "cyan"), " turn starts")
+    legend = Text.assemble(
+        ("▒", "green"), " recent  ", ("▅", "yellow"), " heavy hitters  ", ("u a", "cyan"), " turn starts"
+    )
     lines.append(legend)
     return Group(*[line[:width] if len(line) > width else line for line in lines[:height]])
 
 
 class LivePanel:
-    """rich Live on stderr, redrawn at a fixed rate; the cache snapshot is taken between tokens, at most
-    `snapshot_hz` times a second, so the decoding loop pays one small copy per period and nothing per token."""
+    """rich Live on stderr, redrawn `refresh_hz` times a second from a snapshot.
+
+    The snapshot is taken between tokens, at most once per refresh period, so decoding pays one small copy
+    per period and nothing per token; drawing happens on rich's refresh thread."""
 
     def __init__(self, session, console: Console, view: PanelView, refresh_hz: float = 4.0) -> None:
         self.session = session
