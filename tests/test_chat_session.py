@@ -78,6 +78,8 @@ def test_snapshot_marks_the_newest_tokens_recent(smollm):
             assert len(heavy) == 24 - recent and max(heavy) < seen - recent
             cells = snapshot.strip(layer, head, 20)
             assert sum(h for h, _ in cells) == len(heavy) and sum(r for _, r in cells) == recent
+    heavy_cells, recent_cells = snapshot.strips(20)
+    assert heavy_cells.sum(-1).eq(24 - recent).all() and recent_cells.sum(-1).eq(recent).all()
     top = snapshot.top_heavy(3)
     assert top[0][1] <= snapshot.n_layers * snapshot.n_kv_heads
     assert snapshot.full_kv_bytes == 30 * 3 * 64 * 2 * 4 * seen

@@ -63,6 +63,18 @@ class CacheSnapshot:
         recent_cells = torch.bincount(cell_of[valid & ~self.heavy[layer, head]], minlength=width)
         return list(zip(heavy_cells.tolist(), recent_cells.tolist(), strict=True))
 
+    def strips(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All heads' timelines at once: (heavy, recent) counts per cell, `[n_layers, n_kv_heads, width]`."""
+        layers, heads, _ = self.token_index.shape
+        valid = self.token_index >= 0
+        cell = (self.token_index.clamp_min(0) * width // max(self.tokens_seen, 1)).clamp_max(width - 1)
+        row = torch.arange(layers * heads).view(layers, heads, 1) * width
+        flat = (row + cell).flatten()
+        size = layers * heads * width
+        heavy = torch.bincount(flat, weights=(valid & self.heavy).flatten().float(), minlength=size)
+        recent = torch.bincount(flat, weights=(valid & ~self.heavy).flatten().float(), minlength=size)
+        return heavy.view(layers, heads, width).long(), recent.view(layers, heads, width).long()
+
     def top_heavy(self, count: int = 8) -> list[tuple[int, int]]:
         """(token index, number of layer x KV heads keeping it as a heavy hitter), most kept first."""
         index = self.token_index[self.heavy & (self.token_index >= 0)]

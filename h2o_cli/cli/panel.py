@@ -94,20 +94,25 @@ def render_panel(
         room = max(1, (height - len(lines) - 2) // snapshot.n_kv_heads)
         step = max(1, -(-snapshot.n_layers // room))
         layers = list(range(0, snapshot.n_layers, step))
+    heavy_cells, recent_cells = snapshot.strips(strip_width)
+    heavy_kept = heavy_cells.sum(-1).tolist()
+    all_kept = (heavy_cells + recent_cells).sum(-1).tolist()
     for layer in layers:
         for head in range(snapshot.n_kv_heads):
-            heavy, recent = snapshot.kept(layer, head)
-            row = Text(f"L{layer:<2} h{head:<3}"[:LABEL_WIDTH].ljust(LABEL_WIDTH), style="bold")
-            row += strip_text(snapshot.strip(layer, head, strip_width), tokens_per_cell)
-            kept = len(heavy) + len(recent)
-            row += Text(
-                f" {kept:>4}/{snapshot.budget:<4} {len(heavy):>4}h {_size(snapshot.bytes_per_head):>9}"
+            cells = list(
+                zip(heavy_cells[layer, head].tolist(), recent_cells[layer, head].tolist(), strict=True)
             )
+            row = Text(f"L{layer:<2} h{head:<3}"[:LABEL_WIDTH].ljust(LABEL_WIDTH), style="bold")
+            row += strip_text(cells, tokens_per_cell)
+            kept, n_heavy = all_kept[layer][head], heavy_kept[layer][head]
+            row += Text(f" {kept:>4}/{snapshot.budget:<4} {n_heavy:>4}h {_size(snapshot.bytes_per_head):>9}")
             lines.append(row)
+            heavy = snapshot.kept(layer, head)[0] if view.layer is not None else []
             if view.layer is not None and decode is not None and heavy:
                 scores = snapshot.scores[layer, head]
                 index = snapshot.token_index[layer, head]
-                order = [int(i) for i in scores.argsort(descending=True) if int(index[i]) in set(heavy)][:6]
+                heavy_set = set(heavy)
+                order = [int(i) for i in scores.argsort(descending=True) if int(index[i]) in heavy_set][:6]
                 words = " ".join(f"{_shown(decode(int(index[i])))}@{int(index[i])}" for i in order)
                 lines.append(Text(" " * LABEL_WIDTH + "top: " + words, style="dim"))
     if view.layer is None and len(layers) < snapshot.n_layers:
@@ -135,11 +140,14 @@ class LivePanel:
     The snapshot is taken between tokens, at most once per refresh period, so decoding pays one small copy
     per period and nothing per token; drawing happens on rich's refresh thread."""
 
-    def __init__(self, session, console: Console, view: PanelView, refresh_hz: float = 4.0) -> None:
+    def __init__(
+        self, session, console: Console, view: PanelView, refresh_hz: float = 4.0, snapshot_hz: float = 1.0
+    ) -> None:
         self.session = session
         self.console = console
         self.view = view
-        self.period = 1.0 / refresh_hz
+        self.period = 1.0 / snapshot_hz
+        self._panel = None
         self.answer = ""
         self.snapshot = take_snapshot(session.cache)
         self.taken = time.perf_counter()
@@ -168,12 +176,21 @@ class LivePanel:
         if force or now - self.taken >= self.period:
             self.snapshot = take_snapshot(self.session.cache)
             self.taken = now
+            self._panel = None
 
     def _render(self):
         width, height = self.console.width, self.console.height
+        if self._panel is None:
+            self._panel = self._build(width, height)
+        answer_lines = Text(self.answer).wrap(self.console, width)
+        tail = answer_lines[-3:] if len(answer_lines) else []
+        return Group(self._panel, Text("─" * min(width, 40), style="dim"), *tail)
+
+    def _build(self, width: int, height: int) -> Group:
+        """The panel for the latest snapshot: built once per snapshot, not per refresh."""
         elapsed = time.perf_counter() - self.started
         rate = self.session.last.generated_tokens / elapsed if elapsed > 0 else 0.0
-        panel = render_panel(
+        return render_panel(
             self.snapshot,
             self.view,
             width,
@@ -182,6 +199,3 @@ class LivePanel:
             [(turn.role, turn.start) for turn in self.session.turns],
             rate,
         )
-        answer_lines = Text(self.answer).wrap(self.console, width)
-        tail = answer_lines[-3:] if len(answer_lines) else []
-        return Group(panel, Text("─" * min(width, 40), style="dim"), *tail)
