@@ -8,7 +8,7 @@ import sys
 import typer
 
 from h2o_cli import __version__
-from h2o_cli.cli import bench, compare, memory, models_cmd, plot, stream
+from h2o_cli.cli import bench, chat, compare, memory, models_cmd, plot, stream
 from h2o_cli.cli import eval as eval_cmd
 from h2o_cli.errors import H2OError
 
@@ -21,6 +21,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 app.command("stream", no_args_is_help=True)(stream.stream)
+app.command("chat")(chat.chat)
 app.command("models")(models_cmd.models)
 app.command("memory")(memory.memory)
 app.command("eval", no_args_is_help=True)(eval_cmd.eval)

@@ -1,0 +1,223 @@
+"""A conversation over one H2O cache, on rolling positions: it can run far past the context window.
+
+Each turn feeds only its new tokens (the cache already holds the earlier turns): the template text for the
+user message and the assistant header, then the generated answer token by token, then the end-of-turn text.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from array import array
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from h2o_cli.cache import H2OCache
+from h2o_cli.chat.framing import answer_suffix, stop_ids, turn_text
+from h2o_cli.config import CacheSettings
+from h2o_cli.errors import InputError
+from h2o_cli.generation import Sampling, TextStreamer, generate_ids
+from h2o_cli.streaming import prefill
+
+
+@dataclass
+class Turn:
+    """One message. `start`: token index where its framed text begins in the stream; `end`: one past it."""
+
+    role: str
+    content: str
+    start: int
+    end: int = -1
+
+
+@dataclass
+class AnswerStats:
+    """Figures of the last answer."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    stopped: str = ""  # "stop" (end token), "length" (max tokens), "interrupted"
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+@dataclass
+class ChatSession:
+    """Model, tokenizer, cache and transcript of one conversation.
+
+    `send(text)` yields the answer's text pieces as they are generated. Set `stop_requested` (e.g. from a
+    SIGINT handler) to end the current answer after the token in flight; the cache stays consistent.
+    """
+
+    model: object
+    tokenizer: object
+    settings: CacheSettings
+    sampling: Sampling = field(default_factory=Sampling)
+    system: str | None = None
+    turns: list[Turn] = field(default_factory=list)
+    stop_requested: bool = False
+
+    def __post_init__(self) -> None:
+        self.cache = H2OCache(self.model, self.settings)
+        self.ids = array(
+            "l"
+        )  # every token id fed, by token index (for re-reading and decoding heavy hitters)
+        self.last = AnswerStats()
+        self.started = time.time()
+        self._suffix = answer_suffix(self.tokenizer, self.system)
+        self._stops = stop_ids(self.tokenizer, self._suffix)
+
+    @property
+    def history(self) -> list[dict]:
+        return [{"role": turn.role, "content": turn.content} for turn in self.turns]
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _feed(self, ids: list[int]) -> torch.Tensor | None:
+        """Run ids through the cache in chunks; returns the logits after the last one."""
+        logits, _ = prefill(self.model, self.cache, [ids], self.settings.chunk)
+        self.ids.extend(ids)
+        return logits
+
+    def send(self, user_text: str) -> Iterator[str]:
+        """Add a user message, yield the answer's text pieces; the turn is closed even if the caller stops."""
+        if not user_text.strip():
+            raise InputError("empty message; type some text")
+        self.stop_requested = False
+        stats = self.last = AnswerStats()
+        new_text = turn_text(self.tokenizer, self.system, self.history, user_text)
+        prompt_ids = self._encode(new_text)
+        if not self.turns and not getattr(self.tokenizer, "chat_template", None):
+            prompt_ids = self.tokenizer(new_text)["input_ids"]  # plain text: the tokenizer's own BOS
+        started = time.perf_counter()
+        user_turn = Turn("user", user_text, self.cache.tokens_seen)
+        self.turns.append(user_turn)
+        logits = self._feed(prompt_ids)
+        user_turn.end = self.cache.tokens_seen
+        stats.prompt_tokens = len(prompt_ids)
+        stats.prefill_seconds = time.perf_counter() - started
+        answer = Turn("assistant", "", self.cache.tokens_seen)
+        self.turns.append(answer)
+        streamer = TextStreamer(self.tokenizer)
+        sampling = self.sampling
+        if sampling.seed is not None:  # a different but reproducible stream per turn
+            sampling = replace(sampling, seed=sampling.seed + len(self.turns))
+        started = time.perf_counter()
+        stats.stopped = "stop"
+        try:
+            for token in generate_ids(self.model, self.cache, logits, sampling, self._stops):
+                self.ids.append(token)
+                stats.generated_tokens += 1
+                piece = streamer.push(token)
+                answer.content = streamer.printed
+                if piece:
+                    yield piece
+                if self.stop_requested:
+                    stats.stopped = "interrupted"
+                    break
+            else:
+                if stats.generated_tokens >= sampling.max_new_tokens:
+                    stats.stopped = "length"
+        finally:
+            stats.decode_seconds = time.perf_counter() - started
+            answer.content = streamer.printed
+            if self._suffix:
+                self._feed(self._encode(self._suffix))
+            answer.end = self.cache.tokens_seen
+            self.stop_requested = False
+
+    def ask(self, user_text: str) -> str:
+        """The whole answer to one message."""
+        return "".join(self.send(user_text))
+
+    def reset(self) -> None:
+        """Forget the conversation: empty cache and transcript."""
+        self.cache = H2OCache(self.model, self.settings)
+        self.ids = array("l")
+        self.turns = []
+
+    def rebuild(self, settings: CacheSettings) -> None:
+        """Switch cache settings (budget, policy): a new cache re-reads every token of the conversation.
+
+        The re-read costs one prefill of the whole transcript; token indices stay the same.
+        """
+        ids = list(self.ids)
+        self.settings = settings
+        self.cache = H2OCache(self.model, settings)
+        self.ids = array("l")
+        if ids:
+            self._feed(ids)
+
+    def set_budget(self, budget: int) -> None:
+        self.rebuild(replace(self.settings, budget=budget))
+
+    def set_policy(self, policy: str) -> None:
+        self.rebuild(replace(self.settings, policy=policy))
+
+    def decode_token(self, token_index: int) -> str:
+        return self.tokenizer.decode([self.ids[token_index]]) if 0 <= token_index < len(self.ids) else ""
+
+    def turn_at(self, token_index: int) -> int:
+        """Index in `turns` of the turn holding a token index (-1 if none)."""
+        for number in range(len(self.turns) - 1, -1, -1):
+            if self.turns[number].start <= token_index:
+                return number
+        return -1
+
+    def stats(self) -> dict:
+        """Cache and speed figures of the conversation so far."""
+        from h2o_cli.runtime import cache_summary, peak_rss_bytes
+
+        summary = cache_summary(self.cache)
+        return {
+            **summary,
+            "tokens_seen": self.cache.tokens_seen,
+            "turns": len(self.turns),
+            "full_kv_bytes": full_kv_bytes(self.cache, self.cache.tokens_seen),
+            "last_prompt_tokens": self.last.prompt_tokens,
+            "last_generated_tokens": self.last.generated_tokens,
+            "last_tokens_per_s": self.last.tokens_per_s,
+            "last_prefill_tokens_per_s": (
+                self.last.prompt_tokens / self.last.prefill_seconds if self.last.prefill_seconds > 0 else 0.0
+            ),
+            "last_stopped": self.last.stopped,
+            "peak_rss_bytes": peak_rss_bytes(),
+        }
+
+    def transcript(self) -> list[dict]:
+        return [asdict(turn) for turn in self.turns]
+
+    def save(self, path: str | Path) -> Path:
+        """Write the transcript: JSON for a .json path, Markdown otherwise."""
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix.lower() == ".json":
+            data = {"system": self.system, "settings": asdict(self.settings), "turns": self.transcript()}
+            path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        else:
+            path.write_text(to_markdown(self.system, self.turns), encoding="utf-8")
+        return path
+
+
+def to_markdown(system: str | None, turns: list[Turn]) -> str:
+    parts = ["# h2o chat\n"]
+    if system:
+        parts.append(f"**system:** {system}\n")
+    for turn in turns:
+        parts.append(f"## {turn.role} (tokens {turn.start}–{turn.end})\n\n{turn.content.strip()}\n")
+    return "\n".join(parts)
+
+
+def full_kv_bytes(cache: H2OCache, tokens: int) -> int:
+    """Bytes a plain full KV cache (keys and values, no eviction) would need for `tokens` tokens."""
+    store = cache.stores[0]
+    per_token = 2 * store.n_kv_heads * store.head_dim * store.keys.element_size()
+    return len(cache.stores) * per_token * tokens

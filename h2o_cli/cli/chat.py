@@ -1,0 +1,108 @@
+"""`h2o chat`: talk to a model on a fixed cache budget; one answer when stdin is piped."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from h2o_cli.cli import options as opt
+from h2o_cli.cli.common import load
+from h2o_cli.errors import InputError
+
+EXAMPLES = """
+Examples:
+
+  h2o chat
+  h2o chat --model llama-7b --budget 0.1
+  echo "Summarise: $(cat notes.txt)" | h2o chat
+  h2o chat --system "You are terse." --max-new-tokens 200 --temperature 0.7 --seed 1
+"""
+
+
+def chat(
+    system: Annotated[str | None, typer.Option("--system", "-s", help="System message.")] = None,
+    model: opt.Model = opt.DEFAULTS["model"],
+    budget: opt.Budget = opt.DEFAULTS["budget"],
+    policy: opt.Policy = "h2o",
+    heavy_ratio: opt.HeavyRatio = 0.5,
+    sinks: opt.Sinks = 4,
+    positions: opt.Positions = "rolling",
+    score_norm: opt.ScoreNorm = "sum",
+    chunk: opt.Chunk = opt.DEFAULTS["chunk"],
+    max_new_tokens: opt.MaxNewTokens = 512,
+    temperature: opt.Temperature = 0.0,
+    top_p: opt.TopP = 1.0,
+    seed: opt.Seed = None,
+    no_panel: Annotated[bool, typer.Option("--no-panel", help="Hide the live cache panel.")] = False,
+    interactive: Annotated[
+        bool,
+        typer.Option("--interactive", "-i", help="Keep the chat loop even when stdin is not a terminal."),
+    ] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="One-shot mode: print one JSON object (answer and figures) on stdout."),
+    ] = False,
+    device: opt.Device = "auto",
+    dtype: opt.Dtype = "auto",
+    threads: opt.Threads = 0,
+    trust_remote_code: opt.TrustRemoteCode = False,
+) -> None:
+    """Chat with a model whose KV cache stays within --budget tokens per head, however long the talk.
+
+    On a terminal: a chat loop (/help) with a live cache panel on stderr. Piped: one answer on stdout.
+    """
+    from h2o_cli.chat import ChatSession
+    from h2o_cli.generation import Sampling
+    from h2o_cli.runtime import make_settings
+
+    sampling = Sampling(max_new_tokens, temperature, top_p, seed)
+    one_shot = not interactive and not sys.stdin.isatty()
+    message = _read_stdin() if one_shot else None
+    lm, tokenizer = load(model, device, dtype, trust_remote_code, threads)
+    settings = make_settings(lm, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk)
+    session = ChatSession(lm, tokenizer, settings, sampling, system)
+    if one_shot:
+        try:
+            _answer_once(session, message, as_json, model)
+        except BrokenPipeError:
+            # The reader went away (`| head -1`): stop quietly. (click would turn EPIPE into exit code 1.)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(0) from None
+        return
+    from h2o_cli.cli.chat_repl import ChatLoop
+
+    show_panel = not no_panel and sys.stderr.isatty() and sys.stdin.isatty()
+    ChatLoop(session, show_panel, model).run()
+
+
+def _read_stdin() -> str:
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise InputError(
+            f"stdin is not UTF-8 text (byte {error.start}); convert it first, e.g. with iconv"
+        ) from None
+    if not text.strip():
+        raise InputError('stdin is empty; pipe a message, e.g. echo "Hello" | h2o chat')
+    return text.strip()
+
+
+def _answer_once(session, message: str, as_json: bool, model: str) -> None:
+    """Print the answer only (streamed), or with --json one object with the answer and the run's figures."""
+    if as_json:
+        answer = session.ask(message)
+        print(json.dumps({"answer": answer, "model": model, **session.stats()}))
+        return
+    for piece in session.send(message):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+chat.__doc__ = (chat.__doc__ or "") + EXAMPLES

@@ -1,0 +1,201 @@
+"""The live cache panel of `h2o chat`: rich renderables built from a `CacheSnapshot`, not the live cache."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.text import Text
+
+from h2o_cli.chat.snapshot import CacheSnapshot, take_snapshot
+
+HEAVY_SHADES = "▁▃▅▇"
+LABEL_WIDTH = 8  # "L12 h2  "
+TAIL_WIDTH = 26  # " 64/96  32 heavy  48 KiB"
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:,.0f} {unit}" if unit == "B" else f"{nbytes:,.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:,.1f} GiB"
+
+
+def _shown(text: str, limit: int = 12) -> str:
+    """A token's text, visible: escapes for whitespace, trimmed."""
+    return repr(text)[1:-1][:limit] or "∅"
+
+
+@dataclass
+class PanelView:
+    """What the panel shows: every layer (sampled to fit), or one layer's KV heads in detail."""
+
+    layer: int | None = None
+
+
+def strip_text(cells: list[tuple[int, int]], tokens_per_cell: float) -> Text:
+    """One KV head's timeline: green ▒ = recent window, yellow/red blocks = heavy hitters (taller = more)."""
+    text = Text()
+    for heavy, recent in cells:
+        if recent:
+            text.append("▒", style="green")
+        elif heavy:
+            share = min(heavy / max(tokens_per_cell, 1.0), 1.0)
+            shade = HEAVY_SHADES[min(int(share * len(HEAVY_SHADES)), len(HEAVY_SHADES) - 1)]
+            text.append(shade, style="bold red" if share >= 0.5 else "yellow")
+        else:
+            text.append("·", style="dim")
+    return text
+
+
+def turn_ruler(turn_starts: list[tuple[str, int]], tokens_seen: int, width: int) -> Text:
+    """A line under the strips' axis: `u`/`a` where each user / assistant turn starts."""
+    cells = ["─"] * width
+    for role, start in turn_starts:
+        if tokens_seen:
+            cells[min(start * width // tokens_seen, width - 1)] = role[0]
+    return Text("".join(cells), style="cyan")
+
+
+def render_panel(
+    snapshot: CacheSnapshot,
+    view: PanelView,
+    width: int,
+    height: int,
+    decode=None,
+    turn_starts: list[tuple[str, int]] = (),
+    tokens_per_s: float = 0.0,
+) -> Group:
+    """The panel as lines of text, at most `height` lines and `width` columns."""
+    strip_width = max(10, width - LABEL_WIDTH - TAIL_WIDTH - 2)
+    tokens_per_cell = snapshot.tokens_seen / strip_width if snapshot.tokens_seen else 1.0
+    lines: list[Text] = []
+    heavy_slots = max(snapshot.budget - snapshot.recent, 0)
+    share = snapshot.cache_bytes / snapshot.full_kv_bytes if snapshot.full_kv_bytes else 0.0
+    header = Text.assemble(
+        ("h2o cache ", "bold"),
+        f"{snapshot.policy} · budget {snapshot.budget} ({heavy_slots} heavy + {snapshot.recent} recent) · ",
+        f"tokens 0–{max(snapshot.tokens_seen - 1, 0):,} on positions 0–{max(snapshot.length - 1, 0)} · ",
+        f"{snapshot.slots} slots/head",
+    )
+    totals = Text.assemble(
+        f"cache {_size(snapshot.cache_bytes)} vs full KV {_size(snapshot.full_kv_bytes)} ",
+        (f"({share:.0%})" if snapshot.full_kv_bytes else "", "bold"),
+        f" · evictions {snapshot.evictions:,}/head · {tokens_per_s:,.1f} tok/s",
+    )
+    lines += [header, totals]
+    lines.append(Text(" " * LABEL_WIDTH) + turn_ruler(list(turn_starts), snapshot.tokens_seen, strip_width))
+    if view.layer is not None:
+        layers = [min(max(view.layer, 0), snapshot.n_layers - 1)]
+    else:
+        room = max(1, (height - len(lines) - 2) // snapshot.n_kv_heads)
+        step = max(1, -(-snapshot.n_layers // room))
+        layers = list(range(0, snapshot.n_layers, step))
+    heavy_cells, recent_cells = snapshot.strips(strip_width)
+    heavy_kept = heavy_cells.sum(-1).tolist()
+    all_kept = (heavy_cells + recent_cells).sum(-1).tolist()
+    for layer in layers:
+        for head in range(snapshot.n_kv_heads):
+            cells = list(
+                zip(heavy_cells[layer, head].tolist(), recent_cells[layer, head].tolist(), strict=True)
+            )
+            row = Text(f"L{layer:<2} h{head:<3}"[:LABEL_WIDTH].ljust(LABEL_WIDTH), style="bold")
+            row += strip_text(cells, tokens_per_cell)
+            kept, n_heavy = all_kept[layer][head], heavy_kept[layer][head]
+            row += Text(f" {kept:>4}/{snapshot.budget:<4} {n_heavy:>4}h {_size(snapshot.bytes_per_head):>9}")
+            lines.append(row)
+            heavy = snapshot.kept(layer, head)[0] if view.layer is not None else []
+            if view.layer is not None and decode is not None and heavy:
+                scores = snapshot.scores[layer, head]
+                index = snapshot.token_index[layer, head]
+                heavy_set = set(heavy)
+                order = [int(i) for i in scores.argsort(descending=True) if int(index[i]) in heavy_set][:6]
+                words = " ".join(f"{_shown(decode(int(index[i])))}@{int(index[i])}" for i in order)
+                lines.append(Text(" " * LABEL_WIDTH + "top: " + words, style="dim"))
+    if view.layer is None and len(layers) < snapshot.n_layers:
+        lines.append(
+            Text(
+                f"showing {len(layers)} of {snapshot.n_layers} layers; /panel layer N shows one", style="dim"
+            )
+        )
+    if decode is not None:
+        top = snapshot.top_heavy(8)
+        if top:
+            total = snapshot.n_layers * snapshot.n_kv_heads
+            words = "  ".join(f"{_shown(decode(index))} {kept}/{total}" for index, kept in top)
+            lines.append(Text.assemble(("most kept: ", "bold"), words))
+    legend = Text.assemble(
+        ("▒", "green"), " recent  ", ("▅", "yellow"), " heavy hitters  ", ("u a", "cyan"), " turn starts"
+    )
+    lines.append(legend)
+    return Group(*[line[:width] if len(line) > width else line for line in lines[:height]])
+
+
+class LivePanel:
+    """rich Live on stderr, redrawn `refresh_hz` times a second from a snapshot.
+
+    The snapshot is taken between tokens, at most once per refresh period, so decoding pays one small copy
+    per period and nothing per token; drawing happens on rich's refresh thread."""
+
+    def __init__(
+        self, session, console: Console, view: PanelView, refresh_hz: float = 4.0, snapshot_hz: float = 1.0
+    ) -> None:
+        self.session = session
+        self.console = console
+        self.view = view
+        self.period = 1.0 / snapshot_hz
+        self._panel = None
+        self.answer = ""
+        self.snapshot = take_snapshot(session.cache)
+        self.taken = time.perf_counter()
+        self.started = self.taken
+        self.live = Live(
+            get_renderable=self._render,
+            console=console,
+            refresh_per_second=refresh_hz,
+            transient=True,
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
+
+    def __enter__(self) -> LivePanel:
+        self.started = time.perf_counter()
+        self.live.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.tick("", force=True)
+        self.live.stop()
+
+    def tick(self, piece: str, force: bool = False) -> None:
+        self.answer += piece
+        now = time.perf_counter()
+        if force or now - self.taken >= self.period:
+            self.snapshot = take_snapshot(self.session.cache)
+            self.taken = now
+            self._panel = None
+
+    def _render(self):
+        width, height = self.console.width, self.console.height
+        if self._panel is None:
+            self._panel = self._build(width, height)
+        answer_lines = Text(self.answer).wrap(self.console, width)
+        tail = answer_lines[-3:] if len(answer_lines) else []
+        return Group(self._panel, Text("─" * min(width, 40), style="dim"), *tail)
+
+    def _build(self, width: int, height: int) -> Group:
+        """The panel for the latest snapshot: built once per snapshot, not per refresh."""
+        elapsed = time.perf_counter() - self.started
+        rate = self.session.last.generated_tokens / elapsed if elapsed > 0 else 0.0
+        return render_panel(
+            self.snapshot,
+            self.view,
+            width,
+            max(height - 4, 6),
+            self.session.decode_token,
+            [(turn.role, turn.start) for turn in self.session.turns],
+            rate,
+        )

@@ -1,0 +1,125 @@
+"""ChatSession on the embedded model: template framing, constant memory, snapshots, stopping, rebuilding."""
+
+from __future__ import annotations
+
+import pytest
+
+from h2o_cli.chat import ChatSession, take_snapshot
+from h2o_cli.config import CacheSettings
+from h2o_cli.generation import Sampling
+
+WORDS = (
+    "The river ran past the old mill where the miller kept his books, and every spring the water rose "
+    "over the stones and carried leaves, branches and once a small boat down towards the sea. "
+)
+
+
+def _session(smollm, budget: int, new_tokens: int = 4, policy: str = "h2o", **kwargs) -> ChatSession:
+    model, tokenizer = smollm
+    return ChatSession(
+        model,
+        tokenizer,
+        CacheSettings(budget=budget, policy=policy, chunk=64),
+        Sampling(new_tokens),
+        **kwargs,
+    )
+
+
+def test_fed_tokens_are_the_chat_template_of_the_transcript(smollm):
+    """Turn by turn, the cache is fed exactly what the template renders for the whole conversation."""
+    _, tokenizer = smollm
+    session = _session(smollm, budget=512, system="You are terse.")
+    session.ask("Name a colour.")
+    session.ask("And another one?")
+    messages = [{"role": "system", "content": "You are terse."}] + session.history
+    expected = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert tokenizer.decode(list(session.ids)) == expected
+    assert len(session.ids) == session.cache.tokens_seen
+    starts = [turn.start for turn in session.turns]
+    assert starts == sorted(starts) and session.turns[-1].end == session.cache.tokens_seen
+
+
+def _converse(session: ChatSession, total_tokens: int) -> list[int]:
+    sizes = []
+    turn = 0
+    while session.cache.tokens_seen < total_tokens:
+        session.ask(f"Turn {turn}. {WORDS * 2}Say something short.")
+        sizes.append(session.cache.nbytes())
+        assert session.cache.length == min(session.settings.budget, session.cache.tokens_seen)
+        turn += 1
+    return sizes
+
+
+def test_long_conversation_keeps_cache_memory_constant(smollm):
+    session = _session(smollm, budget=32, new_tokens=6)
+    sizes = _converse(session, 300)
+    assert session.cache.tokens_seen >= 300
+    assert len(set(sizes)) == 1 and sizes[0] == session.cache.nbytes()
+    assert session.cache.stores[0].evictions == session.cache.tokens_seen - 32
+
+
+@pytest.mark.slow
+def test_3000_token_conversation_budget_256(smollm):
+    session = _session(smollm, budget=256, new_tokens=16)
+    sizes = _converse(session, 3000)
+    assert session.cache.tokens_seen >= 3000 > session.cache.length
+    assert len(set(sizes)) == 1
+
+
+def test_snapshot_marks_the_newest_tokens_recent(smollm):
+    session = _session(smollm, budget=24, new_tokens=3)
+    session.ask(WORDS)
+    snapshot = take_snapshot(session.cache)
+    seen, recent = session.cache.tokens_seen, session.settings.recent
+    for layer in range(snapshot.n_layers):
+        for head in range(snapshot.n_kv_heads):
+            heavy, newest = snapshot.kept(layer, head)
+            assert newest == list(range(seen - recent, seen))
+            assert len(heavy) == 24 - recent and max(heavy) < seen - recent
+            cells = snapshot.strip(layer, head, 20)
+            assert sum(h for h, _ in cells) == len(heavy) and sum(r for _, r in cells) == recent
+    heavy_cells, recent_cells = snapshot.strips(20)
+    assert heavy_cells.sum(-1).eq(24 - recent).all() and recent_cells.sum(-1).eq(recent).all()
+    top = snapshot.top_heavy(3)
+    assert top[0][1] <= snapshot.n_layers * snapshot.n_kv_heads
+    assert snapshot.full_kv_bytes == 30 * 3 * 64 * 2 * 4 * seen
+
+
+def test_stop_request_ends_the_answer_and_keeps_the_session_usable(smollm):
+    session = _session(smollm, budget=48, new_tokens=20)
+    pieces = 0
+    for _ in session.send("Count from one to twenty."):
+        pieces += 1
+        if pieces == 2:
+            session.stop_requested = True
+    assert session.last.stopped == "interrupted"
+    assert session.last.generated_tokens <= 3
+    assert session.turns[-1].end == session.cache.tokens_seen == len(session.ids)
+    session.ask("Hello")
+    assert session.last.stopped in ("stop", "length")
+    assert session.turns[-1].role == "assistant" and len(session.turns) == 4
+
+
+def test_budget_and_policy_changes_reread_the_conversation(smollm):
+    session = _session(smollm, budget=64, new_tokens=4)
+    session.ask(WORDS)
+    seen = session.cache.tokens_seen
+    session.set_budget(16)
+    assert session.cache.length == 16 and session.cache.tokens_seen == seen
+    session.set_policy("local")
+    heavy, recent = take_snapshot(session.cache).kept(0, 0)
+    assert heavy == [] and recent == list(range(seen - 16, seen))
+    session.reset()
+    assert session.cache.tokens_seen == 0 and session.turns == []
+
+
+def test_save_markdown_and_json(smollm, tmp_path):
+    import json
+
+    session = _session(smollm, budget=32, new_tokens=3)
+    session.ask("Hi there")
+    markdown = session.save(tmp_path / "t.md").read_text()
+    assert "## user" in markdown and "Hi there" in markdown
+    data = json.loads(session.save(tmp_path / "t.json").read_text())
+    assert [turn["role"] for turn in data["turns"]] == ["user", "assistant"]
+    assert data["turns"][1]["start"] == data["turns"][0]["end"]
