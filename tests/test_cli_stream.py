@@ -119,3 +119,14 @@ def test_models_lists_aliases_and_the_embedded_model():
     assert rows["smollm2-135m"]["default"] and "embedded" in rows["smollm2-135m"]["local"]
     assert rows["llama-7b"]["hub_id"] == "huggyllama/llama-7b"
     assert not rows["opt-6.7b"]["supported"]
+
+
+def test_broken_pipe_ends_quietly():
+    code = "from h2o_cli.cli.app import main; main()"
+    command = (
+        f"'{sys.executable}' -c '{code}' stream '{EXCERPT}' --prompt 'Describe the writer.' -n 40 --budget 128"
+        " | head -c 1 >/dev/null; echo ${PIPESTATUS[0]}"
+    )
+    result = subprocess.run(["bash", "-c", command], capture_output=True, timeout=300)
+    assert result.stdout.decode().strip() == "0"
+    assert b"Traceback" not in result.stderr and b"Broken pipe" not in result.stderr

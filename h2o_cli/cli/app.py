@@ -57,7 +57,13 @@ def main() -> None:
     debug = os.environ.get("H2O_DEBUG") == "1"
     command = typer.main.get_command(app)
     try:
-        command.main(prog_name="h2o", standalone_mode=False)
+        try:
+            command.main(prog_name="h2o", standalone_mode=False)
+        except SystemExit as done:
+            # typer turns EPIPE into exit 1 after wrapping the streams; for us a closed reader is no error.
+            if type(sys.stdout).__name__ == "PacifyFlushWrapper":
+                raise BrokenPipeError from done
+            raise
     except typer.Exit as done:
         sys.exit(done.exit_code)
     except typer.Abort:
