@@ -113,12 +113,12 @@ class H2OLayer(CacheLayerMixin):
             return self._attend_fused(
                 query, key_positions, first_query_position, cos_table, sin_table, scaling
             )
-        key_positions = key_positions.clamp_min(0)
+        key_positions = key_positions[:, : store.active].clamp_min(0)
         query_positions = slice(first_query_position, first_query_position + chunk)
         output, increments, last_probs = slot_attention(
             query,
-            store.key_states(),
-            store.value_states(),
+            store.key_states(store.active),
+            store.value_states(store.active),
             store.allowed(chunk),
             cos_table[query_positions],
             sin_table[query_positions],

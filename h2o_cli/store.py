@@ -32,6 +32,9 @@ class LayerStore:
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.length = 0  # valid entries per head (the same for every head)
+        # Free slots are filled lowest first, so every entry lies in slots [0, active): attention reads only
+        # those (a full cache attends over its length, not its whole preallocation).
+        self.active = 0
         self.tokens_seen = 0
         self.evictions = 0  # entries evicted per head so far
         self._allocate(budget + chunk, dtype, device)
@@ -85,17 +88,18 @@ class LayerStore:
             buffer.scatter_(1, index, quantized)
             scales.scatter_(1, free, chunk_scales)
 
-    def key_states(self) -> torch.Tensor:
-        """Keys `[n_kv_heads, slots, head_dim]` in the compute dtype (dequantised for an int8 store)."""
+    def key_states(self, slots: int | None = None) -> torch.Tensor:
+        """Keys `[n_kv_heads, slots, head_dim]` of the first `slots` slots (default all), in the compute
+        dtype (dequantised for an int8 store)."""
         if self.quantized:
-            return dequantize(self.keys, self.key_scales, self.compute_dtype)
-        return self.keys.to(self.compute_dtype)
+            return dequantize(self.keys[:, :slots], self.key_scales[:, :slots], self.compute_dtype)
+        return self.keys[:, :slots].to(self.compute_dtype)
 
-    def value_states(self) -> torch.Tensor:
-        """Values `[n_kv_heads, slots, head_dim]` in the compute dtype (dequantised for an int8 store)."""
+    def value_states(self, slots: int | None = None) -> torch.Tensor:
+        """Values `[n_kv_heads, slots, head_dim]`, like `key_states`."""
         if self.quantized:
-            return dequantize(self.values, self.value_scales, self.compute_dtype)
-        return self.values.to(self.compute_dtype)
+            return dequantize(self.values[:, :slots], self.value_scales[:, :slots], self.compute_dtype)
+        return self.values[:, :slots].to(self.compute_dtype)
 
     def nbytes(self) -> int:
         """Bytes held by this layer's buffers (K/V plus score, index and position arrays)."""
@@ -120,25 +124,32 @@ class LayerStore:
         self.valid.scatter_(1, free, True)
         self.length += chunk
         self.tokens_seen += chunk
+        self.active = max(self.active, self.length)
         return free
 
     def allowed(self, chunk: int) -> torch.Tensor:
-        """E_q for each query of the last written chunk: `[n_kv_heads, chunk, slots]` bool."""
+        """E_q for each query of the last written chunk: `[n_kv_heads, chunk, active]` bool."""
+        valid = self.valid[:, : self.active]
         if chunk == 1:  # decode: the one query sees every valid entry
-            return self.valid.unsqueeze(1)
+            return valid.unsqueeze(1)
         first = self.tokens_seen - chunk
         query_index = torch.arange(first, first + chunk, device=self.keys.device)
-        return self.valid.unsqueeze(1) & (self.token_index.unsqueeze(1) <= query_index.view(1, -1, 1))
+        token_index = self.token_index[:, : self.active]
+        return valid.unsqueeze(1) & (token_index.unsqueeze(1) <= query_index.view(1, -1, 1))
 
     def accumulate(
         self, score_increments: torch.Tensor, last_probs: torch.Tensor, chunk: int, scores_added: bool = False
     ) -> None:
-        """Add a chunk's attention to the scores (SPEC step 3); `scores_added`: a kernel already did that."""
+        """Add a chunk's attention to the scores (SPEC step 3); `scores_added`: a kernel already did that.
+
+        score_increments, last_probs: `[n_kv_heads, n]` for the first n slots (n = `active` or all slots).
+        """
+        width = score_increments.shape[1]
         if not scores_added:
-            self.scores += score_increments
-        self.last_probs.copy_(last_probs)
+            self.scores[:, :width] += score_increments
+        self.last_probs[:, :width] = last_probs
         if chunk == 1:  # decode: the one query saw every valid entry
-            self.seen += self.valid
+            self.seen[:, :width] += self.valid[:, :width]
             return
         # Queries of this chunk that saw each entry: all of them for old entries, fewer for the chunk's own.
         first = self.tokens_seen - chunk
@@ -172,4 +183,4 @@ class LayerStore:
         self.token_index.fill_(-1)
         self.scores.zero_()
         self.seen.zero_()
-        self.length = self.tokens_seen = self.evictions = 0
+        self.length = self.tokens_seen = self.evictions = self.active = 0
