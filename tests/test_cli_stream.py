@@ -21,10 +21,21 @@ def h2o(*args: str, stdin: bytes | None = None, timeout: float = 300) -> subproc
     )
 
 
-def one_error_line(result: subprocess.CompletedProcess) -> str:
-    lines = result.stderr.decode().strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr.decode(), result.stderr.decode()
+def one_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
     return lines[0]
+
+
+def h2o_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """Run the real entry point in this process (no interpreter start-up): (exit code, stdout, stderr)."""
+    from h2o_cli.cli.app import main
+
+    monkeypatch.setattr(sys, "argv", ["h2o", *args])
+    with pytest.raises(SystemExit) as done:
+        main()
+    out = capsys.readouterr()
+    return done.value.code, out.out, out.err
 
 
 @pytest.mark.parametrize(
@@ -38,22 +49,23 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
         (["stream", EXCERPT, "--ppl", "--model", "no-such-model"], 2, "--model"),
     ],
 )
-def test_bad_input_is_one_line_and_an_exit_code(args, code, words):
-    result = h2o(*args)
-    assert result.returncode == code
-    assert words in one_error_line(result)
-    assert result.stdout == b""
+def test_bad_input_is_one_line_and_an_exit_code(monkeypatch, capsys, args, code, words):
+    exit_code, out, err = h2o_in_process(monkeypatch, capsys, *args)
+    assert exit_code == code
+    assert words in one_error_line(err)
+    assert out == ""
 
 
-def test_bad_option_choice_is_a_usage_error():
-    result = h2o("stream", EXCERPT, "--ppl", "--policy", "lru")
-    assert result.returncode == 2 and b"lru" in result.stderr
+def test_bad_option_choice_is_a_usage_error(monkeypatch, capsys):
+    exit_code, _, err = h2o_in_process(monkeypatch, capsys, "stream", EXCERPT, "--ppl", "--policy", "lru")
+    assert exit_code == 2 and "lru" in err and "Traceback" not in err
 
 
 def test_empty_and_non_utf8_input(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    assert "empty" in one_error_line(result := h2o("stream", str(empty), "--ppl")) and result.returncode == 1
+    result = h2o("stream", str(empty), "--ppl")
+    assert "empty" in one_error_line(result.stderr.decode()) and result.returncode == 1
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("Caf\u00e9 society\n".encode("latin-1"))
     result = h2o("stream", str(latin), "--ppl")
