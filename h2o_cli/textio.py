@@ -16,7 +16,7 @@ from pathlib import Path
 
 from h2o_cli.errors import InputError
 
-BLOCK_BYTES = 1 << 20
+BLOCK_BYTES = 1 << 16  # 64 KiB: tokenizing 1 MiB at once costs ~140 MB and a 3 s stall
 _CUT = re.compile(r"(?<=\S)\n(?=\S)")
 
 
