@@ -34,9 +34,20 @@ def test_block_tokenization_equals_whole_text(smollm, excerpt):
     assert list(chain.from_iterable(pieces)) == tokenizer(excerpt)["input_ids"]
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "gutenberg_books").is_dir(), reason="shared data not present")
-def test_block_tokenization_equals_whole_book(smollm):
+def test_crlf_text_is_cut_into_blocks_and_tokenizes_the_same(smollm, excerpt):
     _, tokenizer = smollm
-    raw = (SHARED_DATA / "gutenberg_books" / "pride_and_prejudice_pg1342.txt").read_bytes()
-    pieces = token_stream(tokenizer, text_blocks(io.BytesIO(raw), block_bytes=1 << 16))
+    crlf = excerpt.replace("\n", "\r\n")
+    blocks = list(text_blocks(io.BytesIO(crlf.encode()), block_bytes=300))
+    assert len(blocks) > 5 and "".join(blocks) == crlf
+    assert list(chain.from_iterable(token_stream(tokenizer, iter(blocks)))) == tokenizer(crlf)["input_ids"]
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "gutenberg_books").is_dir(), reason="shared data not present")
+@pytest.mark.parametrize("book", ["pride_and_prejudice_pg1342.txt", "frankenstein_pg84.txt"])
+def test_block_tokenization_equals_whole_book(smollm, book):
+    _, tokenizer = smollm
+    raw = (SHARED_DATA / "gutenberg_books" / book).read_bytes()
+    blocks = list(text_blocks(io.BytesIO(raw), block_bytes=1 << 16))
+    assert len(blocks) >= len(raw) >> 17  # really cut into blocks
+    pieces = token_stream(tokenizer, iter(blocks))
     assert list(chain.from_iterable(pieces)) == tokenizer(raw.decode("utf-8"))["input_ids"]
