@@ -10,6 +10,12 @@ from rich.console import Console
 stderr = Console(stderr=True, highlight=False)
 
 
+def stdout_console() -> Console:
+    """Console for tables on stdout: the terminal's width, or 160 columns when piped (rich would use 80)."""
+    console = Console(highlight=False)
+    return console if console.is_terminal else Console(highlight=False, width=160)
+
+
 def quiet_transformers() -> None:
     """No progress bars or advice from transformers on our stderr."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from h2o_cli.cli import options as opt
-from h2o_cli.cli.common import stderr
+from h2o_cli.cli.common import stderr, stdout_console
 
 EXAMPLES = """
 Examples:
@@ -77,8 +77,7 @@ def memory(
             _size(row["full_total_bytes"]),
             _size(row["h2o_total_bytes"]),
         )
-    console = __import__("rich.console", fromlist=["Console"]).Console()
-    console.print(grid)
+    stdout_console().print(grid)
     stderr.print(
         f"per head = one KV head of one layer ({table['kv_heads_total']} in all); "
         "* = beyond the context window (full attention cannot go there; H2O with rolling positions can); "

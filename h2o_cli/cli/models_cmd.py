@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from h2o_cli.cli import options as opt
+from h2o_cli.cli.common import stdout_console
 
 
 def models(as_json: opt.Json = False) -> None:
@@ -35,8 +36,4 @@ def models(as_json: opt.Json = False) -> None:
             f"{row['fp32_gib']:.1f} / {row['bf16_gib']:.1f} GiB",
             row["local"] if row["supported"] else f"{row['local']}; {row['note']}",
         )
-    from rich.console import Console
-
-    console = Console()
-    # Piped output keeps whole lines rather than rich's 80-column default.
-    (console if console.is_terminal else Console(width=160)).print(table)
+    stdout_console().print(table)
