@@ -253,7 +253,7 @@ def memory_table(
 
 def config_for(name: str):
     """A config for `--model` without loading weights: the converted/local folder or the hub cache, else the
-    built-in public config of an alias. Returns (config, where it came from)."""
+    built-in public config of an alias (without asking the hub), else the hub. Returns (config, source)."""
     from types import SimpleNamespace
 
     from h2o_cli.errors import H2OError
@@ -262,7 +262,8 @@ def config_for(name: str):
     source = resolve(name)
     public = PUBLIC_CONFIGS.get(name.lower())
     try:
-        return load_config(source), "hub cache" if source.kind == "hub" else "model folder"
+        config = load_config(source, local_only=public is not None)
+        return config, "hub cache" if source.kind == "hub" else "model folder"
     except H2OError:
         if public is None:
             raise

@@ -171,12 +171,16 @@ def local_folder(source: ModelSource) -> str:
     return str(target)
 
 
-def load_config(source: ModelSource, trust_remote_code: bool = False):
-    """The model config, from the converted folder, local folder or hub (no weights)."""
+def load_config(source: ModelSource, trust_remote_code: bool = False, local_only: bool = False):
+    """The model config, from the converted folder, local folder or hub (no weights).
+
+    `local_only`: never ask the hub (a config not in the local cache raises at once)."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(local_folder(source), trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(
+            local_folder(source), trust_remote_code=trust_remote_code, local_files_only=local_only
+        )
     except (OSError, ValueError) as error:
         raise not_found(source, error) from error
 
