@@ -34,6 +34,8 @@ def compare(
     model: options.Model = options.DEFAULTS["model"],
     device: options.Device = "auto",
     dtype: options.Dtype = "auto",
+    quant: options.Quant = "none",
+    kv_bits: options.KvBits = None,
     threads: options.Threads = 0,
     json_out: options.Json = False,
 ) -> None:
@@ -54,7 +56,7 @@ def compare(
             raise UsageError(f"--policies: {name!r} is not one of {', '.join(POLICIES)}")
     if any(value <= 0 for value in fractions):
         raise UsageError("--budgets must all be > 0")
-    model_obj, tokenizer = load(model, device, dtype, False, threads)
+    model_obj, tokenizer = load(model, device, dtype, False, threads, quant)
     with open_source(file) as stream:
         text = stream.read(max_tokens * 16).decode("utf-8", errors="replace").lstrip("\ufeff")
     ids = tokenizer(text)["input_ids"][:max_tokens]
@@ -65,6 +67,7 @@ def compare(
         chosen,
         chunk,
         score_norm,
+        kv_bits,
         on_row=lambda row: stderr.print(f"[dim]{row['policy']} {row['budget']}: ppl {row['ppl']:.3f}[/]"),
     )
     table = Table(title=f"perplexity, {len(ids)} tokens, chunk {chunk}")

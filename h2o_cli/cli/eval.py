@@ -91,6 +91,8 @@ def eval(  # noqa: A001 - the command is called eval
     model: options.Model = options.DEFAULTS["model"],
     device: options.Device = "auto",
     dtype: options.Dtype = "auto",
+    quant: options.Quant = "none",
+    kv_bits: options.KvBits = None,
     threads: options.Threads = 0,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON list of rows on stdout.")] = False,
     csv_out: Annotated[bool, typer.Option("--csv", help="Print the rows as CSV on stdout.")] = False,
@@ -112,7 +114,7 @@ def eval(  # noqa: A001 - the command is called eval
     except ImportError as error:
         raise UsageError(f"h2o eval needs the eval extra (pip install 'h2o-cli[eval]'): {error}") from error
 
-    loaded = load(model, device, dtype, False, threads)
+    loaded = load(model, device, dtype, False, threads, quant)
     lm = H2OLM(model=loaded)
     rows: list[dict] = []
     for task in tasks:
@@ -124,6 +126,7 @@ def eval(  # noqa: A001 - the command is called eval
                 sinks=sinks,
                 score_norm=score_norm,
                 chunk=chunk,
+                kv_bits=kv_bits,
             )
             stderr.print(f"[dim]{task} · {policy} · budget {budget}[/]")
             if task in LONG_TASKS:
