@@ -102,7 +102,7 @@ def table(args) -> None:
         if "tok_s" in r:
             continue
         key = (r["quant"], r["kv_bits"], r["policy"])
-        cache = "full" if r["policy"] == "full" else f"H2O {r['budget_tokens']} tok"
+        cache = "full" if r["policy"] == "full" else f"H2O {BUDGET:.0%}"
         mc = [f"{r[t]['acc']:.2f} ({r[t]['ci_low']:.2f}–{r[t]['ci_high']:.2f})" for t in ("copa", "piqa")]
         print(
             f"| {'fp32' if r['quant'] == 'none' else r['quant']} | {'fp16' if r['kv_bits'] == 16 else 'int8'} "
