@@ -15,6 +15,7 @@ EXAMPLES = """
 Examples:
   h2o compare book.txt --budgets 0.05,0.1,0.2,0.5 --policies local,sink,tova,h2o --max-tokens 20000
   h2o compare book.txt --max-tokens 4000 --json > ppl.json && h2o plot curve ppl.json --out figs/
+  h2o compare book.txt --budgets 0.2 --policies full,h2o --quant 8bit --kv-bits 8 --max-tokens 2048
 """
 
 

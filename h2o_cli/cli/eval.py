@@ -19,6 +19,7 @@ Examples:
   h2o eval xsum --budget 0.2 --limit 200
   h2o eval hotpotqa kv-retrieval needle --budget 0.1 --limit 20
   h2o eval copa --data my_copa.xml --json > copa.json
+  h2o eval copa piqa --policies full,h2o --quant 4bit --kv-bits 8 --limit 50
 """
 
 COLUMNS = (
@@ -130,9 +131,10 @@ def eval(  # noqa: A001 - the command is called eval
             )
             stderr.print(f"[dim]{task} · {policy} · budget {budget}[/]")
             if task in LONG_TASKS:
-                rows.extend(run_long(loaded[0], loaded[1], task, spec, limit, data))
+                found = run_long(loaded[0], loaded[1], task, spec, limit, data)
             else:
-                rows.append(run_harness(lm, task, spec, limit, shots, seed, data))
+                found = [run_harness(lm, task, spec, limit, shots, seed, data)]
+            rows.extend({**row, "quant": quant} for row in found)
     _render(rows)
     if json_out:
         print(json.dumps(rows))

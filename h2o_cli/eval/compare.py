@@ -55,6 +55,7 @@ def compare_perplexity(
             "budget_tokens": settings.budget,
             "score_norm": score_norm,
             "kv_bits": kv_bits,
+            "quant": getattr(model, "h2o_quant", "none"),
             "tokens": stats.tokens,
             "ppl": stats.ppl,
         }
