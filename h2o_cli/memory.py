@@ -21,58 +21,27 @@ SLOT_STATE_BYTES = 4 + 4 + 4 + 8 + 8 + 1  # scores, seen, last_probs (f32); toke
 SCALE_BYTES = 4  # one fp32 scale per token for K and one for V in an int8 cache
 CONTEXTS = tuple(2**p for p in range(12, 21))  # 4K ... 1M
 
+
+def _llama(hidden, layers, heads, kv_heads, vocab, intermediate, context) -> dict:
+    return dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        intermediate_size=intermediate,
+        max_position_embeddings=context,
+        tie_word_embeddings=False,
+    )
+
+
 # Public configs of aliases, so `h2o memory --model llama-7b` works with no download (config.json on the hub).
 PUBLIC_CONFIGS: dict[str, dict] = {
-    "llama-7b": dict(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=32000,
-        intermediate_size=11008,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-    ),
-    "llama-2-7b": dict(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=32000,
-        intermediate_size=11008,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    ),
-    "llama-13b": dict(
-        hidden_size=5120,
-        num_hidden_layers=40,
-        num_attention_heads=40,
-        num_key_value_heads=40,
-        vocab_size=32000,
-        intermediate_size=13824,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-    ),
-    "llama-3.1-8b": dict(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        intermediate_size=14336,
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-    ),
-    "mistral-7b": dict(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        intermediate_size=14336,
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-    ),
+    "llama-7b": _llama(4096, 32, 32, 32, 32000, 11008, 2048),
+    "llama-2-7b": _llama(4096, 32, 32, 32, 32000, 11008, 4096),
+    "llama-13b": _llama(5120, 40, 40, 40, 32000, 13824, 2048),
+    "llama-3.1-8b": _llama(4096, 32, 32, 8, 128256, 14336, 131072),
+    "mistral-7b": _llama(4096, 32, 32, 8, 32000, 14336, 32768),
 }
 PUBLIC_CONFIGS["llama-2-7b-chat"] = PUBLIC_CONFIGS["llama-2-7b"]
 

@@ -1,69 +1,133 @@
-"""Issue 6: PPL, COPA/PIQA accuracy, decode tok/s for {fp32, 8bit, 4bit} x {full, H2O@20%} x {kv 32, 8}.
+"""Issue 6: quality and decode speed for {none, 8bit, 4bit} weights x {full, H2O@20%} x {kv 16, 8}.
 
-Usage: python scripts/memory_results.py QUANT [--tokens 4096] [--examples 50]  (one quant per process)
+    python scripts/memory_results.py quality QUANT --tokens 2048 --examples 50 >> docs/results/memory_quality.jsonl
+    python scripts/memory_results.py decode --prompt 512 --new 64 > docs/results/memory_decode.jsonl
+    python scripts/memory_results.py table docs/results/memory_quality.jsonl docs/results/memory_decode.jsonl
+
+`quality` (one weights setting per process): perplexity of two books through `h2o_cli.eval.compare`, COPA and
+PIQA accuracy (+ 95% Wilson CI) through the lm-eval `h2o` model, i.e. the same code as `h2o compare` and
+`h2o eval`. `decode` times greedy decoding for every weights x KV setting in one process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
-from pathlib import Path
 
 import torch
 
-from h2o_cli import choices
 from h2o_cli.cache import H2OCache
-from h2o_cli.config import CacheSettings
+from h2o_cli.eval.compare import compare_perplexity
+from h2o_cli.eval.data import data_dir
+from h2o_cli.eval.scoring import EvalCache
 from h2o_cli.generation import Sampling, generate_ids
 from h2o_cli.models import load_model
-from h2o_cli.streaming import prefill, stream_perplexity
+from h2o_cli.streaming import prefill
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-BOOKS = ("frankenstein_pg84.txt", "pride_and_prejudice_pg1342.txt")
+BOOKS = {"frankenstein": "frankenstein_pg84.txt", "pride": "pride_and_prejudice_pg1342.txt"}
+QUANTS = ("none", "8bit", "4bit")
+KV_BITS = (16, 8)
+POLICIES = ("full", "h2o")
+BUDGET = 0.2
 
 
-def settings(policy: str, tokens: int, kv_bits, chunk: int) -> CacheSettings:
-    if policy == "full":  # a budget covering the whole stream never evicts: full attention (SPEC.md)
-        return CacheSettings(budget=tokens, policy="h2o", chunk=chunk, kv_bits=kv_bits)
-    return CacheSettings(budget=round(0.2 * tokens), policy="h2o", chunk=chunk, kv_bits=kv_bits)
+def book_ids(tokenizer, name: str, tokens: int) -> list[int]:
+    text = (data_dir() / "gutenberg_books" / BOOKS[name]).read_text(encoding="utf-8").lstrip("\ufeff")
+    return tokenizer(text[: tokens * 16])["input_ids"][:tokens]
+
+
+def quality(args) -> None:
+    from h2o_cli.eval.lm_eval_model import H2OLM
+    from h2o_cli.eval.runner import run_harness
+
+    model, tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32", quant=args.quant)
+    lm = H2OLM(model=(model, tokenizer))
+    books = {name: book_ids(tokenizer, name, args.tokens) for name in BOOKS}
+    for kv_bits in KV_BITS:
+        for policy in POLICIES:
+            started = time.perf_counter()
+            row = {"quant": args.quant, "kv_bits": kv_bits, "policy": policy, "tokens": args.tokens}
+            for name, ids in books.items():
+                (ppl,) = compare_perplexity(model, ids, [BUDGET], [policy], args.chunk, kv_bits=kv_bits)
+                row[f"ppl_{name}"] = round(ppl["ppl"], 3)
+                row["budget_tokens"] = ppl["budget_tokens"]
+            spec = EvalCache(budget=BUDGET, policy=policy, kv_bits=kv_bits)
+            for task in ("copa", "piqa"):
+                scored = run_harness(lm, task, spec, args.examples, 0, 1234, None)
+                row[task] = {key: scored.get(key) for key in ("n", "acc", "ci_low", "ci_high")}
+            row["seconds"] = round(time.perf_counter() - started, 1)
+            print(json.dumps(row), flush=True)
+
+
+def decode(args) -> None:
+    load = os.getloadavg()
+    for quant in QUANTS:
+        model, tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32", quant=quant)
+        prompt = book_ids(tokenizer, "frankenstein", args.prompt)
+        for kv_bits in KV_BITS:
+            for policy in POLICIES:
+                spec = EvalCache(BUDGET, policy, kv_bits=kv_bits)
+                cache = H2OCache(model, spec.settings(args.prompt, 8192, args.new))
+                with torch.inference_mode():
+                    logits, _ = prefill(model, cache, [prompt], 128, None, None)
+                    started = time.perf_counter()
+                    count = sum(1 for _ in generate_ids(model, cache, logits, Sampling(args.new), set()))
+                    seconds = time.perf_counter() - started
+                row = {
+                    "quant": quant,
+                    "kv_bits": kv_bits,
+                    "policy": policy,
+                    "budget_tokens": cache.stores[0].budget,
+                    "prompt": args.prompt,
+                    "new": count,
+                    "tok_s": round(count / seconds, 2),
+                    "threads": torch.get_num_threads(),
+                    "loadavg_start": [round(value, 2) for value in load],
+                    "loadavg_now": [round(value, 2) for value in os.getloadavg()],
+                }
+                print(json.dumps(row), flush=True)
+        del model
+
+
+def table(args) -> None:
+    rows = [json.loads(line) for path in args.files for line in open(path, encoding="utf-8") if line.strip()]
+    speed = {(r["quant"], r["kv_bits"], r["policy"]): r["tok_s"] for r in rows if "tok_s" in r}
+    print(
+        "| weights | KV | cache | PPL Frankenstein | PPL Pride & Prej. | COPA (95% CI) | PIQA (95% CI) | decode tok/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "tok_s" in r:
+            continue
+        key = (r["quant"], r["kv_bits"], r["policy"])
+        cache = "full" if r["policy"] == "full" else f"H2O {BUDGET:.0%}"
+        mc = [f"{r[t]['acc']:.2f} ({r[t]['ci_low']:.2f}–{r[t]['ci_high']:.2f})" for t in ("copa", "piqa")]
+        print(
+            f"| {'fp32' if r['quant'] == 'none' else r['quant']} | {'fp16' if r['kv_bits'] == 16 else 'int8'} "
+            f"| {cache} | {r['ppl_frankenstein']:.3f} | {r['ppl_pride']:.3f} | {mc[0]} | {mc[1]} "
+            f"| {speed.get(key, '–')} |"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("quant")
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--chunk", type=int, default=128)
-    parser.add_argument("--examples", type=int, default=50)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    q = sub.add_parser("quality")
+    q.add_argument("quant", choices=QUANTS)
+    q.add_argument("--tokens", type=int, default=2048)
+    q.add_argument("--chunk", type=int, default=128)
+    q.add_argument("--examples", type=int, default=50)
+    d = sub.add_parser("decode")
+    d.add_argument("--prompt", type=int, default=512)
+    d.add_argument("--new", type=int, default=64)
+    t = sub.add_parser("table")
+    t.add_argument("files", nargs="+")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    model, tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32", quant=args.quant)
-    books = [
-        tokenizer((DATA / "gutenberg_books" / b).read_text()[:60000])["input_ids"][: args.tokens]
-        for b in BOOKS
-    ]
-    copa = choices.copa_examples(DATA / "copa")[: args.examples]
-    piqa = choices.piqa_examples(DATA / "piqa")[: args.examples]
-    for kv_bits in (None, 8):
-        for policy in ("full", "h2o"):
-            row = {"quant": args.quant, "kv_bits": kv_bits or 32, "policy": policy, "tokens": args.tokens}
-            with torch.no_grad():
-                for name, ids in zip(BOOKS, books, strict=True):
-                    cache = H2OCache(model, settings(policy, args.tokens, kv_bits, args.chunk))
-                    stats = stream_perplexity(model, cache, [ids], args.chunk, None, None)
-                    row[f"ppl_{name.split('_')[0]}"] = round(stats.ppl, 3)
-                    row["cache_bytes"] = cache.nbytes()
-                # decode: prefill 1024 tokens, then 32 greedy tokens, timed
-                cache = H2OCache(model, settings(policy, 1024, kv_bits, args.chunk))
-                logits, _ = prefill(model, cache, [books[0][:1024]], args.chunk, None, None)
-                started = time.perf_counter()
-                count = sum(1 for _ in generate_ids(model, cache, logits, Sampling(32, 0.0, 1.0, 0), set()))
-                row["decode_tok_s"] = round(count / (time.perf_counter() - started), 2)
-                ratio = None if policy == "full" else 0.2
-                extra = {"kv_bits": kv_bits}
-                row["copa"] = choices.accuracy(model, tokenizer, copa, ratio, **extra)
-                row["piqa"] = choices.accuracy(model, tokenizer, piqa, ratio, **extra)
-            print(json.dumps(row), flush=True)
+    torch.set_num_threads(args.threads)
+    {"quality": quality, "decode": decode, "table": table}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ EXAMPLES = """
 Examples:
   h2o compare book.txt --budgets 0.05,0.1,0.2,0.5 --policies local,sink,tova,h2o --max-tokens 20000
   h2o compare book.txt --max-tokens 4000 --json > ppl.json && h2o plot curve ppl.json --out figs/
+  h2o compare book.txt --budgets 0.2 --policies full,h2o --quant 8bit --kv-bits 8 --max-tokens 2048
 """
 
 
@@ -34,6 +35,8 @@ def compare(
     model: options.Model = options.DEFAULTS["model"],
     device: options.Device = "auto",
     dtype: options.Dtype = "auto",
+    quant: options.Quant = "none",
+    kv_bits: options.KvBits = None,
     threads: options.Threads = 0,
     json_out: options.Json = False,
 ) -> None:
@@ -54,7 +57,7 @@ def compare(
             raise UsageError(f"--policies: {name!r} is not one of {', '.join(POLICIES)}")
     if any(value <= 0 for value in fractions):
         raise UsageError("--budgets must all be > 0")
-    model_obj, tokenizer = load(model, device, dtype, False, threads)
+    model_obj, tokenizer = load(model, device, dtype, False, threads, quant)
     with open_source(file) as stream:
         text = stream.read(max_tokens * 16).decode("utf-8", errors="replace").lstrip("\ufeff")
     ids = tokenizer(text)["input_ids"][:max_tokens]
@@ -65,6 +68,7 @@ def compare(
         chosen,
         chunk,
         score_norm,
+        kv_bits,
         on_row=lambda row: stderr.print(f"[dim]{row['policy']} {row['budget']}: ppl {row['ppl']:.3f}[/]"),
     )
     table = Table(title=f"perplexity, {len(ids)} tokens, chunk {chunk}")

@@ -19,6 +19,7 @@ Examples:
   h2o eval xsum --budget 0.2 --limit 200
   h2o eval hotpotqa kv-retrieval needle --budget 0.1 --limit 20
   h2o eval copa --data my_copa.xml --json > copa.json
+  h2o eval copa piqa --policies full,h2o --quant 4bit --kv-bits 8 --limit 50
 """
 
 COLUMNS = (
@@ -91,6 +92,8 @@ def eval(  # noqa: A001 - the command is called eval
     model: options.Model = options.DEFAULTS["model"],
     device: options.Device = "auto",
     dtype: options.Dtype = "auto",
+    quant: options.Quant = "none",
+    kv_bits: options.KvBits = None,
     threads: options.Threads = 0,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON list of rows on stdout.")] = False,
     csv_out: Annotated[bool, typer.Option("--csv", help="Print the rows as CSV on stdout.")] = False,
@@ -112,7 +115,7 @@ def eval(  # noqa: A001 - the command is called eval
     except ImportError as error:
         raise UsageError(f"h2o eval needs the eval extra (pip install 'h2o-cli[eval]'): {error}") from error
 
-    loaded = load(model, device, dtype, False, threads)
+    loaded = load(model, device, dtype, False, threads, quant)
     lm = H2OLM(model=loaded)
     rows: list[dict] = []
     for task in tasks:
@@ -124,12 +127,14 @@ def eval(  # noqa: A001 - the command is called eval
                 sinks=sinks,
                 score_norm=score_norm,
                 chunk=chunk,
+                kv_bits=kv_bits,
             )
             stderr.print(f"[dim]{task} · {policy} · budget {budget}[/]")
             if task in LONG_TASKS:
-                rows.extend(run_long(loaded[0], loaded[1], task, spec, limit, data))
+                found = run_long(loaded[0], loaded[1], task, spec, limit, data)
             else:
-                rows.append(run_harness(lm, task, spec, limit, shots, seed, data))
+                found = [run_harness(lm, task, spec, limit, shots, seed, data)]
+            rows.extend({**row, "quant": quant} for row in found)
     _render(rows)
     if json_out:
         print(json.dumps(rows))

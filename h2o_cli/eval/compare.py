@@ -21,6 +21,7 @@ def compare_perplexity(
     policies: Sequence[str],
     chunk: int = 32,
     score_norm: str = "sum",
+    kv_bits: int | None = None,
     on_row: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Rows {policy, budget, budget_tokens, tokens, ppl}; `full` once, at budget 1.0."""
@@ -31,12 +32,21 @@ def compare_perplexity(
     for policy, budget in cells:
         if policy == "full":
             settings = CacheSettings(
-                budget=min(window, len(ids)) or 2, policy="local", positions="original", chunk=chunk
+                budget=min(window, len(ids)) or 2,
+                policy="local",
+                positions="original",
+                chunk=chunk,
+                kv_bits=kv_bits,
             )
         else:
             k = budget_tokens(budget, len(ids))
             settings = CacheSettings(
-                budget=k, policy=policy, sinks=min(4, k - 1), score_norm=score_norm, chunk=chunk
+                budget=k,
+                policy=policy,
+                sinks=min(4, k - 1),
+                score_norm=score_norm,
+                chunk=chunk,
+                kv_bits=kv_bits,
             )
         stats = stream_perplexity(model, H2OCache(model, settings), [list(ids)], chunk)
         row = {
@@ -44,6 +54,8 @@ def compare_perplexity(
             "budget": budget,
             "budget_tokens": settings.budget,
             "score_norm": score_norm,
+            "kv_bits": kv_bits,
+            "quant": getattr(model, "h2o_quant", "none"),
             "tokens": stats.tokens,
             "ppl": stats.ppl,
         }

@@ -21,7 +21,8 @@ from h2o_cli.eval.scoring import CachePool, EvalCache, continuation_scores, gree
 
 @register_model("h2o")
 class H2OLM(TemplateLM):
-    """Model args: model, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk, device, dtype, threads.
+    """Model args: model, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk, kv_bits, device,
+    dtype, quant, threads.
 
     `model` may also be an already loaded `(model, tokenizer)` pair (from Python, not the command line).
     """
@@ -36,8 +37,10 @@ class H2OLM(TemplateLM):
         positions: str = "rolling",
         score_norm: str = "sum",
         chunk: int = 256,
+        kv_bits: int | None = None,
         device: str = "cpu",
         dtype: str = "auto",
+        quant: str = "none",
         threads: int = 0,
         pretrained=None,
         tokenizer=None,
@@ -51,7 +54,9 @@ class H2OLM(TemplateLM):
         else:
             from h2o_cli.models import load_model
 
-            self.model, self.tokenizer = load_model(pretrained or model, device=device or "cpu", dtype=dtype)
+            self.model, self.tokenizer = load_model(
+                pretrained or model, device=device or "cpu", dtype=dtype, quant=quant
+            )
         self.spec = EvalCache(
             budget=float(budget),
             policy=policy,
@@ -60,6 +65,7 @@ class H2OLM(TemplateLM):
             positions=positions,
             score_norm=score_norm,
             chunk=int(chunk),
+            kv_bits=int(kv_bits) if kv_bits else None,
         )
         self.pool = CachePool(self.model, self.spec)
         self.budget_tokens: list[int] = []

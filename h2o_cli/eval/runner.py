@@ -31,6 +31,7 @@ def _row(task: str, spec: EvalCache, budget_tokens: Sequence[int], n: int, **met
         "policy": spec.policy,
         "budget": spec.budget,
         "score_norm": spec.score_norm,
+        "kv_bits": spec.kv_bits,
         "budget_tokens_mean": round(mean(budget_tokens), 1) if budget_tokens else None,
         "n": n,
     }

@@ -32,6 +32,7 @@ class EvalCache:
     positions: str = "rolling"
     score_norm: str = "sum"
     chunk: int = 256
+    kv_bits: int | None = None  # K/V storage (CacheSettings.kv_bits): None = model dtype, 16, or 8
 
     def settings(self, prompt_tokens: int, window: int, extra_tokens: int = 0) -> CacheSettings:
         """CacheSettings for one prompt. Tiny prompts get at least 2 tokens (and keep sinks below the budget).
@@ -41,7 +42,9 @@ class EvalCache:
         """
         if self.policy == "full":
             total = max(2, min(window, prompt_tokens + extra_tokens))
-            return CacheSettings(budget=total, policy="local", positions="original", chunk=self.chunk)
+            return CacheSettings(
+                budget=total, policy="local", positions="original", chunk=self.chunk, kv_bits=self.kv_bits
+            )
         if self.budget <= 1:
             budget = max(2, round(self.budget * prompt_tokens))
         else:
@@ -54,6 +57,7 @@ class EvalCache:
             positions=self.positions,
             score_norm=self.score_norm,
             chunk=self.chunk,
+            kv_bits=self.kv_bits,
         )
 
 
