@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: setup test test-all lint format bench clean
+.PHONY: setup test test-all lint format bench clean results results-ppl results-tasks results-longctx results-longctx-needle results-longctx-xsum results-longctx-qa results-norm results-plot
 
 setup:
 	$(PY) -m venv $(VENV)
@@ -25,3 +25,58 @@ format:
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+
+# Measured results for docs/results.md (each target < 30 min on 2 shared cores; one heavy run at a time).
+# Override the limits on the command line, e.g. `make results-tasks TASK_LIMIT=200 SHOTS=5`.
+H2O ?= $(BIN)/h2o
+RUN = OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+OUT ?= docs/results
+THREADS ?= 1
+BOOKS_DIR ?= ../shared/data/gutenberg_books
+BOOKS ?= frankenstein_pg84 pride_and_prejudice_pg1342 sherlock_holmes_pg1661
+PPL_TOKENS ?= 4096
+PPL_CHUNK ?= 128
+PPL_BUDGETS ?= 0.05,0.1,0.2,0.5
+TASKS ?= copa piqa openbookqa winogrande rte mathqa
+TASK_LIMIT ?= 50
+SHOTS ?= 0
+LONG_LIMIT ?= 5
+XSUM_LIMIT ?= 20
+
+results: results-ppl results-norm results-tasks results-longctx results-plot
+
+results-ppl:
+	mkdir -p $(OUT)
+	for book in $(BOOKS); do \
+		$(RUN) $(H2O) compare $(BOOKS_DIR)/$$book.txt --budgets $(PPL_BUDGETS) --policies full,local,sink,h2o \
+			--max-tokens $(PPL_TOKENS) --chunk $(PPL_CHUNK) --threads $(THREADS) --json > $(OUT)/ppl_$$book.json || exit 1; \
+	done
+
+results-norm:
+	mkdir -p $(OUT)
+	$(RUN) $(H2O) compare $(BOOKS_DIR)/$(firstword $(BOOKS)).txt --budgets $(PPL_BUDGETS) --policies h2o \
+		--score-norm mean --max-tokens $(PPL_TOKENS) --chunk $(PPL_CHUNK) --threads $(THREADS) --json > $(OUT)/norm_mean.json
+
+results-tasks:
+	mkdir -p $(OUT)
+	for task in $(TASKS); do \
+		$(RUN) $(H2O) eval $$task --budget 0.2 --policies full,local,sink,tova,h2o --shots $(SHOTS) \
+			--limit $(TASK_LIMIT) --threads $(THREADS) --json > $(OUT)/tasks20_$$task.json || exit 1; \
+	done
+
+results-longctx: results-longctx-needle results-longctx-xsum results-longctx-qa
+
+results-longctx-needle:
+	mkdir -p $(OUT)
+	$(RUN) $(H2O) eval needle --budget 0.2 --policies full,local,h2o --limit $(LONG_LIMIT) --threads $(THREADS) --json > $(OUT)/needle.json
+
+results-longctx-xsum:
+	mkdir -p $(OUT)
+	$(RUN) $(H2O) eval xsum --budget 0.2 --policies full,local,h2o --limit $(XSUM_LIMIT) --threads $(THREADS) --json > $(OUT)/xsum.json
+
+results-longctx-qa:
+	mkdir -p $(OUT)
+	$(RUN) $(H2O) eval hotpotqa kv-retrieval --budget 0.2 --policies full,local,h2o --limit $(LONG_LIMIT) --threads $(THREADS) --json > $(OUT)/longctx.json
+
+results-plot:
+	$(BIN)/python scripts/results_tables.py --out $(OUT) --figs docs/figs

@@ -72,3 +72,25 @@ def test_multiple_choice_score_hand_computed(tiny_pair):
         logprobs = torch.log_softmax(reference(whole).logits[0].float(), -1)
         expected = sum(float(logprobs[len(context) - 1 + i, token]) for i, token in enumerate(choice))
         assert score == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova"])
+def test_reusing_the_prefilled_cache_across_choices_equals_a_fresh_prefill(tiny_pair, policy):
+    """Choices scored from one snapshot of the prefilled (and evicting) cache match a fresh prefill per choice."""
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.eval.scoring import continuation_scores
+
+    _, model = tiny_pair
+    generator = torch.Generator().manual_seed(3)
+    context = torch.randint(0, 128, (23,), generator=generator).tolist()
+    choices = [[7, 8, 9, 10, 11], [60], [5, 6, 61, 62, 63, 64, 65, 99, 100]]
+    settings = EvalCache(budget=0.3, policy=policy, sinks=1).settings(len(context), 256)
+    assert settings.budget == 7  # far below the context: eviction during prefill and every continuation
+    shared = continuation_scores(model, H2OCache(model, settings), context, choices, chunk=4)
+    for choice, (score, greedy) in zip(choices, shared, strict=True):
+        ((fresh, fresh_greedy),) = continuation_scores(
+            model, H2OCache(model, settings), context, [choice], chunk=4
+        )
+        assert score == pytest.approx(fresh, abs=1e-5)
+        assert greedy == fresh_greedy
+    assert len({round(score, 3) for score, _ in shared}) == len(choices)  # the choices really differ

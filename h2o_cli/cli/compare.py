@@ -21,7 +21,13 @@ Examples:
 def compare(
     file: Annotated[str, typer.Argument(help="Text file (or - for stdin).")],
     budgets: Annotated[
-        str, typer.Option("--budgets", help="Comma-separated fractions of the text, or counts.")
+        str,
+        typer.Option(
+            "--budgets",
+            help="Comma-separated budgets: a fraction <= 1 is of the tokens read (min of --max-tokens and the "
+            "text), like eval's fraction of each prompt and unlike stream/chat (fraction of the context window); "
+            "a number > 1 is a token count.",
+        ),
     ] = "0.05,0.1,0.2,0.5",
     policies: Annotated[
         str, typer.Option("--policies", help="Comma-separated policies.")
@@ -37,7 +43,12 @@ def compare(
     threads: options.Threads = 0,
     json_out: options.Json = False,
 ) -> None:
-    """Perplexity of FILE's first --max-tokens tokens for every policy at every budget (fraction of those tokens)."""
+    """Perplexity of FILE's first --max-tokens tokens for every policy at every budget.
+
+    A fractional budget here is a fraction of the tokens read (0.2 of 4096 tokens = 819 slots per head), the
+    same rule as `h2o eval` (a fraction of each prompt); `h2o stream`/`chat` take a fraction of the model's
+    context window instead. `full` is run once, with no eviction.
+    """
     from rich.table import Table
 
     from h2o_cli.config import POLICIES
