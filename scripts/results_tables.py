@@ -138,6 +138,9 @@ def figure(books: dict[str, list[dict]], path: Path) -> Path | None:
                 continue
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
         ax.set_xscale("log")
+        budgets = sorted({r["budget"] for r in rows if r["policy"] != "full"})
+        ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+        ax.minorticks_off()
         ax.set_xlabel("budget (fraction of tokens read)")
         ax.set_ylabel("perplexity")
         ax.set_title(f"{name.split('_pg')[0]} ({rows[0]['tokens']} tok)", fontsize=10)
