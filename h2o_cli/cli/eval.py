@@ -63,8 +63,23 @@ def _cell(value) -> str:
 
 
 def _quiet() -> None:
-    """Silence lm-eval's, datasets' and transformers' log lines and progress bars (all on stderr)."""
+    """Silence lm-eval's, datasets' and transformers' log lines and progress bars (all on stderr).
+
+    tqdm reads $TQDM_DISABLE only when it is first imported, and lm-eval passes `disable=` explicitly, so the
+    bars are switched off in tqdm itself (this process only: the command line, not the library).
+    """
+    import tqdm
+
     os.environ["TQDM_DISABLE"] = "1"
+    original = tqdm.tqdm.__init__
+    if not getattr(original, "_h2o_quiet", False):
+
+        def quiet_init(self, *args, **kwargs):
+            kwargs["disable"] = True
+            original(self, *args, **kwargs)
+
+        quiet_init._h2o_quiet = True
+        tqdm.tqdm.__init__ = quiet_init
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DATASETS_VERBOSITY", "error")
     for name in ("lm_eval", "lm-eval", "datasets", "transformers", "evaluate", "absl"):
