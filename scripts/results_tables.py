@@ -121,6 +121,18 @@ def long_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def xsum_table(path: Path) -> str:
+    rows = _load(path)
+    if not rows:
+        return f"({path.name} missing)"
+    lines = ["| policy | n | mean budget (tok) | ROUGE-1 | ROUGE-2 | ROUGE-L |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['policy']} | {r['n']} | {r['budget_tokens_mean']} | {r['rouge1']:.4f} | {r['rouge2']:.4f} | {r['rougeL']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
 def figure(books: dict[str, list[dict]], path: Path) -> Path | None:
     if not books:
         return None
@@ -161,7 +173,8 @@ def main() -> None:
     print("## Perplexity vs budget\n\n" + ppl)
     print("## score-norm\n\n" + norm_table(args.out, books) + "\n")
     print("## Tasks at 20%\n\n" + task_table(args.out) + "\n")
-    for name in ("needle", "xsum", "longctx"):
+    print("## xsum\n\n" + xsum_table(args.out / "xsum.json") + "\n")
+    for name in ("needle", "hotpotqa", "kv_retrieval"):
         print(f"## {name}\n\n" + long_table(args.out / f"{name}.json") + "\n")
     made = figure(books, args.figs / "budget_ppl.png")
     if made:
