@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 POLICY_ORDER = ("full", "local", "sink", "tova", "h2o")
+TASK_ORDER = ("copa", "piqa", "openbookqa", "winogrande", "rte", "mathqa")
 
 
 def _load(path: Path) -> list[dict]:
@@ -74,6 +75,8 @@ def norm_table(out: Path, books: dict[str, list[dict]]) -> str:
 
 def task_table(out: Path) -> str:
     rows = [row for path in sorted(out.glob("tasks20_*.json")) for row in _load(path)]
+    rank = {name: number for number, name in enumerate(TASK_ORDER)}
+    rows.sort(key=lambda row: rank.get(row["task"], len(rank)))
     if not rows:
         return "(no tasks20_*.json)"
     policies = _policies(rows)
@@ -94,15 +97,20 @@ def task_table(out: Path) -> str:
         lines.append(f"| {task} | {n} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("acc_norm (length-normalised), same runs:\n")
-    lines.append("| task | " + " | ".join(policies) + " | mean budget (tokens, h2o) |")
-    lines.append("|---|" + "---|" * (len(policies) + 1))
+    lines.append("| task | " + " | ".join(policies) + " | mean prompt (tokens) | mean budget (tokens) |")
+    lines.append("|---|" + "---|" * (len(policies) + 2))
     for task in dict.fromkeys(row["task"] for row in rows):
         cells = []
         for policy in policies:
             match = [r for r in rows if r["task"] == task and r["policy"] == policy]
             cells.append(f"{match[0]['acc_norm']:.2f}" if match and "acc_norm" in match[0] else "–")
         budget = [r["budget_tokens_mean"] for r in rows if r["task"] == task and r["policy"] == "h2o"]
-        lines.append(f"| {task} | " + " | ".join(cells) + f" | {budget[0] if budget else '–'} |")
+        prompt = [r["budget_tokens_mean"] for r in rows if r["task"] == task and r["policy"] == "full"]
+        lines.append(
+            f"| {task} | "
+            + " | ".join(cells)
+            + f" | {prompt[0] if prompt else '–'} | {budget[0] if budget else '–'} |"
+        )
     return "\n".join(lines)
 
 
