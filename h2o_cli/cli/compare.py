@@ -12,6 +12,11 @@ from h2o_cli.cli.common import load, stderr
 from h2o_cli.errors import UsageError
 
 EXAMPLES = """
+
+A fractional budget here is a fraction of the tokens read (0.2 of 4096 tokens = 819 slots per head), the same
+rule as `h2o eval` (a fraction of each prompt); `h2o stream`/`chat` take a fraction of the model's context
+window instead. `full` is run once, with no eviction.
+
 Examples:
   h2o compare book.txt --budgets 0.05,0.1,0.2,0.5 --policies local,sink,tova,h2o --max-tokens 20000
   h2o compare book.txt --max-tokens 4000 --json > ppl.json && h2o plot curve ppl.json --out figs/
@@ -43,12 +48,7 @@ def compare(
     threads: options.Threads = 0,
     json_out: options.Json = False,
 ) -> None:
-    """Perplexity of FILE's first --max-tokens tokens for every policy at every budget.
-
-    A fractional budget here is a fraction of the tokens read (0.2 of 4096 tokens = 819 slots per head), the
-    same rule as `h2o eval` (a fraction of each prompt); `h2o stream`/`chat` take a fraction of the model's
-    context window instead. `full` is run once, with no eviction.
-    """
+    """Perplexity of FILE's first --max-tokens tokens for every policy at every budget."""
     from rich.table import Table
 
     from h2o_cli.config import POLICIES
