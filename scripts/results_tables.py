@@ -136,7 +136,7 @@ def xsum_table(path: Path) -> str:
     lines = ["| policy | n | mean budget (tok) | ROUGE-1 | ROUGE-2 | ROUGE-L |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['policy']} | {r['n']} | {r['budget_tokens_mean']} | {r['rouge1']:.4f} | {r['rouge2']:.4f} | {r['rougeL']:.4f} |"
+            f"| {r['policy']} | {r['n']} | {r['budget_tokens_mean']} | {r['rouge1']:.2f} | {r['rouge2']:.2f} | {r['rougeL']:.2f} |"
         )
     return "\n".join(lines)
 
