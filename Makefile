@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: setup test test-all lint format bench clean
+.PHONY: setup test test-all lint format bench clean results results-ppl results-tasks results-longctx results-longctx-needle results-longctx-xsum results-longctx-qa results-norm results-plot
 
 setup:
 	$(PY) -m venv $(VENV)
@@ -25,3 +25,61 @@ format:
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+
+# Measured results for docs/results.md (each target < 30 min on 2 shared cores; one heavy run at a time).
+# Override the limits on the command line, e.g. `make results-tasks TASK_LIMITS="copa:100" SHOTS=5`.
+H2O ?= $(BIN)/h2o
+RUN = OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+OUT ?= docs/results
+THREADS ?= 1
+BOOKS_DIR ?= ../shared/data/gutenberg_books
+BOOKS ?= frankenstein_pg84 pride_and_prejudice_pg1342 sherlock_holmes_pg1661
+PPL_TOKENS ?= 4096
+PPL_CHUNK ?= 128
+PPL_BUDGETS ?= 0.05,0.2
+# task:limit pairs (zero-shot; multiple-choice tasks with more/longer choices get fewer examples)
+TASK_LIMITS ?= copa:50 piqa:50 winogrande:30 rte:30 openbookqa:20 mathqa:20
+SHOTS ?= 0
+LONG_LIMIT ?= 5
+KV_LIMIT ?= 3
+XSUM_LIMIT ?= 20
+
+results: results-ppl results-norm results-tasks results-longctx results-plot
+
+results-ppl:
+	mkdir -p $(OUT)
+	for book in $(BOOKS); do \
+		$(RUN) $(H2O) compare $(BOOKS_DIR)/$$book.txt --budgets $(PPL_BUDGETS) --policies full,local,sink,h2o \
+			--max-tokens $(PPL_TOKENS) --chunk $(PPL_CHUNK) --threads $(THREADS) --json > $(OUT)/ppl_$$book.json || exit 1; \
+	done
+
+results-norm:
+	mkdir -p $(OUT)
+	$(RUN) $(H2O) compare $(BOOKS_DIR)/$(firstword $(BOOKS)).txt --budgets $(PPL_BUDGETS) --policies h2o \
+		--score-norm mean --max-tokens $(PPL_TOKENS) --chunk $(PPL_CHUNK) --threads $(THREADS) --json > $(OUT)/norm_mean.json
+
+results-tasks:
+	mkdir -p $(OUT)
+	for pair in $(TASK_LIMITS); do \
+		task=$${pair%%:*}; limit=$${pair##*:}; \
+		$(RUN) $(H2O) eval $$task --budget 0.2 --policies full,local,sink,tova,h2o --shots $(SHOTS) \
+			--limit $$limit --threads $(THREADS) --json > $(OUT)/tasks20_$$task.json || exit 1; \
+	done
+
+results-longctx: results-longctx-needle results-longctx-xsum results-longctx-qa
+
+results-longctx-needle:
+	mkdir -p $(OUT)
+	$(RUN) $(H2O) eval needle --budget 0.2 --policies full,local,h2o --limit $(LONG_LIMIT) --threads $(THREADS) --json > $(OUT)/needle.json
+
+results-longctx-xsum:
+	mkdir -p $(OUT)
+	$(RUN) $(H2O) eval xsum --budget 0.2 --policies full,local,h2o --limit $(XSUM_LIMIT) --threads $(THREADS) --json > $(OUT)/xsum.json
+
+results-longctx-qa:
+	mkdir -p $(OUT)
+	$(RUN) $(H2O) eval hotpotqa --budget 0.2 --policies full,local,h2o --limit $(LONG_LIMIT) --threads $(THREADS) --json > $(OUT)/hotpotqa.json
+	$(RUN) $(H2O) eval kv-retrieval --budget 0.2 --policies full,local,h2o --limit $(KV_LIMIT) --threads $(THREADS) --json > $(OUT)/kv_retrieval.json
+
+results-plot:
+	$(BIN)/python scripts/results_tables.py --out $(OUT) --figs docs/figs

@@ -11,7 +11,6 @@ pytest.importorskip("lm_eval")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 TASKS = os.path.join(os.path.dirname(__file__), "..", "h2o_cli", "eval", "tasks")
-LIMIT = 10
 
 
 @pytest.fixture(scope="module")
@@ -26,47 +25,53 @@ def reference(smollm):
     ).eval()
 
 
-def _copa(lm):
+def _copa(lm, limit):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     out = lm_eval.simple_evaluate(
         model=lm,
         tasks=["h2o_copa"],
-        limit=LIMIT,
+        limit=limit,
         task_manager=TaskManager(include_path=TASKS),
         log_samples=True,
         verbosity="ERROR",
     )
-    scores = [float(resp[0][0]) for sample in out["samples"]["h2o_copa"] for resp in sample["resps"]]
-    return out["results"]["h2o_copa"], scores
+    samples = out["samples"]["h2o_copa"]
+    scores = [float(resp[0][0]) for sample in samples for resp in sample["resps"]]
+    return out["results"]["h2o_copa"], scores, samples
 
 
-def test_full_matches_lm_eval_hf_and_plain_transformers(smollm, reference):
+@pytest.mark.parametrize("limit", [3, pytest.param(10, marks=pytest.mark.slow)])
+def test_full_matches_lm_eval_hf_and_plain_transformers(smollm, reference, limit):
+    """3 COPA examples in the default suite (fast); 10 in the slow one."""
     from lm_eval.models.huggingface import HFLM
 
-    from h2o_cli.eval.data import load_copa
     from h2o_cli.eval.lm_eval_model import H2OLM
-    from h2o_cli.eval.tasks.utils import copa_doc_to_choice, copa_doc_to_text
 
-    ours, our_scores = _copa(H2OLM(model=smollm, policy="full"))
-    hf, hf_scores = _copa(HFLM(pretrained=reference, tokenizer=smollm[1], batch_size=1))
+    ours, our_scores, samples = _copa(H2OLM(model=smollm, policy="full"), limit)
+    hf, hf_scores, _ = _copa(HFLM(pretrained=reference, tokenizer=smollm[1], batch_size=1), limit)
     assert ours["acc,none"] == hf["acc,none"]
     assert ours["acc_norm,none"] == hf["acc_norm,none"]
     assert our_scores == pytest.approx(hf_scores, abs=2e-3)
 
-    # Plain transformers, no cache code: log p(choice | premise) from one forward over context + choice.
+    # Plain transformers, no cache code: log p(continuation | context) from one forward over both, for the
+    # exact (context, continuation) strings lm-eval built for each choice.
     tokenizer = smollm[1]
-    correct = 0
-    for doc in load_copa()["validation"][:LIMIT]:
-        context = copa_doc_to_text(doc)
+    plain, correct = [], 0
+    for sample in samples:
         totals = []
-        for choice in copa_doc_to_choice(doc):
+        for context, continuation in sample["arguments"]:
             context_ids = tokenizer(context)["input_ids"]
-            whole = tokenizer(context + choice)["input_ids"]
+            whole = tokenizer(context + continuation)["input_ids"]
             with torch.no_grad():
                 logprobs = torch.log_softmax(reference(torch.tensor([whole])).logits[0].float(), -1)
             targets = torch.tensor(whole[len(context_ids) :])
             totals.append(float(logprobs[len(context_ids) - 1 : -1].gather(1, targets[:, None]).sum()))
-        correct += int(max(range(2), key=totals.__getitem__) == doc["label"])
-    assert ours["acc,none"] == pytest.approx(correct / LIMIT)
+        plain.extend(totals)
+        target = sample["target"]  # the gold choice's text
+        choices = [continuation.strip() for _, continuation in sample["arguments"]]
+        gold = target if isinstance(target, int) else choices.index(str(target).strip())
+        correct += int(max(range(len(totals)), key=totals.__getitem__) == gold)
+    assert our_scores == pytest.approx(plain, abs=2e-3)
+    assert ours["acc,none"] == pytest.approx(correct / len(samples))

@@ -72,3 +72,53 @@ def test_multiple_choice_score_hand_computed(tiny_pair):
         logprobs = torch.log_softmax(reference(whole).logits[0].float(), -1)
         expected = sum(float(logprobs[len(context) - 1 + i, token]) for i, token in enumerate(choice))
         assert score == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova"])
+def test_reusing_the_prefilled_cache_across_choices_equals_a_fresh_prefill(tiny_pair, policy):
+    """Choices scored from one snapshot of the prefilled (and evicting) cache match a fresh prefill per choice."""
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.eval.scoring import continuation_scores
+
+    _, model = tiny_pair
+    generator = torch.Generator().manual_seed(3)
+    context = torch.randint(0, 128, (23,), generator=generator).tolist()
+    choices = [[7, 8, 9, 10, 11], [60], [5, 6, 61, 62, 63, 64, 65, 99, 100]]
+    settings = EvalCache(budget=0.3, policy=policy, sinks=1).settings(len(context), 256)
+    assert settings.budget == 7  # far below the context: eviction during prefill and every continuation
+    shared = continuation_scores(model, H2OCache(model, settings), context, choices, chunk=4)
+    for choice, (score, greedy) in zip(choices, shared, strict=True):
+        ((fresh, fresh_greedy),) = continuation_scores(
+            model, H2OCache(model, settings), context, [choice], chunk=4
+        )
+        assert score == pytest.approx(fresh, abs=1e-5)
+        assert greedy == fresh_greedy
+    assert len({round(score, 3) for score, _ in shared}) == len(choices)  # the choices really differ
+
+
+def test_needle_prompt_uses_the_chat_template_and_hits_the_length(smollm):
+    from h2o_cli.eval.long_tasks import NEEDLE, chat_frame, needle_examples
+
+    _, tokenizer = smollm
+    before, after = chat_frame(tokenizer)
+    assert before.startswith("<|im_start|>") and after.endswith("assistant\n")
+    grid = list(needle_examples(tokenizer, lengths=(500,), depths=(0, 50, 100), frame=(before, after)))
+    assert [example.cell for example in grid] == ["500x0%", "500x50%", "500x100%"]
+    for example in grid:
+        assert example.prompt.startswith(before) and example.prompt.endswith(after)
+        assert abs(len(tokenizer(example.prompt)["input_ids"]) - 500) <= 8
+    positions = [example.prompt.index(NEEDLE) / len(example.prompt) for example in grid]
+    assert positions[0] < 0.2 < positions[1] < 0.8 < positions[2]
+
+
+def test_full_cache_finds_the_needle_with_the_chat_prompt(smollm):
+    """The measured premise of docs/results.md's needle table: with nothing evicted, the model retrieves it."""
+    from h2o_cli.eval.long_tasks import NEEDLE_ANSWERS, examples
+    from h2o_cli.eval.scoring import CachePool, contains_answer, greedy_answer
+
+    model, tokenizer = smollm
+    example = next(iter(examples("needle", tokenizer)))  # 1,000 tokens, needle at depth 0%
+    ids = tokenizer(example.prompt)["input_ids"]
+    cache = CachePool(model, EvalCache(policy="full")).cache_for(len(ids), 32)
+    answer = greedy_answer(model, tokenizer, cache, ids, 32, 256, ("\n\n",))
+    assert contains_answer(answer, NEEDLE_ANSWERS), answer

@@ -12,6 +12,11 @@ from h2o_cli.cli.common import load, stderr
 from h2o_cli.errors import UsageError
 
 EXAMPLES = """
+
+A fractional budget here is a fraction of the tokens read (0.2 of 4096 tokens = 819 slots per head), the same
+rule as `h2o eval` (a fraction of each prompt); `h2o stream`/`chat` take a fraction of the model's context
+window instead. `full` is run once, with no eviction.
+
 Examples:
   h2o compare book.txt --budgets 0.05,0.1,0.2,0.5 --policies local,sink,tova,h2o --max-tokens 20000
   h2o compare book.txt --max-tokens 4000 --json > ppl.json && h2o plot curve ppl.json --out figs/
@@ -22,7 +27,13 @@ Examples:
 def compare(
     file: Annotated[str, typer.Argument(help="Text file (or - for stdin).")],
     budgets: Annotated[
-        str, typer.Option("--budgets", help="Comma-separated fractions of the text, or counts.")
+        str,
+        typer.Option(
+            "--budgets",
+            help="Comma-separated budgets: a fraction <= 1 is of the tokens read (min of --max-tokens and the "
+            "text), like eval's fraction of each prompt and unlike stream/chat (fraction of the context window); "
+            "a number > 1 is a token count.",
+        ),
     ] = "0.05,0.1,0.2,0.5",
     policies: Annotated[
         str, typer.Option("--policies", help="Comma-separated policies.")
@@ -40,7 +51,7 @@ def compare(
     threads: options.Threads = 0,
     json_out: options.Json = False,
 ) -> None:
-    """Perplexity of FILE's first --max-tokens tokens for every policy at every budget (fraction of those tokens)."""
+    """Perplexity of FILE's first --max-tokens tokens for every policy at every budget."""
     from rich.table import Table
 
     from h2o_cli.config import POLICIES

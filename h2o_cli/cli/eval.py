@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
+import os
 import sys
 from typing import Annotated
 
@@ -61,6 +63,30 @@ def _cell(value) -> str:
     return str(value)
 
 
+def _quiet() -> None:
+    """Silence lm-eval's, datasets' and transformers' log lines and progress bars (all on stderr).
+
+    tqdm reads $TQDM_DISABLE only when it is first imported, and lm-eval passes `disable=` explicitly, so the
+    bars are switched off in tqdm itself (this process only: the command line, not the library).
+    """
+    import tqdm
+
+    os.environ["TQDM_DISABLE"] = "1"
+    original = tqdm.tqdm.__init__
+    if not getattr(original, "_h2o_quiet", False):
+
+        def quiet_init(self, *args, **kwargs):
+            kwargs["disable"] = True
+            original(self, *args, **kwargs)
+
+        quiet_init._h2o_quiet = True
+        tqdm.tqdm.__init__ = quiet_init
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DATASETS_VERBOSITY", "error")
+    for name in ("lm_eval", "lm-eval", "datasets", "transformers", "evaluate", "absl"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def eval(  # noqa: A001 - the command is called eval
     tasks: Annotated[
         list[str],
@@ -97,6 +123,9 @@ def eval(  # noqa: A001 - the command is called eval
     threads: options.Threads = 0,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON list of rows on stdout.")] = False,
     csv_out: Annotated[bool, typer.Option("--csv", help="Print the rows as CSV on stdout.")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", help="Keep lm-eval's log lines and progress bars on stderr.")
+    ] = False,
 ) -> None:
     """Score tasks through the H2O cache for each policy: accuracy with 95% CIs and the real budget in tokens."""
     from h2o_cli.config import POLICIES
@@ -109,6 +138,8 @@ def eval(  # noqa: A001 - the command is called eval
             raise UsageError(f"--policies: {name!r} is not one of {', '.join(POLICIES)}")
     if budget <= 0 or (budget > 1 and budget != int(budget)):
         raise UsageError(f"--budget {budget} must be a fraction in (0, 1] or a whole token count")
+    if not verbose:
+        _quiet()
     try:
         from h2o_cli.eval.lm_eval_model import H2OLM
         from h2o_cli.eval.runner import run_harness, run_long

@@ -9,6 +9,7 @@ Every request's budget (in tokens) is recorded in `budget_tokens` for reporting.
 
 from __future__ import annotations
 
+import os
 from itertools import groupby
 
 import torch
@@ -98,6 +99,12 @@ class H2OLM(TemplateLM):
     def tok_decode(self, tokens) -> str:
         return self.tokenizer.decode(tokens)
 
+    @staticmethod
+    def _bar(items=None, total: int | None = None, disable: bool = False, desc: str = ""):
+        """tqdm progress bar, off when asked or when $TQDM_DISABLE is set (`h2o eval` without --verbose)."""
+        disable = disable or os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true", "yes")
+        return tqdm(items, total=total, disable=disable, desc=desc)
+
     def _cache(self, prompt_tokens: int, extra_tokens: int):
         cache = self.pool.cache_for(prompt_tokens, extra_tokens)
         self.budget_tokens.append(prompt_tokens if self.spec.policy == "full" else cache.stores[0].budget)
@@ -108,7 +115,7 @@ class H2OLM(TemplateLM):
     ) -> list[tuple[float, bool]]:
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         order = sorted(range(len(requests)), key=lambda i: tuple(requests[i][1]))
-        progress = tqdm(total=len(requests), disable=disable_tqdm, desc="h2o loglikelihood")
+        progress = self._bar(total=len(requests), disable=disable_tqdm, desc="h2o loglikelihood")
         for context, group in groupby(order, key=lambda i: tuple(requests[i][1])):
             indices = list(group)
             window = self.max_length
@@ -130,7 +137,7 @@ class H2OLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         results = []
-        for request in tqdm(requests, disable=disable_tqdm, desc="h2o rolling"):
+        for request in self._bar(requests, disable=disable_tqdm, desc="h2o rolling"):
             ids = self.tok_encode(request.args[0])
             ((score, _),) = continuation_scores(
                 self.model, self._cache(1, len(ids)), [self.prefix_token_id], [ids], self.spec.chunk
@@ -140,7 +147,7 @@ class H2OLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         results = []
-        for request in tqdm(requests, disable=disable_tqdm, desc="h2o generate"):
+        for request in self._bar(requests, disable=disable_tqdm, desc="h2o generate"):
             context, gen_kwargs = request.args
             until = gen_kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)

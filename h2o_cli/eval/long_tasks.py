@@ -4,6 +4,8 @@
 - `kv-retrieval`: lost-in-the-middle JSON key-value retrieval (75 keys), gold pair moved to the middle.
 - `needle`: the Paul Graham needle-in-a-haystack over a length x depth grid.
 Each example is `LongExample(prompt, answers, cell)`; `cell` names its grid point (needle) or "".
+With a tokenizer that has a chat template (an instruct model) the whole prompt is sent as one user message
+in that template (`h2o_cli.prompting.user_frame`), as lost-in-the-middle did for its chat models.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from h2o_cli.eval import data
+from h2o_cli.prompting import user_frame
 
 QA_PROMPT = (
     "Write a high-quality answer for the given question using only the provided search results "
@@ -56,27 +59,32 @@ def kv_examples(path=None) -> Iterator[LongExample]:
 
 
 def needle_examples(
-    tokenizer, lengths=(1000, 2000, 4000), depths=(0, 25, 50, 75, 100), path=None
+    tokenizer, lengths=(1000, 2000, 4000), depths=(0, 25, 50, 75, 100), path=None, frame=("", "")
 ) -> Iterator[LongExample]:
-    """Haystack cut to `length` tokens, needle inserted at `depth` % (at a sentence end, as Kamradt's tester)."""
+    """Haystack cut so the prompt is `length` tokens, needle inserted at `depth` % (at a sentence end, as
+    Kamradt's tester). `frame` is the (before, after) text put around the prompt (a chat template)."""
     haystack_ids = tokenizer(data.load_essays(path), add_special_tokens=False)["input_ids"]
     question = f"\n\n{NEEDLE_QUESTION} Answer from the text above:"
+    overhead = len(tokenizer(frame[0] + NEEDLE + question + frame[1])["input_ids"])
     for length in lengths:
-        context = tokenizer.decode(
-            haystack_ids[: max(0, length - len(tokenizer(NEEDLE + question)["input_ids"]))]
-        )
+        context = tokenizer.decode(haystack_ids[: max(0, length - overhead)])
         for depth in depths:
             cut = int(len(context) * depth / 100)
             if 0 < cut < len(context):
                 period = context.rfind(".", 0, cut)
                 cut = period + 1 if period >= 0 else cut
-            prompt = context[:cut] + NEEDLE + context[cut:] + question
+            prompt = frame[0] + context[:cut] + NEEDLE + context[cut:] + question + frame[1]
             yield LongExample(prompt, NEEDLE_ANSWERS, f"{length}x{depth}%")
 
 
+def chat_frame(tokenizer) -> tuple[str, str]:
+    """The chat template around one user message, or no frame for a base model (no template)."""
+    return user_frame(tokenizer) if getattr(tokenizer, "chat_template", None) else ("", "")
+
+
 def examples(task: str, tokenizer, path=None) -> Iterator[LongExample]:
-    if task == "hotpotqa":
-        return hotpotqa_examples(path)
-    if task == "kv-retrieval":
-        return kv_examples(path)
-    return needle_examples(tokenizer, path=path)
+    before, after = chat_frame(tokenizer)
+    if task == "needle":
+        return needle_examples(tokenizer, path=path, frame=(before, after))
+    source = hotpotqa_examples(path) if task == "hotpotqa" else kv_examples(path)
+    return (LongExample(before + item.prompt + after, item.answers, item.cell) for item in source)
