@@ -156,7 +156,7 @@ class LivePanel:
     thread, so it never contends with decoding for the GIL, and costs nothing per token but a clock read."""
 
     def __init__(
-        self, session, console: Console, view: PanelView, refresh_hz: float = 4.0, snapshot_hz: float = 0.5
+        self, session, console: Console, view: PanelView, refresh_hz: float = 2.0, snapshot_hz: float = 1 / 3
     ) -> None:
         self.session = session
         self.console = console
