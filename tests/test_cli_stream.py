@@ -99,6 +99,14 @@ def test_json_from_stdin_equals_file(tmp_path):
     assert json.loads(from_stdin.stdout)["ppl"] == pytest.approx(report["ppl"], rel=1e-9)
 
 
+def test_plain_ppl_prints_the_result_on_stdout():
+    result = h2o("stream", EXCERPT, "--ppl", "--budget", "64", "--max-tokens", "200", "--chunk", "64")
+    assert result.returncode == 0, result.stderr.decode()
+    line = result.stdout.decode().strip()
+    assert line.startswith("perplexity ") and "199 predictions" in line and len(line.splitlines()) == 1
+    assert float(line.split()[1]) > 1
+
+
 def test_partial_stream_reports_what_it_read(tmp_path):
     broken = tmp_path / "broken.txt"
     good = open(EXCERPT, "rb").read()

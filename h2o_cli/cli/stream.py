@@ -157,10 +157,11 @@ def _run_ppl(
         if stats.interrupted
         else (" (stopped early: partial)" if stats.error else "")
     )
+    if not quiet:  # the result is data: stdout; with --json the JSON object carries it instead
+        print(f"perplexity {stats.ppl:.4f} over {stats.predictions:,} predictions{partial}", flush=True)
     stderr.print(
-        f"perplexity {stats.ppl:.4f} over {stats.predictions:,} predictions{partial} · {stats.tokens_per_s:,.1f} tok/s"
-        f" · cache {report['kv_cache_bytes'] / 2**20:,.1f} MiB ({report['policy']}, {report['budget_tokens']} tokens)"
-        f" · peak RSS {report['peak_rss_bytes'] / 2**20:,.0f} MiB"
+        f"{stats.tokens_per_s:,.1f} tok/s · cache {report['kv_cache_bytes'] / 2**20:,.1f} MiB"
+        f" ({report['policy']}, {report['budget_tokens']} tokens) · peak RSS {report['peak_rss_bytes'] / 2**20:,.0f} MiB"
     )
     return report
 
