@@ -82,7 +82,7 @@ def stream(
     """Stream a whole text through the H2O cache in constant memory.
 
     With --ppl, report its perplexity; otherwise read it and then generate (answer --prompt, or continue
-    the text). Generated text goes to stdout; progress and figures to stderr.
+    the text). The perplexity line or the generated text goes to stdout; progress and figures to stderr.
     """
     from h2o_cli.cache import H2OCache
     from h2o_cli.config import parse_budget
