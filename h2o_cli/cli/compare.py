@@ -54,7 +54,6 @@ def compare(
     """Perplexity of FILE's first --max-tokens tokens for every policy at every budget."""
     from rich.table import Table
 
-    from h2o_cli.config import POLICIES
     from h2o_cli.eval.compare import compare_perplexity
     from h2o_cli.textio import open_source
 
@@ -62,10 +61,7 @@ def compare(
         fractions = [float(value) for value in budgets.split(",") if value.strip()]
     except ValueError as error:
         raise UsageError(f"--budgets {budgets!r}: give numbers like 0.05,0.1") from error
-    chosen = [name.strip() for name in policies.split(",") if name.strip()]
-    for name in chosen:
-        if name not in POLICIES:
-            raise UsageError(f"--policies: {name!r} is not one of {', '.join(POLICIES)}")
+    chosen = options.parse_policies(policies)
     if any(value <= 0 for value in fractions):
         raise UsageError("--budgets must all be > 0")
     model_obj, tokenizer = load(model, device, dtype, False, threads, quant)

@@ -128,14 +128,10 @@ def eval(  # noqa: A001 - the command is called eval
     ] = False,
 ) -> None:
     """Score tasks through the H2O cache for each policy: accuracy with 95% CIs and the real budget in tokens."""
-    from h2o_cli.config import POLICIES
     from h2o_cli.eval.long_tasks import LONG_TASKS
     from h2o_cli.eval.scoring import EvalCache
 
-    chosen = [name.strip() for name in policies.split(",") if name.strip()]
-    for name in chosen:
-        if name not in POLICIES:
-            raise UsageError(f"--policies: {name!r} is not one of {', '.join(POLICIES)}")
+    chosen = options.parse_policies(policies)
     if budget <= 0 or (budget > 1 and budget != int(budget)):
         raise UsageError(f"--budget {budget} must be a fraction in (0, 1] or a whole token count")
     if not verbose:

@@ -108,3 +108,14 @@ TopP = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus 
 Seed = Annotated[int | None, typer.Option("--seed", help="Random seed for sampling.")]
 
 DEFAULTS = {"model": DEFAULT_MODEL, "budget": "0.1", "chunk": 256}
+
+
+def parse_policies(value: str) -> list[str]:
+    """The policies of a comma-separated `--policies` value; a usage error names an unknown one."""
+    from h2o_cli.errors import UsageError
+
+    chosen = [name.strip() for name in value.split(",") if name.strip()]
+    for name in chosen:
+        if name not in POLICIES:
+            raise UsageError(f"--policies: {name!r} is not one of {', '.join(POLICIES)}")
+    return chosen
