@@ -16,7 +16,7 @@ from h2o_cli.errors import ContextOverflowError, UnsupportedModelError
 from h2o_cli.kvquant import storage_dtype
 from h2o_cli.memory import ModelShape
 from h2o_cli.policies import make_policy
-from h2o_cli.positions import Rope, rotate, unrotate
+from h2o_cli.positions import Rope, unrotate
 from h2o_cli.store import LayerStore
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -216,25 +216,21 @@ class H2OCache(Cache):
 
         check_family(model)
         enable(model)
-        config = text_config(model)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        n_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.settings = settings
-        self.shape = ModelShape.from_config(config)  # for memory accounting (h2o_cli.memory)
+        self.shape = shape = ModelShape.from_config(text_config(model))  # also the memory accounting's
         self.quant = getattr(model, "h2o_quant", "none")
-        self.n_heads = config.num_attention_heads
-        self.max_positions = int(config.max_position_embeddings)
+        self.max_positions = shape.context
         budget = settings.budget
         if settings.policy == "full":
             budget = self.max_positions
         param = next(model.parameters())
         dtype = compute_dtype(model)
-        rope = Rope(model.model.rotary_emb, head_dim)
+        rope = Rope(model.model.rotary_emb, shape.head_dim)
         layers = [
             H2OLayer(
                 LayerStore(
-                    n_kv_heads,
-                    head_dim,
+                    shape.n_kv_heads,
+                    shape.head_dim,
                     budget,
                     settings.chunk,
                     storage_dtype(settings.kv_bits, dtype),
@@ -245,7 +241,7 @@ class H2OCache(Cache):
                 rope,
                 self.max_positions,
             )
-            for _ in range(config.num_hidden_layers)
+            for _ in range(shape.n_layers)
         ]
         super().__init__(layers=layers)
 
@@ -267,4 +263,4 @@ class H2OCache(Cache):
         return self.stores[0].length
 
 
-__all__ = ["H2OCache", "H2OLayer", "rotate", "SUPPORTED_FAMILIES"]
+__all__ = ["H2OCache", "H2OLayer", "SUPPORTED_FAMILIES"]
