@@ -40,14 +40,16 @@ def book_pieces(tokenizer, book: Path):
 def markdown(rows: list[dict]) -> str:
     first = rows[0]
     lines = [
-        "| tokens read | ms/token (last window) | vs first window | RSS MiB | vs first window | peak RSS MiB | window PPL |",
-        "|---|---|---|---|---|---|---|",
+        "| tokens read | ms/token (window, wall) | CPU ms/token | vs first window (CPU) | RSS MiB "
+        "| vs first window | peak RSS MiB | load (1 min) | window PPL |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['tokens']:,} | {row['ms_per_token']:.2f} | {row['ms_per_token'] / first['ms_per_token']:.3f} "
+            f"| {row['tokens']:,} | {row['ms_per_token']:.2f} | {row['cpu_ms_per_token']:.2f} "
+            f"| {row['cpu_ms_per_token'] / first['cpu_ms_per_token']:.3f} "
             f"| {row['rss_mib']:,.0f} | {row['rss_mib'] / first['rss_mib']:.3f} | {row['peak_rss_mib']:,.0f} "
-            f"| {row['window_ppl']:.2f} |"
+            f"| {row['load_1min']:.1f} | {row['window_ppl']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -60,8 +62,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
     tokens = [row["tokens"] / 1e3 for row in rows]
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
-    left.plot(tokens, [row["ms_per_token"] for row in rows], marker="o")
+    left.plot(tokens, [row["ms_per_token"] for row in rows], marker="o", label="wall")
+    left.plot(tokens, [row["cpu_ms_per_token"] for row in rows], marker="s", label="CPU")
     left.set(xlabel="tokens read (thousands)", ylabel="ms / token (window)", ylim=(0, None))
+    left.legend()
     right.plot(tokens, [row["rss_mib"] for row in rows], marker="o", label="RSS")
     right.plot(tokens, [row["peak_rss_mib"] for row in rows], linestyle="--", label="peak RSS")
     right.set(xlabel="tokens read (thousands)", ylabel="MiB", ylim=(0, None))
@@ -72,8 +76,15 @@ def plot(rows: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def _cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--book", type=Path, default=DATA / "gutenberg_books" / "war_and_peace_pg2600.txt")
     parser.add_argument("--tokens", type=int, default=1_000_000)
@@ -82,7 +93,9 @@ def main() -> None:
     parser.add_argument("--policy", default="h2o")
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--log", type=Path, required=True, help="JSON lines, one per window, written as measured")
+    parser.add_argument(
+        "--log", type=Path, required=True, help="JSON lines, one per window, written as measured"
+    )
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
 
@@ -97,7 +110,13 @@ def main() -> None:
     )
     args.log.parent.mkdir(parents=True, exist_ok=True)
     log = args.log.open("w")
-    window = {"tokens": 0, "nll": 0.0, "predictions": 0, "clock": time.perf_counter()}
+    window = {
+        "tokens": 0,
+        "nll": 0.0,
+        "predictions": 0,
+        "clock": time.perf_counter(),
+        "cpu": _cpu_seconds(process),
+    }
     rows: list[dict] = []
 
     def on_chunk(stats) -> None:
@@ -110,6 +129,9 @@ def main() -> None:
             "title": title,
             "tokens": stats.tokens,
             "ms_per_token": 1000 * (now - window["clock"]) / read,
+            # CPU time of this process per token: the cost itself, less sensitive to other load than wall time.
+            "cpu_ms_per_token": 1000 * (_cpu_seconds(process) - window["cpu"]) / read,
+            "load_1min": os.getloadavg()[0],
             "rss_mib": process.memory_info().rss / 2**20,
             "peak_rss_mib": peak_rss_bytes() / 2**20,
             "window_ppl": float(torch.tensor((stats.nll - window["nll"]) / max(predictions, 1)).exp()),
@@ -120,7 +142,13 @@ def main() -> None:
         rows.append(row)
         log.write(json.dumps(row) + "\n")
         log.flush()
-        window.update(tokens=stats.tokens, nll=stats.nll, predictions=stats.predictions, clock=time.perf_counter())
+        window.update(
+            tokens=stats.tokens,
+            nll=stats.nll,
+            predictions=stats.predictions,
+            clock=time.perf_counter(),
+            cpu=_cpu_seconds(process),
+        )
 
     stats = stream_perplexity(
         model, cache, book_pieces(tokenizer, args.book), args.chunk, args.tokens, on_chunk
