@@ -10,9 +10,8 @@ import torch
 from h2o_cli.eval import data
 from h2o_cli.eval.scoring import EvalCache, contains_answer, exact_match, wilson_interval
 
-pytestmark = pytest.mark.skipif(not data.data_dir().is_dir(), reason="shared data folder not present")
 
-
+@pytest.mark.data
 def test_loader_counts_match_source_txt():
     copa = data.load_copa()
     assert (len(copa["train"]), len(copa["validation"])) == (400, 100)
@@ -96,6 +95,7 @@ def test_reusing_the_prefilled_cache_across_choices_equals_a_fresh_prefill(tiny_
     assert len({round(score, 3) for score, _ in shared}) == len(choices)  # the choices really differ
 
 
+@pytest.mark.data
 def test_needle_prompt_uses_the_chat_template_and_hits_the_length(smollm):
     from h2o_cli.eval.long_tasks import NEEDLE, chat_frame, needle_examples
 
@@ -111,6 +111,7 @@ def test_needle_prompt_uses_the_chat_template_and_hits_the_length(smollm):
     assert positions[0] < 0.2 < positions[1] < 0.8 < positions[2]
 
 
+@pytest.mark.data
 def test_full_cache_finds_the_needle_with_the_chat_prompt(smollm):
     """The measured premise of docs/results.md's needle table: with nothing evicted, the model retrieves it."""
     from h2o_cli.eval.long_tasks import NEEDLE_ANSWERS, examples

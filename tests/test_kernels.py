@@ -9,6 +9,7 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
+pytestmark = pytest.mark.triton
 
 from h2o_kernels import decode as decode_ref  # noqa: E402
 from h2o_kernels import prefill as prefill_ref  # noqa: E402
