@@ -84,3 +84,19 @@ def test_data_dir_option_reaches_the_library(monkeypatch, capsys, no_data_env, t
     code, _, err = h2o_in_process(monkeypatch, capsys, "bench", "--quick", "--data-dir", str(tmp_path))
     assert code == 1
     assert f"{tmp_path}/gutenberg_books/war_and_peace_pg2600.txt not found" in one_error_line(err)
+
+
+@pytest.mark.data
+def test_quiet_eval_shows_no_bars_and_leaves_tqdm_alone(monkeypatch, capsys, smollm):
+    """`h2o eval` without --verbose: no progress bar on stderr, and tqdm itself is not patched afterwards."""
+    import tqdm
+
+    import h2o_cli.cli.eval
+
+    monkeypatch.setattr(h2o_cli.cli.eval, "load", lambda *args, **kwargs: smollm)
+    monkeypatch.setenv("TQDM_DISABLE", "")  # as a user's shell: bars would show if nothing switched them off
+    init = vars(tqdm.tqdm)["__init__"]
+    code, out, err = h2o_in_process(monkeypatch, capsys, "eval", "copa", "--limit", "1", "--policies", "full")
+    assert code == 0, err
+    assert "it/s" not in err and "%|" not in err and "copa" in err
+    assert vars(tqdm.tqdm)["__init__"] is init
