@@ -42,6 +42,9 @@ def test_wilson_interval_hand_computed():
     half = 1.959964 * math.sqrt(0.25 / 4 + 1.959964**2 / 64) / (1 + 1.959964**2 / 4)
     assert (low, high) == pytest.approx((0.5 - half, 0.5 + half))
     assert half == pytest.approx(0.34996, abs=1e-4)
+    # 0 of 10: Wilson gives [0, z^2 / (n + z^2)] = [0, 3.8415 / 13.8415] = [0, 0.27753]
+    assert wilson_interval(0.0, 10) == pytest.approx((0.0, 1.959964**2 / (10 + 1.959964**2)))
+    assert all(math.isnan(bound) for bound in wilson_interval(0.5, 0))
 
 
 def test_answer_matching():
