@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: setup test test-all lint format bench clean results results-ppl results-tasks results-longctx results-longctx-needle results-longctx-xsum results-longctx-qa results-norm results-plot
+.PHONY: setup test test-fast test-all lint format bench clean results results-ppl results-tasks results-longctx results-longctx-needle results-longctx-xsum results-longctx-qa results-norm results-plot
 
 setup:
 	$(PY) -m venv $(VENV)
@@ -13,6 +13,10 @@ setup:
 
 test:
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q
+
+# Hermetic tier: tiny random-weight models only (no embedded model, no data folder, no Triton), < 1 min.
+test-fast:
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -m "not model and not data and not triton and not slow and not gpu"
 
 test-all:
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -m "not gpu"
@@ -29,10 +33,11 @@ clean:
 # Measured results for docs/results.md (each target < 30 min on 2 shared cores; one heavy run at a time).
 # Override the limits on the command line, e.g. `make results-tasks TASK_LIMITS="copa:100" SHOTS=5`.
 H2O ?= $(BIN)/h2o
-RUN = OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+DATA ?= ../shared/data
+RUN = OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 H2O_DATA=$(DATA)
 OUT ?= docs/results
 THREADS ?= 1
-BOOKS_DIR ?= ../shared/data/gutenberg_books
+BOOKS_DIR ?= $(DATA)/gutenberg_books
 BOOKS ?= frankenstein_pg84 pride_and_prejudice_pg1342 sherlock_holmes_pg1661
 PPL_TOKENS ?= 4096
 PPL_CHUNK ?= 128

@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 
 from h2o_cli.cache import H2OCache
 from h2o_cli.runtime import context_window, make_settings, peak_rss_bytes
 from h2o_cli.streaming import chunks_of, forward_chunk, prefill
 
-BOOK = Path("/work/shared/data/gutenberg_books/war_and_peace_pg2600.txt")
+BOOK = Path("gutenberg_books/war_and_peace_pg2600.txt")  # under the data folder (`--data-dir`, $H2O_DATA)
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
@@ -49,11 +49,10 @@ class BenchReport:
 
 
 def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return psutil.Process().memory_info().rss
 
 
-def book_ids(tokenizer, count: int, path: Path = BOOK) -> list[int]:
+def book_ids(tokenizer, count: int, path: Path) -> list[int]:
     """`count` token ids of a book, looping it when it is shorter."""
     ids = tokenizer(path.read_text(encoding="utf-8"))["input_ids"]
     return (ids * (count // len(ids) + 1))[:count]
@@ -87,22 +86,22 @@ def flat_cost(model, ids: list[int], points: tuple[int, int], window: int, budge
 
 
 def _prefill_peak(args) -> int:
-    name, count, chunk, threads = args
+    name, book, count, chunk, threads = args
     from h2o_cli.models import load_model
 
     torch.set_num_threads(threads)
     model, tokenizer = load_model(name)
-    ids = book_ids(tokenizer, count)
+    ids = book_ids(tokenizer, count, book)
     cache = H2OCache(model, make_settings(model, "0.5", "h2o", chunk=chunk))
     base = current_rss_bytes()
     prefill(model, cache, [ids], chunk)
     return peak_rss_bytes() - base
 
 
-def prefill_peak(name: str, count: int, chunk: int, threads: int) -> int:
-    """Peak RSS growth (bytes) of prefilling `count` tokens in chunks of `chunk`, in a fresh process."""
+def prefill_peak(name: str, book: Path, count: int, chunk: int, threads: int) -> int:
+    """Peak RSS growth (bytes) of prefilling `count` tokens of `book` in chunks of `chunk`, in a fresh process."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_prefill_peak, ((name, count, chunk, threads),))
+        return pool.apply(_prefill_peak, ((name, book, count, chunk, threads),))
 
 
 def llama_cpp_speed(gguf: Path | None, context: int, tokens: int, threads: int) -> float | None:
@@ -121,12 +120,13 @@ def llama_cpp_speed(gguf: Path | None, context: int, tokens: int, threads: int) 
 
 
 def run(
-    model, tokenizer, name: str, plan: BenchPlan, gguf: Path | None = None, progress=print
+    model, tokenizer, name: str, plan: BenchPlan, book: Path, gguf: Path | None = None, progress=print
 ) -> BenchReport:
+    """Every measurement of `plan` on `model`, reading `book` (a long plain-text file)."""
     threads = torch.get_num_threads()
     report = BenchReport(threads=threads)
     window = context_window(model)
-    ids = book_ids(tokenizer, max(max(plan.contexts) + plan.decode_tokens, max(plan.flat_points)))
+    ids = book_ids(tokenizer, max(max(plan.contexts) + plan.decode_tokens, max(plan.flat_points)), book)
     for context in plan.contexts:
         context = min(context, window - plan.decode_tokens)
         progress(f"decode at context {context}")
@@ -157,8 +157,8 @@ def run(
         f"flat cost measured at tokens {first} and {last} (not 1M): the token count is --flat-to"
     )
     progress(f"prefill peak memory, {plan.prefill_tokens} tokens")
-    one_shot = prefill_peak(name, plan.prefill_tokens, plan.prefill_tokens, threads)
-    chunked = prefill_peak(name, plan.prefill_tokens, plan.chunk, threads)
+    one_shot = prefill_peak(name, book, plan.prefill_tokens, plan.prefill_tokens, threads)
+    chunked = prefill_peak(name, book, plan.prefill_tokens, plan.chunk, threads)
     report.rows += [
         {"what": f"prefill peak RSS growth, {plan.prefill_tokens} tokens", "setting": "one shot",
          "value": one_shot / 2**20, "unit": "MiB"},

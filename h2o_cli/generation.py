@@ -6,6 +6,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from tokenizers.decoders import DecodeStream
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from h2o_cli.cache import H2OCache
 from h2o_cli.errors import UsageError
@@ -29,18 +31,28 @@ class Sampling:
             raise UsageError(f"--top-p {self.top_p} must lie in (0, 1]")
 
 
-def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """Next id from logits [vocab]."""
+def warpers(sampling: Sampling) -> LogitsProcessorList:
+    """transformers' own temperature and top-p warpers, in the order `generate` applies them."""
+    steps = LogitsProcessorList()
+    if sampling.temperature not in (0, 1):
+        steps.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_p < 1:
+        steps.append(TopPLogitsWarper(sampling.top_p))
+    return steps
+
+
+def pick_token(
+    logits: torch.Tensor,
+    sampling: Sampling,
+    generator: torch.Generator | None,
+    steps: LogitsProcessorList | None = None,
+) -> int:
+    """Next id from logits [vocab]: argmax, or a draw from the warped distribution as `generate` samples."""
     if sampling.temperature == 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
-    if sampling.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-        outside = sorted_probs.cumsum(0) - sorted_probs >= sampling.top_p
-        sorted_probs = sorted_probs.masked_fill(outside, 0)
-        return int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
-    return int(torch.multinomial(probs, 1, generator=generator))
+    steps = warpers(sampling) if steps is None else steps
+    scores = steps(None, logits.float()[None])  # the warpers read scores [batch, vocab], not the ids
+    return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0])
 
 
 @torch.inference_mode()
@@ -59,8 +71,9 @@ def generate_ids(
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=logits.device).manual_seed(sampling.seed)
+    steps = warpers(sampling)
     for _ in range(sampling.max_new_tokens):
-        token = pick_token(logits, sampling, generator)
+        token = pick_token(logits, sampling, generator, steps)
         if token in stop_ids:
             return
         input_ids = torch.tensor([[token]], dtype=torch.long, device=model.device)
@@ -69,15 +82,28 @@ def generate_ids(
 
 
 class TextStreamer:
-    """Turns a growing list of ids into printable text increments (handles multi-token characters)."""
+    """Turns ids, one at a time, into printable text increments; `printed` is all the text so far.
+
+    A fast tokenizer decodes incrementally (`tokenizers.decoders.DecodeStream`: constant work per token, and a
+    character split over several tokens comes out whole). A slow one re-decodes the answer each token (O(n²)).
+    Either way the text equals `tokenizer.decode(ids, skip_special_tokens=True)`.
+    """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.printed = ""
+        backend = getattr(tokenizer, "_tokenizer", None)
+        cleanup = getattr(tokenizer, "clean_up_tokenization_spaces", False)  # decode() rewrites " ," etc.
+        self._stream = DecodeStream(skip_special_tokens=True) if backend is not None and not cleanup else None
+        self._backend = backend
 
     def push(self, token: int) -> str:
         self.ids.append(token)
+        if self._stream is not None:
+            new = self._stream.step(self._backend, token) or ""  # None: an unfinished UTF-8 sequence
+            self.printed += new
+            return new
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # an unfinished UTF-8 sequence: wait for the next token
             return ""

@@ -43,7 +43,9 @@ def make_settings(
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident memory of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """Peak resident memory of this process (ru_maxrss is KiB on Linux, bytes on macOS).
+
+    The stdlib's getrusage, not psutil: psutil reports peak RSS only on Windows."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 

@@ -18,13 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-BOOK = (
-    Path(__file__).resolve().parents[1].parent
-    / "shared"
-    / "data"
-    / "gutenberg_books"
-    / "war_and_peace_pg2600.txt"
-)
+BOOK = Path("gutenberg_books/war_and_peace_pg2600.txt")  # under the data folder ($H2O_DATA)
 BEGIN, END = "<!-- stream:begin -->", "<!-- stream:end -->"
 
 
@@ -78,9 +72,13 @@ def main() -> None:
     parser.add_argument("--budget", default="0.1")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-chunk1-tokens", type=int, default=10000, help="cap for token-by-token runs")
-    parser.add_argument("--book", type=Path, default=BOOK)
+    parser.add_argument("--book", type=Path, default=None, help="default: War and Peace under $H2O_DATA")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.book is None:
+        from h2o_cli.eval.data import data_dir
+
+        args.book = data_dir() / BOOK
     rows = []
     load = os.getloadavg()[0]
     if args.sweep:

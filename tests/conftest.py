@@ -18,8 +18,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_DATA = REPO.parent / "shared" / "data"
+# The library finds data only through --data-dir or $H2O_DATA; the tests use the project's copy by default.
+SHARED_DATA = Path(os.environ.get("H2O_DATA") or REPO.parent / "shared" / "data")
 FIXTURES = Path(__file__).resolve().parent / "data"
+if SHARED_DATA.is_dir():
+    os.environ.setdefault("H2O_DATA", str(SHARED_DATA))
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """`model` on every test that uses the embedded model's fixture; `data` tests skip one by one when the
+    data folder is absent (the other markers are written on the tests)."""
+    no_data = pytest.mark.skip(reason=f"data folder {SHARED_DATA} not present (set $H2O_DATA)")
+    for item in items:
+        if "smollm" in item.fixturenames:
+            item.add_marker(pytest.mark.model)
+        if item.get_closest_marker("data") and not SHARED_DATA.is_dir():
+            item.add_marker(no_data)
 
 
 def tiny_config(**overrides):

@@ -15,6 +15,8 @@ from typer.testing import CliRunner
 
 from h2o_cli.cli.app import app
 
+pytestmark = pytest.mark.model  # every test runs the real chat on the embedded model
+
 MAIN = [sys.executable, "-c", "from h2o_cli.cli.app import main; main()"]
 ANSI = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07]*\x07|[=>()][0-9A-Za-z]?)")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from h2o_cli.chat import ChatSession, take_snapshot
@@ -35,8 +37,11 @@ def test_fed_tokens_are_the_chat_template_of_the_transcript(smollm):
     expected = tokenizer.apply_chat_template(messages, tokenize=False)
     assert tokenizer.decode(list(session.ids)) == expected
     assert len(session.ids) == session.cache.tokens_seen
-    starts = [turn.start for turn in session.turns]
-    assert starts == sorted(starts) and session.turns[-1].end == session.cache.tokens_seen
+    assert session.turns[0].start == 0 and session.turns[-1].end == session.cache.tokens_seen
+    for turn, after in zip(session.turns, session.turns[1:], strict=False):
+        assert turn.end == after.start  # turns tile the token stream
+    for turn in session.turns:  # each turn's tokens hold its own text
+        assert turn.content and turn.content in tokenizer.decode(list(session.ids)[turn.start : turn.end])
 
 
 def _converse(session: ChatSession, total_tokens: int) -> list[int]:
@@ -80,8 +85,17 @@ def test_snapshot_marks_the_newest_tokens_recent(smollm):
             assert sum(h for h, _ in cells) == len(heavy) and sum(r for _, r in cells) == recent
     heavy_cells, recent_cells = snapshot.strips(20)
     assert heavy_cells.sum(-1).eq(24 - recent).all() and recent_cells.sum(-1).eq(recent).all()
+    # Heavy hitters counted straight from the cache's slots: kept tokens older than the recent window.
+    kept_by = Counter(
+        token
+        for store in session.cache.stores
+        for head in store.token_index
+        for token in head.tolist()
+        if 0 <= token < seen - recent
+    )
     top = snapshot.top_heavy(3)
-    assert top[0][1] <= snapshot.n_layers * snapshot.n_kv_heads
+    assert [count for _, count in top] == [count for _, count in kept_by.most_common(3)]
+    assert all(kept_by[token] == count for token, count in top)
     assert snapshot.full_kv_bytes == 30 * 3 * 64 * 2 * 4 * seen
 
 

@@ -10,6 +10,8 @@ import torch
 pytest.importorskip("lm_eval")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+pytestmark = pytest.mark.data  # COPA from the data folder
+
 TASKS = os.path.join(os.path.dirname(__file__), "..", "h2o_cli", "eval", "tasks")
 
 

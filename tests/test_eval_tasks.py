@@ -10,9 +10,8 @@ import torch
 from h2o_cli.eval import data
 from h2o_cli.eval.scoring import EvalCache, contains_answer, exact_match, wilson_interval
 
-pytestmark = pytest.mark.skipif(not data.data_dir().is_dir(), reason="shared data folder not present")
 
-
+@pytest.mark.data
 def test_loader_counts_match_source_txt():
     copa = data.load_copa()
     assert (len(copa["train"]), len(copa["validation"])) == (400, 100)
@@ -43,6 +42,9 @@ def test_wilson_interval_hand_computed():
     half = 1.959964 * math.sqrt(0.25 / 4 + 1.959964**2 / 64) / (1 + 1.959964**2 / 4)
     assert (low, high) == pytest.approx((0.5 - half, 0.5 + half))
     assert half == pytest.approx(0.34996, abs=1e-4)
+    # 0 of 10: Wilson gives [0, z^2 / (n + z^2)] = [0, 3.8415 / 13.8415] = [0, 0.27753]
+    assert wilson_interval(0.0, 10) == pytest.approx((0.0, 1.959964**2 / (10 + 1.959964**2)))
+    assert all(math.isnan(bound) for bound in wilson_interval(0.5, 0))
 
 
 def test_answer_matching():
@@ -96,6 +98,7 @@ def test_reusing_the_prefilled_cache_across_choices_equals_a_fresh_prefill(tiny_
     assert len({round(score, 3) for score, _ in shared}) == len(choices)  # the choices really differ
 
 
+@pytest.mark.data
 def test_needle_prompt_uses_the_chat_template_and_hits_the_length(smollm):
     from h2o_cli.eval.long_tasks import NEEDLE, chat_frame, needle_examples
 
@@ -111,6 +114,7 @@ def test_needle_prompt_uses_the_chat_template_and_hits_the_length(smollm):
     assert positions[0] < 0.2 < positions[1] < 0.8 < positions[2]
 
 
+@pytest.mark.data
 def test_full_cache_finds_the_needle_with_the_chat_prompt(smollm):
     """The measured premise of docs/results.md's needle table: with nothing evicted, the model retrieves it."""
     from h2o_cli.eval.long_tasks import NEEDLE_ANSWERS, examples

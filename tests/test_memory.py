@@ -187,7 +187,7 @@ def test_quantised_weight_bytes_match_the_loaded_model(quant):
 
 
 RSS_SCRIPT = """
-import json, torch
+import json, psutil, torch
 from h2o_cli import memory
 from h2o_cli.cache import H2OCache
 from h2o_cli.config import CacheSettings
@@ -196,7 +196,7 @@ from h2o_cli.runtime import peak_rss_bytes
 from h2o_cli.streaming import stream_perplexity
 torch.set_num_threads(1)
 def rss():
-    return int(open('/proc/self/statm').read().split()[1]) * 4096
+    return psutil.Process().memory_info().rss
 base = rss()
 model, tokenizer = load_model('smollm2-135m', device='cpu', dtype='float32')
 cache = H2OCache(model, CacheSettings(budget=1024, chunk=256))

@@ -42,7 +42,7 @@ def test_crlf_text_is_cut_into_blocks_and_tokenizes_the_same(smollm, excerpt):
     assert list(chain.from_iterable(token_stream(tokenizer, iter(blocks)))) == tokenizer(crlf)["input_ids"]
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "gutenberg_books").is_dir(), reason="shared data not present")
+@pytest.mark.data
 @pytest.mark.parametrize("book", ["pride_and_prejudice_pg1342.txt", "frankenstein_pg84.txt"])
 def test_block_tokenization_equals_whole_book(smollm, book):
     _, tokenizer = smollm

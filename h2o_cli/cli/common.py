@@ -1,10 +1,11 @@
-"""Helpers every command uses: loading a model quietly, the stderr console."""
+"""Helpers every command uses: loading a model quietly, the stderr console, byte sizes."""
 
 from __future__ import annotations
 
 import os
 import sys
 
+from rich import filesize
 from rich.console import Console
 
 stderr = Console(stderr=True, highlight=False)
@@ -14,6 +15,13 @@ def stdout_console() -> Console:
     """Console for tables on stdout: the terminal's width, or 160 columns when piped (rich would use 80)."""
     console = Console(highlight=False)
     return console if console.is_terminal else Console(highlight=False, width=160)
+
+
+def size(nbytes: float) -> str:
+    """Bytes in binary units with one decimal ("13.4 MiB"), whole bytes below 1 KiB. rich picks the unit;
+    its `filesize.decimal` formatter speaks only kB/MB, and every figure of h2o is in KiB/MiB/GiB."""
+    unit, suffix = filesize.pick_unit_and_suffix(int(nbytes), ["B", "KiB", "MiB", "GiB", "TiB"], 1024)
+    return f"{nbytes:,.0f} B" if unit == 1 else f"{nbytes / unit:,.1f} {suffix}"
 
 
 def quiet_transformers() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import logging
 import os
@@ -18,8 +20,8 @@ from h2o_cli.errors import UsageError
 EXAMPLES = """
 Examples:
   h2o eval copa piqa openbookqa winogrande rte mathqa --budget 0.2 --policies full,local,sink,tova,h2o --shots 5
-  h2o eval xsum --budget 0.2 --limit 200
-  h2o eval hotpotqa kv-retrieval needle --budget 0.1 --limit 20
+  H2O_DATA=../shared/data h2o eval xsum --budget 0.2 --limit 200
+  h2o eval hotpotqa kv-retrieval needle --budget 0.1 --limit 20 --data-dir ../shared/data
   h2o eval copa --data my_copa.xml --json > copa.json
   h2o eval copa piqa --policies full,h2o --quant 4bit --kv-bits 8 --limit 50
 """
@@ -64,27 +66,27 @@ def _cell(value) -> str:
 
 
 def _quiet() -> None:
-    """Silence lm-eval's, datasets' and transformers' log lines and progress bars (all on stderr).
-
-    tqdm reads $TQDM_DISABLE only when it is first imported, and lm-eval passes `disable=` explicitly, so the
-    bars are switched off in tqdm itself (this process only: the command line, not the library).
-    """
-    import tqdm
+    """Silence lm-eval's, datasets' and transformers' log lines and progress bars (all on stderr), each through
+    its own switch. tqdm reads $TQDM_DISABLE when it is imported (here: already, by transformers), so it reaches
+    only our lm-eval model's bars and processes started from here; lm-eval's own bars have no switch: see
+    `_lm_eval_output`."""
+    import datasets
+    import huggingface_hub.utils
+    import transformers
 
     os.environ["TQDM_DISABLE"] = "1"
-    original = tqdm.tqdm.__init__
-    if not getattr(original, "_h2o_quiet", False):
-
-        def quiet_init(self, *args, **kwargs):
-            kwargs["disable"] = True
-            original(self, *args, **kwargs)
-
-        quiet_init._h2o_quiet = True
-        tqdm.tqdm.__init__ = quiet_init
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DATASETS_VERBOSITY", "error")
-    for name in ("lm_eval", "lm-eval", "datasets", "transformers", "evaluate", "absl"):
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    huggingface_hub.utils.disable_progress_bars()
+    for name in ("lm_eval", "lm-eval", "evaluate", "absl"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _lm_eval_output(verbose: bool):
+    """Where lm-eval's stderr goes while it runs a task: nowhere unless --verbose (errors still raise)."""
+    return contextlib.nullcontext() if verbose else contextlib.redirect_stderr(io.StringIO())
 
 
 def eval(  # noqa: A001 - the command is called eval
@@ -111,6 +113,7 @@ def eval(  # noqa: A001 - the command is called eval
     data: Annotated[
         str | None, typer.Option("--data", help="Use this file (same format) instead of the shared copy.")
     ] = None,
+    data_dir: options.DataDir = None,
     score_norm: options.ScoreNorm = "sum",
     heavy_ratio: options.HeavyRatio = 0.5,
     sinks: options.Sinks = 4,
@@ -128,6 +131,8 @@ def eval(  # noqa: A001 - the command is called eval
     ] = False,
 ) -> None:
     """Score tasks through the H2O cache for each policy: accuracy with 95% CIs and the real budget in tokens."""
+    from h2o_cli.eval.data import DATA_ENV
+    from h2o_cli.eval.data import data_dir as data_folder
     from h2o_cli.eval.long_tasks import LONG_TASKS
     from h2o_cli.eval.scoring import EvalCache
 
@@ -138,10 +143,14 @@ def eval(  # noqa: A001 - the command is called eval
         _quiet()
     try:
         from h2o_cli.eval.lm_eval_model import H2OLM
-        from h2o_cli.eval.runner import run_harness, run_long
+        from h2o_cli.eval.runner import HARNESS_TASKS, run_harness, run_long
     except ImportError as error:
         raise UsageError(f"h2o eval needs the eval extra (pip install 'h2o-cli[eval]'): {error}") from error
 
+    if data_dir is not None:  # lm-eval calls the task loaders itself: the folder travels in the environment
+        os.environ[DATA_ENV] = str(data_dir)
+    if data is None and any(task in HARNESS_TASKS or task in LONG_TASKS for task in tasks):
+        data_folder()  # no data folder: one line before the model loads, not after
     loaded = load(model, device, dtype, False, threads, quant)
     lm = H2OLM(model=loaded)
     rows: list[dict] = []
@@ -160,7 +169,8 @@ def eval(  # noqa: A001 - the command is called eval
             if task in LONG_TASKS:
                 found = run_long(loaded[0], loaded[1], task, spec, limit, data)
             else:
-                found = [run_harness(lm, task, spec, limit, shots, seed, data)]
+                with _lm_eval_output(verbose):
+                    found = [run_harness(lm, task, spec, limit, shots, seed, data)]
             rows.extend({**row, "quant": quant} for row in found)
     _render(rows)
     if json_out:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from h2o_cli.cli import options as opt
-from h2o_cli.cli.common import stderr, stdout_console
+from h2o_cli.cli.common import size, stderr, stdout_console
 
 EXAMPLES = """
 Examples:
@@ -13,13 +13,6 @@ Examples:
   h2o memory --model llama-7b --budget 0.2
   h2o memory --model smollm2-135m --budget 512 --quant 4bit --kv-bits 8 --json
 """
-
-
-def _size(value: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if value >= scale:
-            return f"{value / scale:,.1f} {unit}"
-    return f"{value} B"
 
 
 def memory(
@@ -54,7 +47,7 @@ def memory(
     kv = {None: f"{8 * dtype_bytes}-bit (model dtype)", 16: "16-bit", 8: "int8 + per-token scales"}[kv_bits]
     title = (
         f"{model} · {table['params'] / 1e9:.2f} B params · "
-        f"weights {quant}: {_size(table['weights_bytes'])} · "
+        f"weights {quant}: {size(table['weights_bytes'])} · "
         f"KV {kv} · H2O budget {tokens} tokens (+{chunk} chunk) · context window {shape.context:,}"
     )
     grid = Table(title=title, title_justify="left")
@@ -68,14 +61,14 @@ def memory(
         ) + ("" if row["within_window"] else "*")
         grid.add_row(
             context,
-            _size(row["full_kv_bytes"]),
-            _size(row["full_kv_bytes_per_head"]),
-            _size(row["h2o_kv_bytes"]),
-            _size(row["h2o_kv_bytes_per_head"]),
-            _size(row["full_activation_bytes"]),
-            _size(row["h2o_activation_bytes"]),
-            _size(row["full_total_bytes"]),
-            _size(row["h2o_total_bytes"]),
+            size(row["full_kv_bytes"]),
+            size(row["full_kv_bytes_per_head"]),
+            size(row["h2o_kv_bytes"]),
+            size(row["h2o_kv_bytes_per_head"]),
+            size(row["full_activation_bytes"]),
+            size(row["h2o_activation_bytes"]),
+            size(row["full_total_bytes"]),
+            size(row["h2o_total_bytes"]),
         )
     stdout_console().print(grid)
     stderr.print(

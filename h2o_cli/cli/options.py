@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from h2o_cli.config import POLICIES, POSITIONS, SCORE_NORMS
+from h2o_cli.eval.data import DATA_ENV
 from h2o_cli.models import DEFAULT_MODEL, QUANTS
 
 
@@ -100,6 +102,15 @@ KvBits = Annotated[
     ),
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+DataDir = Annotated[
+    Path | None,
+    typer.Option(
+        "--data-dir",
+        envvar=DATA_ENV,
+        file_okay=False,
+        help="Folder of the shared task files and books (default: $H2O_DATA).",
+    ),
+]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", "-n", min=0, help="Most tokens to generate.")]
 Temperature = Annotated[
     float, typer.Option("--temperature", "-t", min=0.0, help="Sampling temperature; 0 = greedy.")

@@ -12,18 +12,11 @@ from rich.segment import Segment
 from rich.text import Text
 
 from h2o_cli.chat.snapshot import CacheSnapshot, take_snapshot
+from h2o_cli.cli.common import size
 
 HEAVY_SHADES = "▁▃▅▇"
 LABEL_WIDTH = 8  # "L12 h2  "
 TAIL_WIDTH = 26  # " 64/96  32 heavy  48 KiB"
-
-
-def _size(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024 or unit == "GiB":
-            return f"{nbytes:,.0f} {unit}" if unit == "B" else f"{nbytes:,.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:,.1f} GiB"
 
 
 def _shown(text: str, limit: int = 12) -> str:
@@ -84,7 +77,7 @@ def render_panel(
         f"{snapshot.slots} slots/head",
     )
     totals = Text.assemble(
-        f"cache {_size(snapshot.cache_bytes)} vs full KV {_size(snapshot.full_kv_bytes)} ",
+        f"cache {size(snapshot.cache_bytes)} vs full KV {size(snapshot.full_kv_bytes)} ",
         (f"({share:.0%})" if snapshot.full_kv_bytes else "", "bold"),
         f" · evictions {snapshot.evictions:,}/head · {tokens_per_s:,.1f} tok/s",
     )
@@ -107,7 +100,7 @@ def render_panel(
             row = Text(f"L{layer:<2} h{head:<3}"[:LABEL_WIDTH].ljust(LABEL_WIDTH), style="bold")
             row += strip_text(cells, tokens_per_cell)
             kept, n_heavy = all_kept[layer][head], heavy_kept[layer][head]
-            row += Text(f" {kept:>4}/{snapshot.budget:<4} {n_heavy:>4}h {_size(snapshot.bytes_per_head):>9}")
+            row += Text(f" {kept:>4}/{snapshot.budget:<4} {n_heavy:>4}h {size(snapshot.bytes_per_head):>9}")
             lines.append(row)
             heavy = snapshot.kept(layer, head)[0] if view.layer is not None else []
             if view.layer is not None and decode is not None and heavy:

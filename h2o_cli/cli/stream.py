@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from h2o_cli.cli import options as opt
-from h2o_cli.cli.common import load, stderr
+from h2o_cli.cli.common import load, size, stderr
 from h2o_cli.errors import InputError
 
 EXAMPLES = """
@@ -20,19 +20,6 @@ Examples:
   h2o stream book.txt --prompt "Who is Victor's friend?" --max-new-tokens 64
   h2o stream book.txt --ppl --quant 4bit --kv-bits 8
 """
-
-
-class ByteCounter:
-    """Wraps a binary stream and counts bytes read (for the progress bar)."""
-
-    def __init__(self, stream) -> None:
-        self.stream = stream
-        self.bytes = 0
-
-    def read(self, size: int) -> bytes:
-        data = self.stream.read(size)
-        self.bytes += len(data)
-        return data
 
 
 def _progress(total_bytes: int | None):
@@ -48,6 +35,12 @@ def _progress(total_bytes: int | None):
         transient=False,
         disable=not sys.stderr.isatty(),
     )
+
+
+def _tracked(progress, task, source_file, total_bytes: int | None):
+    """The file as read through the progress bar (rich advances `task` by the bytes read); stdin as it is:
+    with no size to go to, its bar only pulses."""
+    return source_file if total_bytes is None else progress.wrap_file(source_file, total_bytes, task_id=task)
 
 
 def stream(
@@ -102,10 +95,9 @@ def stream(
     lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant)
     settings = make_settings(lm, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk, kv_bits)
     cache = H2OCache(lm, settings)
-    counter = ByteCounter(source_file)
     run = _run_ppl if ppl else _run_generate
     report = run(
-        lm, tokenizer, cache, counter, source, total_bytes, max_tokens, chunk, prompt, sampling, as_json
+        lm, tokenizer, cache, source_file, source, total_bytes, max_tokens, chunk, prompt, sampling, as_json
     )
     report["model"] = model
     if as_json:
@@ -114,14 +106,14 @@ def stream(
         raise InputError(report["error"])
 
 
-def _pieces(tokenizer, counter: ByteCounter, source: str):
+def _pieces(tokenizer, reader, source: str):
     from h2o_cli.textio import text_blocks, token_stream
 
-    return token_stream(tokenizer, text_blocks(counter, name="stdin" if source == "-" else source))
+    return token_stream(tokenizer, text_blocks(reader, name="stdin" if source == "-" else source))
 
 
 def _run_ppl(
-    lm, tokenizer, cache, counter, source, total_bytes, max_tokens, chunk, prompt, sampling, quiet
+    lm, tokenizer, cache, source_file, source, total_bytes, max_tokens, chunk, prompt, sampling, quiet
 ) -> dict:
     from h2o_cli.runtime import cache_summary, peak_rss_bytes
     from h2o_cli.streaming import stream_perplexity
@@ -130,13 +122,14 @@ def _run_ppl(
         stderr.print("[yellow]note:[/] --prompt is ignored with --ppl")
     with _progress(total_bytes) as progress:
         task = progress.add_task("stream", total=total_bytes, status="")
+        reader = _tracked(progress, task, source_file, total_bytes)
 
         def update(stats) -> None:
             status = f"{stats.tokens:,} tok  {stats.tokens_per_s:,.0f} tok/s  ppl {stats.ppl:.3f}  "
-            status += f"cache {cache.nbytes() / 2**20:,.1f} MiB"
-            progress.update(task, completed=counter.bytes, status=status)
+            status += f"cache {size(cache.nbytes())}"
+            progress.update(task, status=status)
 
-        stats = stream_perplexity(lm, cache, _pieces(tokenizer, counter, source), chunk, max_tokens, update)
+        stats = stream_perplexity(lm, cache, _pieces(tokenizer, reader, source), chunk, max_tokens, update)
     if stats.predictions == 0 and not stats.error:
         raise InputError(f"{source} has fewer than two tokens; perplexity needs at least one prediction")
     report = {
@@ -160,14 +153,14 @@ def _run_ppl(
     if not quiet:  # the result is data: stdout; with --json the JSON object carries it instead
         print(f"perplexity {stats.ppl:.4f} over {stats.predictions:,} predictions{partial}", flush=True)
     stderr.print(
-        f"{stats.tokens_per_s:,.1f} tok/s · cache {report['kv_cache_bytes'] / 2**20:,.1f} MiB"
-        f" ({report['policy']}, {report['budget_tokens']} tokens) · peak RSS {report['peak_rss_bytes'] / 2**20:,.0f} MiB"
+        f"{stats.tokens_per_s:,.1f} tok/s · cache {size(report['kv_cache_bytes'])}"
+        f" ({report['policy']}, {report['budget_tokens']} tokens) · peak RSS {size(report['peak_rss_bytes'])}"
     )
     return report
 
 
 def _run_generate(
-    lm, tokenizer, cache, counter, source, total_bytes, max_tokens, chunk, prompt, sampling, quiet
+    lm, tokenizer, cache, source_file, source, total_bytes, max_tokens, chunk, prompt, sampling, quiet
 ) -> dict:
     import time
 
@@ -176,19 +169,17 @@ def _run_generate(
     from h2o_cli.runtime import cache_summary, peak_rss_bytes
     from h2o_cli.streaming import prefill
 
-    pieces = _pieces(tokenizer, counter, source)
-    if prompt is not None:
-        before, after = user_frame(tokenizer)
-        head = tokenizer(before, add_special_tokens=False)["input_ids"]
-        tail = tokenizer("\n\n" + prompt + after, add_special_tokens=False)["input_ids"]
-        pieces = _framed(head, pieces, tail)
     with _progress(total_bytes) as progress:
         task = progress.add_task("read", total=total_bytes, status="")
+        pieces = _pieces(tokenizer, _tracked(progress, task, source_file, total_bytes), source)
+        if prompt is not None:
+            before, after = user_frame(tokenizer)
+            head = tokenizer(before, add_special_tokens=False)["input_ids"]
+            tail = tokenizer("\n\n" + prompt + after, add_special_tokens=False)["input_ids"]
+            pieces = _framed(head, pieces, tail)
 
         def update(stats) -> None:
-            progress.update(
-                task, completed=counter.bytes, status=f"{stats.tokens:,} tok  {stats.tokens_per_s:,.0f} tok/s"
-            )
+            progress.update(task, status=f"{stats.tokens:,} tok  {stats.tokens_per_s:,.0f} tok/s")
 
         logits, stats = prefill(lm, cache, pieces, chunk, max_tokens, update)
     if logits is None:

@@ -1,7 +1,8 @@
 """Loaders for the real task files in the shared data folder (each folder documents itself in SOURCE.txt).
 
 Each loader returns plain dicts in the field names lm-eval's own task of the same name uses, so the task
-YAMLs in `h2o_cli/eval/tasks/` can copy lm-eval's prompts. `path` overrides the default file.
+YAMLs in `h2o_cli/eval/tasks/` can copy lm-eval's prompts. `path` overrides the default file; the default files
+lie under the data folder, `$H2O_DATA` (lm-eval calls the loaders itself, so the folder travels in the environment).
 """
 
 from __future__ import annotations
@@ -17,20 +18,28 @@ from pathlib import Path
 
 from h2o_cli.errors import H2OError
 
-DATA_ENV = "H2O_DATA_DIR"
+DATA_ENV = "H2O_DATA"
+NO_DATA = f"pass --data-dir DIR or set ${DATA_ENV} to the folder that holds the task files"
 
 
-def data_dir() -> Path:
-    """`$H2O_DATA_DIR`, else the project's `../shared/data` beside the checkout."""
-    if os.environ.get(DATA_ENV):
-        return Path(os.environ[DATA_ENV])
-    return Path(__file__).resolve().parents[3] / "shared" / "data"
+def data_dir(root: str | os.PathLike | None = None) -> Path:
+    """The data folder: `root` (a `--data-dir` option), else `$H2O_DATA`; an error naming both otherwise."""
+    folder = root or os.environ.get(DATA_ENV)
+    if not folder:
+        raise H2OError(f"no data folder given: {NO_DATA}")
+    if not Path(folder).is_dir():
+        raise H2OError(f"data folder {folder} not found: {NO_DATA}")
+    return Path(folder)
 
 
 def _file(path: str | os.PathLike | None, default: str) -> Path:
-    file = Path(path) if path else data_dir() / default
+    if path:
+        if not Path(path).is_file():
+            raise H2OError(f"data file {path} not found")
+        return Path(path)
+    file = data_dir() / default
     if not file.is_file():
-        raise H2OError(f"data file {file} not found; point --data at a copy (or set ${DATA_ENV})")
+        raise H2OError(f"data file {file} not found: {NO_DATA}")
     return file
 
 

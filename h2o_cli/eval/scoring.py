@@ -164,14 +164,14 @@ def greedy_answer(
     return text
 
 
-def wilson_interval(accuracy: float, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion measured on `n` examples."""
+def wilson_interval(accuracy: float, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval (scipy's) of a proportion of successes measured on `n` examples."""
+    from scipy.stats import binomtest
+
     if n == 0 or math.isnan(accuracy):
         return float("nan"), float("nan")
-    denominator = 1 + z * z / n
-    centre = (accuracy + z * z / (2 * n)) / denominator
-    half = z * math.sqrt(accuracy * (1 - accuracy) / n + z * z / (4 * n * n)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
+    interval = binomtest(round(accuracy * n), n).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(interval.low), float(interval.high)
 
 
 def normalize_answer(text: str) -> str:
