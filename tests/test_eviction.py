@@ -97,3 +97,31 @@ def test_ties_go_to_the_oldest():
     token_index = torch.tensor([[10, 7, 3, 1, 5]])
     assert select_evictions(priority, token_index, 1).tolist() == [[2]]
     assert select_evictions(priority, token_index, 3).tolist() == [[2, 4, 1]]
+
+
+def test_one_eviction_never_picks_an_empty_slot_when_every_priority_is_never():
+    """Issue 9.5: with every valid priority inf, the fast path picked the empty slot (token_index -1)."""
+    from dataclasses import dataclass
+
+    from h2o_cli.policies import select_evictions
+    from h2o_cli.policies.base import NEVER
+
+    priority = torch.full((2, 4), NEVER)
+    token_index = torch.tensor([[5, 6, -1, 7], [-1, 9, 8, 10]])
+    assert select_evictions(priority, token_index, 1).tolist() == [[0], [2]]
+    assert select_evictions(priority, token_index, 1).tolist() == select_evictions(priority, token_index, 2)[
+        :, :1
+    ].tolist()
+
+    @dataclass(frozen=True)
+    class ProtectEverything:  # a policy whose every entry is never-evict, but which must still evict
+        evicts: bool = True
+
+        def priority(self, state):
+            return torch.full_like(state.scores, NEVER)
+
+    store = LayerStore(1, 4, budget=2, chunk=2, dtype=torch.float32, device=torch.device("cpu"))
+    store.write(torch.zeros(1, 3, 4), torch.zeros(1, 3, 4))  # slot 3 stays empty
+    store.evict(ProtectEverything())
+    assert store.length == 2 and int(store.valid.sum()) == 2
+    assert sorted(store.token_index[0][store.valid[0]].tolist()) == [1, 2]
