@@ -20,6 +20,7 @@ from h2o_cli.chat.framing import answer_suffix, stop_ids, turn_text
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import InputError
 from h2o_cli.generation import Sampling, TextStreamer, generate_ids
+from h2o_cli.private import write_private
 from h2o_cli.streaming import prefill
 
 
@@ -196,15 +197,12 @@ class ChatSession:
         return [asdict(turn) for turn in self.turns]
 
     def save(self, path: str | Path) -> Path:
-        """Write the transcript: JSON for a .json path, Markdown otherwise."""
+        """Write the transcript: JSON for a .json path, Markdown otherwise; mode 0600 (it is private text)."""
         path = Path(path).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
         if path.suffix.lower() == ".json":
             data = {"system": self.system, "settings": asdict(self.settings), "turns": self.transcript()}
-            path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        else:
-            path.write_text(to_markdown(self.system, self.turns), encoding="utf-8")
-        return path
+            return write_private(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        return write_private(path, to_markdown(self.system, self.turns))
 
 
 def to_markdown(system: str | None, turns: list[Turn]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -14,6 +15,7 @@ from h2o_cli.cli.common import stderr
 from h2o_cli.cli.panel import LivePanel, PanelView, render_panel
 from h2o_cli.errors import H2OError, UsageError
 from h2o_cli.models import h2o_home
+from h2o_cli.private import private_file, private_folder
 
 HELP = """\
 [bold]Commands[/]
@@ -28,6 +30,16 @@ HELP = """\
   /exit              leave (Ctrl-D too)
 Multi-line input: Esc then Enter for a new line, or start and end a block with \"\"\".
 Ctrl-C stops the current answer; the transcript is saved on exit."""
+
+
+def history_path(home: Path) -> Path:
+    """The input history, beside the transcripts in the private `chats` folder. A history left at the old
+    place (`$H2O_HOME/chat_history`, 0644) is moved in."""
+    path = private_folder(home / "chats") / "history"
+    old = home / "chat_history"
+    if old.is_file() and not path.exists():
+        os.replace(old, path)
+    return path
 
 
 class LineReader:
@@ -54,7 +66,8 @@ class TerminalReader:
         def _newline(event) -> None:
             event.current_buffer.insert_text("\n")
 
-        history_file.parent.mkdir(parents=True, exist_ok=True)
+        private_folder(history_file.parent)
+        private_file(history_file)  # prompt-toolkit appends to it under the umask otherwise
         self.session = PromptSession(history=FileHistory(str(history_file)), key_bindings=bindings)
 
     def read(self, prompt: str) -> str:
@@ -71,7 +84,7 @@ class ChatLoop:
         self.model_name = model_name
         home = h2o_home()
         terminal = sys.stdin.isatty()
-        self.reader = reader or (TerminalReader(home / "chat_history") if terminal else LineReader())
+        self.reader = reader or (TerminalReader(history_path(home)) if terminal else LineReader())
         self.transcript_path = home / "chats" / time.strftime("chat-%Y%m%d-%H%M%S.json")
         self.running = True
 
@@ -246,6 +259,7 @@ class ChatLoop:
     def _save_transcript(self, final: bool = False) -> None:
         if not self.session.turns:
             return
+        private_folder(self.transcript_path.parent)
         path = self.session.save(self.transcript_path)
         if final:
             stderr.print(f"transcript saved to {escape(str(path))}")
