@@ -29,15 +29,25 @@ class H2OLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, store: LayerStore, settings: CacheSettings, rope: Rope, max_positions: int) -> None:
+    def __init__(
+        self,
+        store: LayerStore,
+        settings: CacheSettings,
+        rope: Rope,
+        max_positions: int,
+        first_layer: bool = True,
+    ) -> None:
+        """`first_layer`: this layer starts each forward pass, so it computes the RoPE tables afresh; the
+        other layers of a model reuse them (they share one `Rope`)."""
         super().__init__()
+        self.first_layer = first_layer
         self.store = store
         self.settings = settings
         self.policy = make_policy(settings)
         self.rope = rope
         self.max_positions = max_positions
         self.is_initialized = True
-        self._model_positions: torch.Tensor | None = None
+        self._model_rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of the chunk
         self._chunk = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -83,10 +93,10 @@ class H2OLayer(CacheLayerMixin):
             positions = torch.arange(store.tokens_seen, store.tokens_seen + chunk, device=key_states.device)
         elif positions.numel() != chunk:
             positions = positions.reshape(-1)[-chunk:]
-        # The same tensor object for every layer of a forward pass, so Rope computes its cos/sin once.
-        cos, sin = self.rope.cos_sin(positions, key_states.dtype)
+        # The same tensor object for every layer of a forward pass, so Rope computes its cos/sin once per pass.
+        cos, sin = self.rope.cos_sin(positions, key_states.dtype, reuse=not self.first_layer)
         store.write(unrotate(key_states[0], cos, sin), value_states[0])
-        self._model_positions = positions
+        self._model_rotation = (cos, sin)
         self._chunk = chunk
         if kwargs is not None:
             kwargs[LAYER_KWARG] = self  # read by h2o_cli.attention.h2o_attention right after this call
@@ -100,7 +110,7 @@ class H2OLayer(CacheLayerMixin):
         chunk, store = self._chunk, self.store
         self._chunk = 0
         dtype = query.dtype
-        cos, sin = self.rope.cos_sin(self._model_positions, dtype)
+        cos, sin = (tensor.to(dtype) for tensor in self._model_rotation)
         query = unrotate(query[0], cos, sin)
         if self.settings.positions == "rolling" and self.policy.evicts:
             key_positions = store.rank
@@ -240,8 +250,9 @@ class H2OCache(Cache):
                 settings,
                 rope,
                 self.max_positions,
+                first_layer=number == 0,
             )
-            for _ in range(shape.n_layers)
+            for number in range(shape.n_layers)
         ]
         super().__init__(layers=layers)
 

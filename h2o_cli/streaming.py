@@ -63,6 +63,22 @@ def forward_chunk(model, cache: H2OCache, ids: list[int]) -> torch.Tensor:
     return model(input_ids=input_ids, cache=cache, use_cache=True).logits[0].float()
 
 
+def _chunk_nll(
+    logits: torch.Tensor, ids: list[int], previous: torch.Tensor | None
+) -> tuple[float, torch.Tensor]:
+    """NLL of a chunk's ids from its logits [chunk, vocab] (its first id from `previous` [vocab] log-probs).
+
+    Returns the NLL and a copy of the last row's log-probs [vocab]: a view would keep the whole
+    [chunk, vocab] block alive through the next chunk's forward pass.
+    """
+    logprobs = torch.log_softmax(logits, dim=-1)
+    targets = torch.tensor(ids, device=logprobs.device)
+    nll = -logprobs[:-1].gather(1, targets[1:, None]).sum()
+    if previous is not None:
+        nll = nll - previous[targets[0]]
+    return float(nll), logprobs[-1].clone()
+
+
 @torch.inference_mode()
 def stream_perplexity(
     model,
@@ -78,18 +94,14 @@ def stream_perplexity(
     are returned with `interrupted` / `error` set, so a partial stream still reports what it read.
     """
     stats = StreamStats()
-    previous: torch.Tensor | None = None  # log-probs at the last token of the previous chunk
+    previous: torch.Tensor | None = None  # log-probs [vocab] at the last token of the previous chunk
     try:
         for ids in chunks_of(pieces, chunk, max_tokens):
-            logprobs = torch.log_softmax(forward_chunk(model, cache, ids), dim=-1)
-            targets = torch.tensor(ids, device=logprobs.device)
-            nll = -logprobs[:-1].gather(1, targets[1:, None]).sum()
-            if previous is not None:
-                nll = nll - previous[targets[0]]
-            stats.nll += float(nll)
+            nll, last = _chunk_nll(forward_chunk(model, cache, ids), ids, previous)
+            stats.nll += nll
             stats.predictions += len(ids) - 1 + (previous is not None)
             stats.tokens += len(ids)
-            previous = logprobs[-1]
+            previous = last
             stats.seconds = time.perf_counter() - stats.started
             if on_chunk is not None:
                 on_chunk(stats)
