@@ -23,7 +23,16 @@ class StreamStats:
     seconds: float = 0.0
     interrupted: bool = False
     error: str | None = None
+    failure: H2OError | None = field(default=None, repr=False)  # the error that ended the stream, if any
     started: float = field(default_factory=time.perf_counter, repr=False)
+
+    def reraise(self) -> None:
+        """Raise what ended the stream early (KeyboardInterrupt, or the `H2OError`), if anything did: for
+        callers that need the whole read or nothing."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+        if self.failure is not None:
+            raise self.failure
 
     @property
     def mean_nll(self) -> float:
@@ -108,7 +117,7 @@ def stream_perplexity(
     except KeyboardInterrupt:
         stats.interrupted = True
     except H2OError as error:  # bad bytes mid-stream, context overflow: keep what was read
-        stats.error = str(error)
+        stats.error, stats.failure = str(error), error
     stats.seconds = time.perf_counter() - stats.started
     return stats
 
@@ -122,14 +131,23 @@ def prefill(
     max_tokens: int | None = None,
     on_chunk: Callable[[StreamStats], None] | None = None,
 ) -> tuple[torch.Tensor | None, StreamStats]:
-    """Read ids into the cache without scoring. Returns the logits after the last token, and the stats."""
+    """Read ids into the cache without scoring. Returns the logits [vocab] after the last token read, and the
+    stats. As in `stream_perplexity`, Ctrl-C or a cache/input error ends the read early with `interrupted` /
+    `error` (and the error itself in `failure`) set, so a partial read still reports what it read."""
     stats = StreamStats()
     last = None
-    for ids in chunks_of(pieces, chunk, max_tokens):
-        input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
-        last = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
-        stats.tokens += len(ids)
-        stats.seconds = time.perf_counter() - stats.started
-        if on_chunk is not None:
-            on_chunk(stats)
+    try:
+        for ids in chunks_of(pieces, chunk, max_tokens):
+            input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
+            output = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            last = output.logits[0, -1].float()
+            stats.tokens += len(ids)
+            stats.seconds = time.perf_counter() - stats.started
+            if on_chunk is not None:
+                on_chunk(stats)
+    except KeyboardInterrupt:
+        stats.interrupted = True
+    except H2OError as error:
+        stats.error, stats.failure = str(error), error
+    stats.seconds = time.perf_counter() - stats.started
     return last, stats

@@ -83,9 +83,11 @@ class ChatSession:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _feed(self, ids: list[int]) -> torch.Tensor | None:
-        """Run ids through the cache in chunks; returns the logits after the last one."""
-        logits, _ = prefill(self.model, self.cache, [ids], self.settings.chunk)
-        self.ids.extend(ids)
+        """Run ids through the cache in chunks; returns the logits after the last one. A read cut short
+        (Ctrl-C, context overflow) raises: a turn is fed whole or the caller hears why."""
+        logits, stats = prefill(self.model, self.cache, [ids], self.settings.chunk)
+        self.ids.extend(ids[: stats.tokens])
+        stats.reraise()
         return logits
 
     def send(self, user_text: str) -> Iterator[str]:
