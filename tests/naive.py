@@ -7,6 +7,7 @@ from the config, attention and eviction are written out here.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -112,8 +113,13 @@ def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_
     return output
 
 
-def naive_model_nll(model, ids: list[int], settings, chunk: int = 1) -> list[float]:
-    """Per-prediction NLL of `ids` under SPEC.md, running the Llama decoder by hand over naive head states."""
+def naive_model_nll(
+    model, ids: list[int], settings, chunk: int = 1, sizes: list[int] | None = None
+) -> list[float]:
+    """Per-prediction NLL of `ids` under SPEC.md, running the Llama decoder by hand over naive head states.
+
+    Chunks of `chunk` tokens, or of the given `sizes` (summing to len(ids)).
+    """
     config = model.config
     n_heads = config.num_attention_heads
     n_kv = config.num_key_value_heads
@@ -125,8 +131,10 @@ def naive_model_nll(model, ids: list[int], settings, chunk: int = 1) -> list[flo
     nlls: list[float] = []
     previous = None
     with torch.no_grad():
-        for start in range(0, len(ids), chunk):
-            piece = ids[start : start + chunk]
+        sizes = sizes or [min(chunk, len(ids) - start) for start in range(0, len(ids), chunk)]
+        assert sum(sizes) == len(ids)
+        for start, size in zip(itertools.accumulate([0] + sizes[:-1]), sizes, strict=True):
+            piece = ids[start : start + size]
             c = len(piece)
             hidden = model.model.embed_tokens(torch.tensor(piece))  # [c, hidden]
             for layer, heads in zip(layers, states, strict=True):

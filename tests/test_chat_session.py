@@ -123,3 +123,18 @@ def test_save_markdown_and_json(smollm, tmp_path):
     data = json.loads(session.save(tmp_path / "t.json").read_text())
     assert [turn["role"] for turn in data["turns"]] == ["user", "assistant"]
     assert data["turns"][1]["start"] == data["turns"][0]["end"]
+
+
+def test_chat_keeps_few_spare_slots_and_reads_long_turns_in_fixed_buffers(smollm):
+    """Issue 9.4: at budget 32 the chat held 256 spare slots beside the budget (the panel read "cache 13.4 MiB
+    vs full KV 3.6 MiB"). `h2o chat` now keeps 16; a turn longer than that is split inside the cache."""
+    from h2o_cli.cli.chat import CHAT_CHUNK
+
+    model, tokenizer = smollm
+    session = ChatSession(model, tokenizer, CacheSettings(budget=32, chunk=CHAT_CHUNK), Sampling(4))
+    pointers = [store.keys.data_ptr() for store in session.cache.stores]
+    session.ask(WORDS * 3)  # ~130 tokens in one turn
+    assert session.cache.tokens_seen > 100 and session.cache.length == 32
+    assert (
+        session.cache.stores[0].slots == 48 and [s.keys.data_ptr() for s in session.cache.stores] == pointers
+    )

@@ -24,6 +24,11 @@ from h2o_cli.private import write_private
 from h2o_cli.streaming import prefill
 
 
+# Tokens per forward call when feeding a turn. The cache attends them `settings.chunk` at a time (its spare
+# slots), so a chat can keep few spare slots and still read a long message in few forward calls.
+FEED_CALL_TOKENS = 256
+
+
 @dataclass
 class Turn:
     """One message. `start`: token index where its framed text begins in the stream; `end`: one past it."""
@@ -85,7 +90,7 @@ class ChatSession:
     def _feed(self, ids: list[int]) -> torch.Tensor | None:
         """Run ids through the cache in chunks; returns the logits after the last one. A read cut short
         (Ctrl-C, context overflow) raises: a turn is fed whole or the caller hears why."""
-        logits, stats = prefill(self.model, self.cache, [ids], self.settings.chunk)
+        logits, stats = prefill(self.model, self.cache, [ids], FEED_CALL_TOKENS)
         self.ids.extend(ids[: stats.tokens])
         stats.reraise()
         return logits
