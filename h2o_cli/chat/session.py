@@ -23,7 +23,6 @@ from h2o_cli.generation import Sampling, TextStreamer, generate_ids
 from h2o_cli.private import write_private
 from h2o_cli.streaming import prefill
 
-
 # Tokens per forward call when feeding a turn. The cache attends them `settings.chunk` at a time (its spare
 # slots), so a chat can keep few spare slots and still read a long message in few forward calls.
 FEED_CALL_TOKENS = 256
