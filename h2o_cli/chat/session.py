@@ -154,14 +154,16 @@ class ChatSession:
     def rebuild(self, settings: CacheSettings) -> None:
         """Switch cache settings (budget, policy): a new cache re-reads every token of the conversation.
 
-        The re-read costs one prefill of the whole transcript; token indices stay the same.
+        The re-read costs one prefill of the whole transcript; token indices stay the same. The new cache is
+        built aside and swapped in only when the whole conversation fits it: if the re-read fails (e.g.
+        `full` on a conversation longer than the context window) or is interrupted, the error is raised and
+        the session goes on unchanged.
         """
-        ids = list(self.ids)
-        self.settings = settings
-        self.cache = H2OCache(self.model, settings)
-        self.ids = array("l")
-        if ids:
-            self._feed(ids)
+        cache = H2OCache(self.model, settings)
+        if self.ids:
+            _, stats = prefill(self.model, cache, [list(self.ids)], FEED_CALL_TOKENS)
+            stats.reraise()
+        self.settings, self.cache = settings, cache
 
     def set_budget(self, budget: int) -> None:
         self.rebuild(replace(self.settings, budget=budget))

@@ -191,8 +191,7 @@ class ChatLoop:
         if not argument:
             raise UsageError("/budget needs a value, e.g. /budget 256 or /budget 0.05")
         tokens = parse_budget(argument, context_window(self.session.model))
-        with stderr.status("re-reading the conversation …") if sys.stderr.isatty() else _nothing():
-            self.session.set_budget(tokens)
+        self._rebuild(f"/budget {argument}", self.session.set_budget, tokens)
         stderr.print(f"budget {tokens} tokens per KV head; {self.session.cache.tokens_seen:,} tokens re-read")
 
     def _policy(self, argument: str) -> None:
@@ -200,9 +199,20 @@ class ChatLoop:
 
         if argument not in POLICIES:
             raise UsageError(f"/policy needs one of {', '.join(POLICIES)}")
-        with stderr.status("re-reading the conversation …") if sys.stderr.isatty() else _nothing():
-            self.session.set_policy(argument)
+        self._rebuild(f"/policy {argument}", self.session.set_policy, argument)
         stderr.print(f"policy {argument}; {self.session.cache.tokens_seen:,} tokens re-read")
+
+    def _rebuild(self, command: str, change, value) -> None:
+        """Re-read the conversation into a new cache; on failure or Ctrl-C the chat goes on as it was."""
+        settings = self.session.settings
+        unchanged = f"the chat goes on unchanged ({settings.policy}, budget {settings.budget})"
+        try:
+            with stderr.status("re-reading the conversation …") if sys.stderr.isatty() else _nothing():
+                change(value)
+        except KeyboardInterrupt:
+            raise H2OError(f"{command} interrupted; {unchanged}") from None
+        except H2OError as error:
+            raise type(error)(f"{command} failed: {error}; {unchanged}") from error
 
     def _reset(self, argument: str) -> None:
         self._save_transcript()
