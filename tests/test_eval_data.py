@@ -91,3 +91,33 @@ def test_wrong_data_file_is_one_line(loaded_eval, monkeypatch, capsys, task, fil
     lines = err.strip().splitlines()
     assert got == code and out == "" and "Traceback" not in err
     assert words in lines[-1] and not any("Traceback" in line for line in lines)
+
+
+def test_lm_eval_command_line_reaches_the_h2o_model(tmp_path):
+    """Issue 9.12: `lm_eval --model h2o` (lm-eval's own CLI) could not find the model. `h2o lm-eval` hands
+    every argument to that CLI with the model registered; run as a user would, on a local task."""
+    import os
+    import subprocess
+
+    from conftest import REPO
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "kernels"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    metadata = json.dumps({"data_path": str(TASK_FILES / "copa.xml")})
+    result = subprocess.run(
+        [sys.executable, "-c", "from h2o_cli.cli.app import main; main()", "lm-eval", "--model", "h2o",
+         "--model_args", "model=smollm2-135m,budget=0.5,policy=h2o,threads=1", "--tasks", "h2o_copa",
+         "--limit", "3", "--metadata", metadata, "--output_path", str(tmp_path / "out")],
+        capture_output=True, env=env, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    table = result.stdout.decode()
+    assert "h2o (" in table and "|h2o_copa|" in table and "acc" in table
+    (saved,) = (tmp_path / "out").rglob("results_*.json")
+    results = json.loads(saved.read_text())
+    assert results["config"]["model"] == "h2o" and results["n-samples"]["h2o_copa"]["effective"] == 3
