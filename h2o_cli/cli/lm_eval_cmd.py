@@ -6,6 +6,7 @@ lm-eval 0.4.13 loads models only from modules it imports itself (not from an ent
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import typer
@@ -16,7 +17,7 @@ EXAMPLES = """
 Examples:
 
   h2o lm-eval --model h2o --model_args model=smollm2-135m,budget=0.2,policy=h2o --tasks h2o_copa
-  h2o lm-eval --model h2o --model_args budget=0.1,policy=sink --tasks h2o_piqa --limit 50 --output_path out/
+  h2o lm-eval --model h2o --model_args budget=0.1,policy=sink --tasks h2o_piqa --limit 50
   h2o lm-eval ls tasks
   h2o lm-eval run -h                  (lm-eval's own options)
 """
@@ -25,9 +26,11 @@ Examples:
 def lm_eval(ctx: typer.Context) -> None:
     """Run lm-eval's own command line with `--model h2o` and the h2o_* task YAMLs available.
 
-    Every argument is handed to lm-eval unchanged (its `-h` lists them); the h2o task folder is added as
-    --include_path and `--device auto` (CUDA if there is one) unless you give them. Model args: model, budget, policy, heavy_ratio, sinks, positions,
-    score_norm, chunk, kv_bits, device, dtype, quant, threads.
+    Every argument goes to lm-eval unchanged; `h2o lm-eval run -h` lists its options.
+
+    Added unless you give them: --include_path (the h2o task folder), --device auto.
+
+    Model args: model, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk, kv_bits, quant.
     """
     try:
         from lm_eval.__main__ import cli_evaluate
@@ -49,4 +52,4 @@ def lm_eval(ctx: typer.Context) -> None:
     cli_evaluate()
 
 
-lm_eval.__doc__ = (lm_eval.__doc__ or "") + EXAMPLES
+lm_eval.__doc__ = inspect.cleandoc(lm_eval.__doc__ or "") + "\n" + EXAMPLES
