@@ -116,7 +116,8 @@ def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_
 def naive_model_nll(
     model, ids: list[int], settings, chunk: int = 1, sizes: list[int] | None = None
 ) -> list[float]:
-    """Per-prediction NLL of `ids` under SPEC.md, running the Llama decoder by hand over naive head states.
+    """Per-prediction NLL of `ids` under SPEC.md, running the decoder by hand over naive head states
+    (Llama layout; Mistral and Qwen2 share it, Qwen3 adds its q/k norms).
 
     Chunks of `chunk` tokens, or of the given `sizes` (summing to len(ids)).
     """
@@ -140,8 +141,11 @@ def naive_model_nll(
             for layer, heads in zip(layers, states, strict=True):
                 attn = layer.self_attn
                 x = layer.input_layernorm(hidden)
-                q = attn.q_proj(x).view(c, n_heads, head_dim).transpose(0, 1)
-                k = attn.k_proj(x).view(c, n_kv, head_dim).transpose(0, 1)
+                q = attn.q_proj(x).view(c, n_heads, head_dim)
+                k = attn.k_proj(x).view(c, n_kv, head_dim)
+                if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm of q and k before RoPE
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = q.transpose(0, 1), k.transpose(0, 1)
                 v = attn.v_proj(x).view(c, n_kv, head_dim).transpose(0, 1)
                 out = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, scaling)
                 out = out.to(hidden.dtype).transpose(0, 1).reshape(c, n_heads * head_dim)
