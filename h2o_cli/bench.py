@@ -63,7 +63,7 @@ def decode_speed(
 ) -> float:
     """Tokens/s of token-by-token decode after reading `context` tokens (prefill not timed)."""
     cache = H2OCache(model, make_settings(model, budget, policy, chunk=chunk))
-    prefill(model, cache, [ids[:context]], chunk)
+    prefill(model, cache, [ids[:context]], chunk)[1].reraise()
     started = time.perf_counter()
     for token in ids[context : context + tokens]:
         forward_chunk(model, cache, [token])
@@ -94,7 +94,7 @@ def _prefill_peak(args) -> int:
     ids = book_ids(tokenizer, count, book)
     cache = H2OCache(model, make_settings(model, "0.5", "h2o", chunk=chunk))
     base = current_rss_bytes()
-    prefill(model, cache, [ids], chunk)
+    prefill(model, cache, [ids], chunk)[1].reraise()
     return peak_rss_bytes() - base
 
 

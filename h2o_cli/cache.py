@@ -29,16 +29,27 @@ class H2OLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, store: LayerStore, settings: CacheSettings, rope: Rope, max_positions: int) -> None:
+    def __init__(
+        self,
+        store: LayerStore,
+        settings: CacheSettings,
+        rope: Rope,
+        max_positions: int,
+        first_layer: bool = True,
+    ) -> None:
+        """`first_layer`: this layer starts each forward pass, so it computes the RoPE tables afresh; the
+        other layers of a model reuse them (they share one `Rope`)."""
         super().__init__()
+        self.first_layer = first_layer
         self.store = store
         self.settings = settings
         self.policy = make_policy(settings)
         self.rope = rope
         self.max_positions = max_positions
         self.is_initialized = True
-        self._model_positions: torch.Tensor | None = None
+        self._model_rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of the chunk
         self._chunk = 0
+        self._new_states: tuple[torch.Tensor, torch.Tensor] | None = None  # the call's K/V, unrotated
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
@@ -60,7 +71,8 @@ class H2OLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs=None, **extra):
-        """Store a chunk's keys/values `[1, n_kv_heads, chunk, head_dim]` (rotated by the model) unrotated."""
+        """Take a call's keys/values `[1, n_kv_heads, chunk, head_dim]` (rotated by the model), kept unrotated
+        for `attend`, which writes them into the store."""
         if key_states.shape[0] != 1:
             raise UnsupportedModelError("the H2O cache holds one sequence; run with batch size 1")
         if self._chunk:
@@ -83,25 +95,43 @@ class H2OLayer(CacheLayerMixin):
             positions = torch.arange(store.tokens_seen, store.tokens_seen + chunk, device=key_states.device)
         elif positions.numel() != chunk:
             positions = positions.reshape(-1)[-chunk:]
-        # The same tensor object for every layer of a forward pass, so Rope computes its cos/sin once.
-        cos, sin = self.rope.cos_sin(positions, key_states.dtype)
-        store.write(unrotate(key_states[0], cos, sin), value_states[0])
-        self._model_positions = positions
+        # The same tensor object for every layer of a forward pass, so Rope computes its cos/sin once per pass.
+        cos, sin = self.rope.cos_sin(positions, key_states.dtype, reuse=not self.first_layer)
+        # Written to the store by `attend`, in sub-chunks that fit the spare slots (a call may bring more).
+        self._new_states = (unrotate(key_states[0], cos, sin), value_states[0])
+        self._model_rotation = (cos, sin)
         self._chunk = chunk
         if kwargs is not None:
             kwargs[LAYER_KWARG] = self  # read by h2o_cli.attention.h2o_attention right after this call
         return self.keys, self.values
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Attention of the chunk written by `update`, then score accumulation and eviction.
+        """Attention of the call given to `update`, with score accumulation and eviction (SPEC steps 1-4).
 
         query: [1, n_heads, chunk, head_dim] rotated by the model. Returns [1, chunk, n_heads, head_dim].
+        A call longer than the free slots is processed in sub-chunks that fit (write, attend, accumulate,
+        evict, next), exactly as if the caller had sent those smaller chunks: the buffers never grow.
         """
         chunk, store = self._chunk, self.store
-        self._chunk = 0
+        keys, values = self._new_states
+        self._chunk, self._new_states = 0, None
+        cos, sin = (tensor.to(query.dtype) for tensor in self._model_rotation)
+        query = unrotate(query[0], cos, sin)  # [n_heads, chunk, head_dim]
+        outputs, start = [], 0
+        while start < chunk:
+            size = min(chunk - start, store.slots - store.length)
+            assert size > 0, "eviction leaves at least the spare slots free"
+            part = slice(start, start + size)
+            store.write(keys[:, part], values[:, part])
+            outputs.append(self._attend_written(query[:, part].contiguous(), scaling))
+            start += size
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    def _attend_written(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attend the chunk just written (query [n_heads, chunk, head_dim], unrotated), accumulate, evict.
+        Returns [1, chunk, n_heads, head_dim]."""
+        chunk, store = query.shape[1], self.store
         dtype = query.dtype
-        cos, sin = self.rope.cos_sin(self._model_positions, dtype)
-        query = unrotate(query[0], cos, sin)
         if self.settings.positions == "rolling" and self.policy.evicts:
             key_positions = store.rank
             first_query_position = store.length - chunk
@@ -172,6 +202,7 @@ class H2OLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.store.reset()
         self._chunk = 0
+        self._new_states = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise UnsupportedModelError("beam search is not supported with the H2O cache; use greedy or sampling")
@@ -240,8 +271,9 @@ class H2OCache(Cache):
                 settings,
                 rope,
                 self.max_positions,
+                first_layer=number == 0,
             )
-            for _ in range(shape.n_layers)
+            for number in range(shape.n_layers)
         ]
         super().__init__(layers=layers)
 

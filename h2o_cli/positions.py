@@ -45,16 +45,21 @@ class Rope:
         self.scaling = float(getattr(rotary_emb, "attention_scaling", 1.0))
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
-        # (positions tensor, dtype, cos, sin): every layer of a forward pass asks for the same positions.
+        # (positions tensor, dtype, cos, sin) of the last call that computed them.
         self._last: tuple | None = None
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, reuse: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pure rotation for `positions` [n] → cos, sin [n, head_dim] in `dtype`.
 
-        The last answer is kept: all layers of one forward pass ask for the same `positions` tensor object.
+        `reuse`: return the last answer if it was for this very tensor object. Only for the later layers of
+        one forward pass, which get the tensor the first layer got: identity says nothing about the values
+        across passes (a caller may rewrite its position tensor in place, and inference tensors have no
+        version counter to tell), so the first layer of every pass computes afresh.
         """
         last = self._last
-        if last is not None and last[0] is positions and last[1] == dtype:
+        if reuse and last is not None and last[0] is positions and last[1] == dtype:
             return last[2], last[3]
         dummy = torch.empty(0, dtype=dtype, device=positions.device)
         cos, sin = self.rotary_emb(dummy, positions.reshape(1, -1))

@@ -13,7 +13,7 @@ class LayerStore:
 
     `slots = budget + chunk`: a chunk of up to `chunk` new tokens is written into free slots, attended, and
     then `length - budget` entries are evicted, freeing their slots for the next chunk. Nothing is moved and
-    nothing grows, unless one call brings more than `chunk` tokens (then the buffers grow once to fit).
+    nothing grows: `H2OLayer.attend` splits a longer call into sub-chunks that fit the free slots.
     """
 
     def __init__(
@@ -62,12 +62,6 @@ class LayerStore:
     def slots(self) -> int:
         return self.keys.shape[1]
 
-    def _grow(self, slots: int) -> None:
-        old = {name: getattr(self, name) for name in self._state_names()}
-        self._allocate(slots, self.keys.dtype, self.keys.device)
-        for name, tensor in old.items():
-            getattr(self, name)[:, : tensor.shape[1]] = tensor
-
     def _state_names(self) -> tuple[str, ...]:
         names = ("keys", "values", "scores", "seen", "last_probs", "token_index", "rank", "valid")
         return names + (("key_scales", "value_scales") if self.quantized else ())
@@ -108,8 +102,9 @@ class LayerStore:
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Write a chunk `[n_kv_heads, chunk, head_dim]` into free slots. Returns the slots `[n_kv_heads, chunk]`."""
         chunk = keys.shape[1]
-        if self.length + chunk > self.slots:
-            self._grow(self.length + chunk)
+        assert self.length + chunk <= self.slots, (
+            "a chunk must fit the free slots (H2OLayer.attend splits calls)"
+        )
         if chunk == 1:
             free = self.valid.to(torch.uint8).argmin(dim=1, keepdim=True)  # first free slot of each head
         else:

@@ -23,7 +23,16 @@ class StreamStats:
     seconds: float = 0.0
     interrupted: bool = False
     error: str | None = None
+    failure: H2OError | None = field(default=None, repr=False)  # the error that ended the stream, if any
     started: float = field(default_factory=time.perf_counter, repr=False)
+
+    def reraise(self) -> None:
+        """Raise what ended the stream early (KeyboardInterrupt, or the `H2OError`), if anything did: for
+        callers that need the whole read or nothing."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+        if self.failure is not None:
+            raise self.failure
 
     @property
     def mean_nll(self) -> float:
@@ -63,6 +72,22 @@ def forward_chunk(model, cache: H2OCache, ids: list[int]) -> torch.Tensor:
     return model(input_ids=input_ids, cache=cache, use_cache=True).logits[0].float()
 
 
+def _chunk_nll(
+    logits: torch.Tensor, ids: list[int], previous: torch.Tensor | None
+) -> tuple[float, torch.Tensor]:
+    """NLL of a chunk's ids from its logits [chunk, vocab] (its first id from `previous` [vocab] log-probs).
+
+    Returns the NLL and a copy of the last row's log-probs [vocab]: a view would keep the whole
+    [chunk, vocab] block alive through the next chunk's forward pass.
+    """
+    logprobs = torch.log_softmax(logits, dim=-1)
+    targets = torch.tensor(ids, device=logprobs.device)
+    nll = -logprobs[:-1].gather(1, targets[1:, None]).sum()
+    if previous is not None:
+        nll = nll - previous[targets[0]]
+    return float(nll), logprobs[-1].clone()
+
+
 @torch.inference_mode()
 def stream_perplexity(
     model,
@@ -78,25 +103,21 @@ def stream_perplexity(
     are returned with `interrupted` / `error` set, so a partial stream still reports what it read.
     """
     stats = StreamStats()
-    previous: torch.Tensor | None = None  # log-probs at the last token of the previous chunk
+    previous: torch.Tensor | None = None  # log-probs [vocab] at the last token of the previous chunk
     try:
         for ids in chunks_of(pieces, chunk, max_tokens):
-            logprobs = torch.log_softmax(forward_chunk(model, cache, ids), dim=-1)
-            targets = torch.tensor(ids, device=logprobs.device)
-            nll = -logprobs[:-1].gather(1, targets[1:, None]).sum()
-            if previous is not None:
-                nll = nll - previous[targets[0]]
-            stats.nll += float(nll)
+            nll, last = _chunk_nll(forward_chunk(model, cache, ids), ids, previous)
+            stats.nll += nll
             stats.predictions += len(ids) - 1 + (previous is not None)
             stats.tokens += len(ids)
-            previous = logprobs[-1]
+            previous = last
             stats.seconds = time.perf_counter() - stats.started
             if on_chunk is not None:
                 on_chunk(stats)
     except KeyboardInterrupt:
         stats.interrupted = True
     except H2OError as error:  # bad bytes mid-stream, context overflow: keep what was read
-        stats.error = str(error)
+        stats.error, stats.failure = str(error), error
     stats.seconds = time.perf_counter() - stats.started
     return stats
 
@@ -110,14 +131,23 @@ def prefill(
     max_tokens: int | None = None,
     on_chunk: Callable[[StreamStats], None] | None = None,
 ) -> tuple[torch.Tensor | None, StreamStats]:
-    """Read ids into the cache without scoring. Returns the logits after the last token, and the stats."""
+    """Read ids into the cache without scoring. Returns the logits [vocab] after the last token read, and the
+    stats. As in `stream_perplexity`, Ctrl-C or a cache/input error ends the read early with `interrupted` /
+    `error` (and the error itself in `failure`) set, so a partial read still reports what it read."""
     stats = StreamStats()
     last = None
-    for ids in chunks_of(pieces, chunk, max_tokens):
-        input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
-        last = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
-        stats.tokens += len(ids)
-        stats.seconds = time.perf_counter() - stats.started
-        if on_chunk is not None:
-            on_chunk(stats)
+    try:
+        for ids in chunks_of(pieces, chunk, max_tokens):
+            input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
+            output = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            last = output.logits[0, -1].float()
+            stats.tokens += len(ids)
+            stats.seconds = time.perf_counter() - stats.started
+            if on_chunk is not None:
+                on_chunk(stats)
+    except KeyboardInterrupt:
+        stats.interrupted = True
+    except H2OError as error:
+        stats.error, stats.failure = str(error), error
+    stats.seconds = time.perf_counter() - stats.started
     return last, stats

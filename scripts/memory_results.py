@@ -71,7 +71,8 @@ def decode(args) -> None:
                 spec = EvalCache(BUDGET, policy, kv_bits=kv_bits)
                 cache = H2OCache(model, spec.settings(args.prompt, 8192, args.new))
                 with torch.inference_mode():
-                    logits, _ = prefill(model, cache, [prompt], 128, None, None)
+                    logits, read = prefill(model, cache, [prompt], 128, None, None)
+                    read.reraise()
                     started = time.perf_counter()
                     count = sum(1 for _ in generate_ids(model, cache, logits, Sampling(args.new), set()))
                     seconds = time.perf_counter() - started

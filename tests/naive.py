@@ -7,6 +7,7 @@ from the config, attention and eviction are written out here.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -112,8 +113,14 @@ def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_
     return output
 
 
-def naive_model_nll(model, ids: list[int], settings, chunk: int = 1) -> list[float]:
-    """Per-prediction NLL of `ids` under SPEC.md, running the Llama decoder by hand over naive head states."""
+def naive_model_nll(
+    model, ids: list[int], settings, chunk: int = 1, sizes: list[int] | None = None
+) -> list[float]:
+    """Per-prediction NLL of `ids` under SPEC.md, running the decoder by hand over naive head states
+    (Llama layout; Mistral and Qwen2 share it, Qwen3 adds its q/k norms).
+
+    Chunks of `chunk` tokens, or of the given `sizes` (summing to len(ids)).
+    """
     config = model.config
     n_heads = config.num_attention_heads
     n_kv = config.num_key_value_heads
@@ -125,15 +132,20 @@ def naive_model_nll(model, ids: list[int], settings, chunk: int = 1) -> list[flo
     nlls: list[float] = []
     previous = None
     with torch.no_grad():
-        for start in range(0, len(ids), chunk):
-            piece = ids[start : start + chunk]
+        sizes = sizes or [min(chunk, len(ids) - start) for start in range(0, len(ids), chunk)]
+        assert sum(sizes) == len(ids)
+        for start, size in zip(itertools.accumulate([0] + sizes[:-1]), sizes, strict=True):
+            piece = ids[start : start + size]
             c = len(piece)
             hidden = model.model.embed_tokens(torch.tensor(piece))  # [c, hidden]
             for layer, heads in zip(layers, states, strict=True):
                 attn = layer.self_attn
                 x = layer.input_layernorm(hidden)
-                q = attn.q_proj(x).view(c, n_heads, head_dim).transpose(0, 1)
-                k = attn.k_proj(x).view(c, n_kv, head_dim).transpose(0, 1)
+                q = attn.q_proj(x).view(c, n_heads, head_dim)
+                k = attn.k_proj(x).view(c, n_kv, head_dim)
+                if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm of q and k before RoPE
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = q.transpose(0, 1), k.transpose(0, 1)
                 v = attn.v_proj(x).view(c, n_kv, head_dim).transpose(0, 1)
                 out = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, scaling)
                 out = out.to(hidden.dtype).transpose(0, 1).reshape(c, n_heads * head_dim)

@@ -201,4 +201,30 @@ def test_terminal_session_shows_prompt_panel_and_answer(home):
     turns = json.loads(next((home / "chats").glob("*.json")).read_text())["turns"]
     answer = turns[1]["content"].strip()
     assert answer and answer in ANSI.sub("", log.getvalue()).replace("\r", "")
-    assert (home / "chat_history").read_text().count("Say hello to me.") == 1
+    assert (home / "chats" / "history").read_text().count("Say hello to me.") == 1
+
+
+def test_transcripts_and_input_history_are_private(loaded, home):
+    """Issue 9.14: under the usual umask 022 these were 0644 in 0755 folders."""
+    from h2o_cli.cli.chat_repl import TerminalReader, history_path
+
+    (home / "chat_history").write_text("an old line\n")  # the history's former place, 0644
+    previous = os.umask(0o022)
+    try:
+        result = CliRunner().invoke(
+            app,
+            ["chat", "-i", "--budget", "32", "-n", "2", "--threads", "1"],
+            input=f"Hello\n/save {home / 'mine.md'}\n/save {home / 'new' / 'mine.json'}\n/exit\n",
+        )
+        assert result.exit_code == 0, result.output
+        history = history_path(home)
+        TerminalReader(history)
+    finally:
+        os.umask(previous)
+    mode = lambda path: path.stat().st_mode & 0o777  # noqa: E731
+    transcript = next((home / "chats").glob("chat-*.json"))
+    assert mode(home / "chats") == 0o700 and mode(transcript) == 0o600
+    assert mode(home / "mine.md") == 0o600 and mode(home / "new" / "mine.json") == 0o600
+    assert mode(home / "new") == 0o700  # a folder /save had to create
+    assert history.parent == home / "chats" and mode(history) == 0o600
+    assert history.read_text() == "an old line\n" and not (home / "chat_history").exists()

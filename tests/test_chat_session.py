@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 
 from h2o_cli.chat import ChatSession, take_snapshot
 from h2o_cli.config import CacheSettings
@@ -137,3 +138,59 @@ def test_save_markdown_and_json(smollm, tmp_path):
     data = json.loads(session.save(tmp_path / "t.json").read_text())
     assert [turn["role"] for turn in data["turns"]] == ["user", "assistant"]
     assert data["turns"][1]["start"] == data["turns"][0]["end"]
+
+
+def test_chat_keeps_few_spare_slots_and_reads_long_turns_in_fixed_buffers(smollm):
+    """Issue 9.4: at budget 32 the chat held 256 spare slots beside the budget (the panel read "cache 13.4 MiB
+    vs full KV 3.6 MiB"). `h2o chat` now keeps 16; a turn longer than that is split inside the cache."""
+    from h2o_cli.cli.chat import CHAT_CHUNK
+
+    model, tokenizer = smollm
+    session = ChatSession(model, tokenizer, CacheSettings(budget=32, chunk=CHAT_CHUNK), Sampling(4))
+    pointers = [store.keys.data_ptr() for store in session.cache.stores]
+    session.ask(WORDS * 3)  # ~130 tokens in one turn
+    assert session.cache.tokens_seen > 100 and session.cache.length == 32
+    assert (
+        session.cache.stores[0].slots == 48 and [s.keys.data_ptr() for s in session.cache.stores] == pointers
+    )
+
+
+@pytest.fixture
+def tiny_chat(smollm):
+    """A random-weight Llama with a 64-token window that speaks the embedded model's tokenizer."""
+    from conftest import tiny_config
+    from transformers import LlamaForCausalLM
+
+    _, tokenizer = smollm
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(vocab_size=len(tokenizer), max_position_embeddings=64)).eval()
+    return model, tokenizer
+
+
+def test_failed_policy_change_keeps_the_conversation(tiny_chat, home_dir):
+    """Issue 9.6: `/policy full` on a chat longer than the window replaced the cache and settings before the
+    re-read failed, wiping the conversation. Now the new cache is built aside and the chat goes on."""
+    from h2o_cli.cli.chat_repl import ChatLoop, LineReader
+    from h2o_cli.errors import ContextOverflowError
+
+    model, tokenizer = tiny_chat
+    session = ChatSession(model, tokenizer, CacheSettings(budget=16, chunk=8), Sampling(4))
+    session.ask(WORDS)  # ~45 tokens of text plus the template: past the 64-token window
+    assert session.cache.tokens_seen > 64
+    cache, settings, ids = session.cache, session.settings, list(session.ids)
+    state = [store.token_index.clone() for store in cache.stores]
+    loop = ChatLoop(session, False, "tiny", reader=LineReader())
+    with pytest.raises(ContextOverflowError, match="/policy full failed: .*context window.*unchanged"):
+        loop.command("/policy full")
+    assert session.cache is cache and session.settings == settings and list(session.ids) == ids
+    assert all(torch.equal(a, s.token_index) for a, s in zip(state, cache.stores, strict=True))
+    session.ask("Go on.")  # the conversation continues on the old cache
+    assert session.cache is cache and session.cache.tokens_seen > len(ids)
+    loop.command("/budget 24")  # a change that fits still works
+    assert session.settings.budget == 24 and session.cache.tokens_seen == len(session.ids)
+
+
+@pytest.fixture
+def home_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("H2O_HOME", str(tmp_path))
+    return tmp_path

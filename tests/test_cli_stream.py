@@ -159,3 +159,83 @@ def test_broken_pipe_ends_quietly():
     result = subprocess.run(["bash", "-c", command], capture_output=True, timeout=300)
     assert result.stdout.decode().strip() == "0"
     assert b"Traceback" not in result.stderr and b"Broken pipe" not in result.stderr
+
+
+@pytest.fixture
+def loaded_stream(smollm, monkeypatch):
+    """`h2o stream` in-process gets the session's embedded model instead of loading it again."""
+    monkeypatch.setattr("h2o_cli.cli.stream.load", lambda *args, **kwargs: smollm)
+    return smollm
+
+
+def test_max_tokens_cuts_the_text_and_still_asks_the_question(loaded_stream, monkeypatch, capsys):
+    """Issue 9.2: the limit was applied after the question was appended, so the question was never read."""
+    from h2o_cli.prompting import user_frame
+
+    _, tokenizer = loaded_stream
+    question = "Who writes these letters?"
+    code, out, err = h2o_in_process(
+        monkeypatch, capsys, "stream", EXCERPT, "--prompt", question, "--max-tokens", "100",
+        "--max-new-tokens", "3", "--budget", "64", "--chunk", "32", "--json",
+    )  # fmt: skip
+    assert code in (0, None), err
+    before, after = user_frame(tokenizer)  # the chat template around one user message
+    framing = tokenizer(before, add_special_tokens=False)["input_ids"]
+    framing += tokenizer("\n\n" + question + after, add_special_tokens=False)["input_ids"]
+    assert json.loads(out)["tokens"] == 100 + len(framing)
+
+
+def test_read_then_answer_puts_the_question_after_the_cut_text(smollm):
+    from h2o_cli.prompting import read_then_answer, user_frame
+
+    _, tokenizer = smollm
+    text_ids = [[1000 + n for n in range(30)], [2000 + n for n in range(30)]]
+    ids = [
+        i for piece in read_then_answer(tokenizer, iter(text_ids), "Why?", max_text_tokens=40) for i in piece
+    ]
+    before, after = user_frame(tokenizer)
+    head = tokenizer(before, add_special_tokens=False)["input_ids"]
+    tail = tokenizer("\n\nWhy?" + after, add_special_tokens=False)["input_ids"]
+    assert ids == head + text_ids[0] + text_ids[1][:10] + tail
+
+
+def test_partial_read_before_an_answer_reports_what_it_read(loaded_stream, monkeypatch, capsys, tmp_path):
+    """Issue 9.10: prefill did not catch errors as the perplexity loop does; a bad byte mid-text lost the
+    report. Now: the tokens read, the error in the JSON, one red line, exit 1."""
+    broken = tmp_path / "broken.txt"
+    broken.write_bytes(open(EXCERPT, "rb").read() + b"\n\xff\xff more\n")
+    code, out, err = h2o_in_process(
+        monkeypatch,
+        capsys,
+        "stream",
+        str(broken),
+        "--prompt",
+        "Who?",
+        "--budget",
+        "64",
+        "--chunk",
+        "64",
+        "--json",
+    )
+    assert code == 1
+    report = json.loads(out)
+    assert report["tokens"] > 1000 and "not UTF-8" in report["error"] and report["answer"] is None
+    assert "not UTF-8" in err.strip().splitlines()[-1]
+
+
+def test_prefill_stops_on_ctrl_c_with_what_it_read(tiny_pair):
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.config import CacheSettings
+    from h2o_cli.streaming import prefill
+
+    _, model = tiny_pair
+
+    def pieces():
+        yield list(range(5, 25))
+        raise KeyboardInterrupt
+
+    cache = H2OCache(model, CacheSettings(budget=16, chunk=8))
+    logits, stats = prefill(model, cache, pieces(), 8)
+    assert stats.interrupted and stats.tokens == 16 and logits is not None
+    with pytest.raises(KeyboardInterrupt):
+        stats.reraise()

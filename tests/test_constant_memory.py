@@ -90,3 +90,36 @@ def test_embedded_model_streams_past_8192_in_fixed_buffers(smollm):
     assert stats.error is None and stats.tokens == 9000 > model.config.max_position_embeddings
     assert all(layout == before for layout in layouts)
     assert stats.ppl < 50
+
+
+@pytest.mark.parametrize("policy", ["h2o", "local", "sink", "tova"])
+def test_one_call_longer_than_the_spare_is_split_inside_the_cache(tiny_pair, policy):
+    """Issue 9.4: one 100-token call with 8 spare slots grew the buffers for good. Now the cache splits it
+    into sub-chunks that fit its free slots; SPEC allows any chunking, so the result must equal the naive
+    reference run with those chunks: 40 (32 budget + 8 spare, empty cache), then 8 at a time."""
+    from naive import naive_model_nll
+
+    _, model = tiny_pair
+    ids = torch.randint(0, 128, (100,), generator=torch.Generator().manual_seed(2)).tolist()
+    settings = CacheSettings(budget=32, policy=policy, chunk=8)
+    cache = H2OCache(model, settings)
+    before = buffer_layout(cache)
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0]
+    assert buffer_layout(cache) == before
+    assert cache.length == 32 and cache.tokens_seen == 100
+    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    got = [-float(logprobs[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+    want = naive_model_nll(model, ids, settings, sizes=[40] + [8] * 7 + [4])
+    assert got == pytest.approx(want, abs=2e-4)
+
+
+def test_generate_with_a_long_prompt_keeps_the_buffers(tiny_pair):
+    """README's example: `model.generate(..., past_key_values=H2OCache(...))` with a prompt longer than the
+    spare slots."""
+    _, model = tiny_pair
+    prompt = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(3))
+    cache = H2OCache(model, CacheSettings(budget=32, chunk=8))
+    before = buffer_layout(cache)
+    output = model.generate(prompt, cache=cache, max_new_tokens=6, do_sample=False)
+    assert output.shape[1] == 106 and buffer_layout(cache) == before and cache.length == 32

@@ -100,15 +100,17 @@ def test_reusing_the_prefilled_cache_across_choices_equals_a_fresh_prefill(tiny_
 
 @pytest.mark.data
 def test_needle_prompt_uses_the_chat_template_and_hits_the_length(smollm):
-    from h2o_cli.eval.long_tasks import NEEDLE, chat_frame, needle_examples
+    from h2o_cli.eval.long_tasks import NEEDLE, NEEDLE_QUESTION, needle_examples
+    from h2o_cli.prompting import user_frame
 
     _, tokenizer = smollm
-    before, after = chat_frame(tokenizer)
+    before, after = user_frame(tokenizer)
     assert before.startswith("<|im_start|>") and after.endswith("assistant\n")
-    grid = list(needle_examples(tokenizer, lengths=(500,), depths=(0, 50, 100), frame=(before, after)))
+    grid = list(needle_examples(tokenizer, lengths=(500,), depths=(0, 50, 100)))
     assert [example.cell for example in grid] == ["500x0%", "500x50%", "500x100%"]
     for example in grid:
         assert example.prompt.startswith(before) and example.prompt.endswith(after)
+        assert NEEDLE_QUESTION in example.prompt[-len(after) - 100 :]  # the question, in the user message
         assert abs(len(tokenizer(example.prompt)["input_ids"]) - 500) <= 8
     positions = [example.prompt.index(NEEDLE) / len(example.prompt) for example in grid]
     assert positions[0] < 0.2 < positions[1] < 0.8 < positions[2]

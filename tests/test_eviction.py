@@ -97,3 +97,79 @@ def test_ties_go_to_the_oldest():
     token_index = torch.tensor([[10, 7, 3, 1, 5]])
     assert select_evictions(priority, token_index, 1).tolist() == [[2]]
     assert select_evictions(priority, token_index, 3).tolist() == [[2, 4, 1]]
+
+
+def test_one_eviction_never_picks_an_empty_slot_when_every_priority_is_never():
+    """Issue 9.5: with every valid priority inf, the fast path picked the empty slot (token_index -1)."""
+    from dataclasses import dataclass
+
+    from h2o_cli.policies import select_evictions
+    from h2o_cli.policies.base import NEVER
+
+    priority = torch.full((2, 4), NEVER)
+    token_index = torch.tensor([[5, 6, -1, 7], [-1, 9, 8, 10]])
+    assert select_evictions(priority, token_index, 1).tolist() == [[0], [2]]
+    assert (
+        select_evictions(priority, token_index, 1).tolist()
+        == select_evictions(priority, token_index, 2)[:, :1].tolist()
+    )
+
+    @dataclass(frozen=True)
+    class ProtectEverything:  # a policy whose every entry is never-evict, but which must still evict
+        evicts: bool = True
+
+        def priority(self, state):
+            return torch.full_like(state.scores, NEVER)
+
+    store = LayerStore(1, 4, budget=2, chunk=2, dtype=torch.float32, device=torch.device("cpu"))
+    store.write(torch.zeros(1, 3, 4), torch.zeros(1, 3, 4))  # slot 3 stays empty
+    store.evict(ProtectEverything())
+    assert store.length == 2 and int(store.valid.sum()) == 2
+    assert sorted(store.token_index[0][store.valid[0]].tolist()) == [1, 2]
+
+
+@pytest.mark.parametrize("overrides", SETTINGS, ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_calls_longer_than_the_spare_equal_the_naive_reference_in_sub_chunks(overrides):
+    """Issue 9.4: with 3 spare slots, calls of up to 9 tokens are split by the layer into sub-chunks that fit
+    its free slots (budget + spare - held), and equal the naive reference fed those sub-chunks; the buffers
+    never move or grow."""
+    torch.manual_seed(1)
+    settings = CacheSettings(budget=8, chunk=3, **overrides)
+    layer, inv_freq = make_layer(settings)
+    store = layer.store
+    layout = [(getattr(store, name).data_ptr(), getattr(store, name).shape) for name in store._state_names()]
+    heads = [NaiveHeadState() for _ in range(N_KV)]
+    start = 0
+    for c in [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6, 9]:
+        q = torch.randn(N_HEADS, c, HEAD_DIM, dtype=torch.float64) * 2
+        k = torch.randn(N_KV, c, HEAD_DIM, dtype=torch.float64) * 2
+        v = torch.randn(N_KV, c, HEAD_DIM, dtype=torch.float64)
+        positions = torch.arange(start, start + c)
+        layer.update(
+            model_rotation(k, positions, layer)[None], v[None], kwargs={"position_ids": positions[None]}
+        )
+        got = layer.attend(model_rotation(q, positions, layer)[None], HEAD_DIM**-0.5)[0].transpose(0, 1)
+        wants, done = [], 0
+        while done < c:
+            size = min(c - done, store.slots - len(heads[0].alive_indices()))
+            part = slice(done, done + size)
+            wants.append(
+                naive_attend_chunk(
+                    heads,
+                    q[:, part],
+                    k[:, part],
+                    v[:, part],
+                    start + done,
+                    settings,
+                    inv_freq,
+                    HEAD_DIM**-0.5,
+                )
+            )
+            done += size
+        torch.testing.assert_close(got, torch.cat(wants, dim=1), rtol=1e-5, atol=1e-5)
+        start += c
+        for j, head in enumerate(heads):
+            assert sorted(store.token_index[j][store.valid[j]].tolist()) == head.alive_indices()
+    assert [
+        (getattr(store, name).data_ptr(), getattr(store, name).shape) for name in store._state_names()
+    ] == layout

@@ -201,3 +201,34 @@ def test_cache_on_kernels_matches_reference_path(tiny_pair, monkeypatch, policy)
     for (tokens, scores), (ref_tokens, ref_scores) in zip(kernel_state, reference_state, strict=True):
         assert torch.equal(torch.sort(tokens, dim=1).values, torch.sort(ref_tokens, dim=1).values)
         torch.testing.assert_close(scores, ref_scores, rtol=1e-4, atol=1e-5)
+
+
+def test_cache_on_kernels_splits_a_long_call_like_the_reference_path(tiny_pair, monkeypatch):
+    """A 30-token call with 8 spare slots (budget 16) is split in the cache into sub-chunks (24, then 6):
+    the fused Triton path gets consistent inputs for each and equals the torch path."""
+    from h2o_kernels import dispatch
+
+    import h2o_cli.cache as cache_module
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.config import CacheSettings
+
+    _, model = tiny_pair
+    ids = torch.randint(0, model.config.vocab_size, (1, 34), generator=torch.Generator().manual_seed(1))
+
+    def run() -> tuple[torch.Tensor, list]:
+        cache = H2OCache(model, CacheSettings(budget=16, chunk=8))
+        slots = [store.keys.data_ptr() for store in cache.stores]
+        with torch.inference_mode():
+            logits = [model(input_ids=ids[:, :30], cache=cache, use_cache=True).logits[0]]
+            for step in range(30, 34):
+                logits.append(model(input_ids=ids[:, step : step + 1], cache=cache, use_cache=True).logits[0])
+        assert [store.keys.data_ptr() for store in cache.stores] == slots and cache.length == 16
+        return torch.cat(logits), [s.token_index.clone() for s in cache.stores]
+
+    reference_logits, reference_tokens = run()
+    monkeypatch.setattr(cache_module, "use_triton", lambda device: True)
+    monkeypatch.setattr(dispatch, "use_triton", lambda device: True)
+    kernel_logits, kernel_tokens = run()
+    torch.testing.assert_close(kernel_logits, reference_logits, rtol=1e-4, atol=1e-4)
+    for tokens, ref_tokens in zip(kernel_tokens, reference_tokens, strict=True):
+        assert torch.equal(torch.sort(tokens, dim=1).values, torch.sort(ref_tokens, dim=1).values)

@@ -20,7 +20,12 @@ from h2o_cli.chat.framing import answer_suffix, stop_ids, turn_text
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import InputError
 from h2o_cli.generation import Sampling, TextStreamer, generate_ids
+from h2o_cli.private import write_private
 from h2o_cli.streaming import prefill
+
+# Tokens per forward call when feeding a turn. The cache attends them `settings.chunk` at a time (its spare
+# slots), so a chat can keep few spare slots and still read a long message in few forward calls.
+FEED_CALL_TOKENS = 256
 
 
 @dataclass
@@ -82,9 +87,11 @@ class ChatSession:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _feed(self, ids: list[int]) -> torch.Tensor | None:
-        """Run ids through the cache in chunks; returns the logits after the last one."""
-        logits, _ = prefill(self.model, self.cache, [ids], self.settings.chunk)
-        self.ids.extend(ids)
+        """Run ids through the cache in chunks; returns the logits after the last one. A read cut short
+        (Ctrl-C, context overflow) raises: a turn is fed whole or the caller hears why."""
+        logits, stats = prefill(self.model, self.cache, [ids], FEED_CALL_TOKENS)
+        self.ids.extend(ids[: stats.tokens])
+        stats.reraise()
         return logits
 
     def send(self, user_text: str) -> Iterator[str]:
@@ -147,14 +154,16 @@ class ChatSession:
     def rebuild(self, settings: CacheSettings) -> None:
         """Switch cache settings (budget, policy): a new cache re-reads every token of the conversation.
 
-        The re-read costs one prefill of the whole transcript; token indices stay the same.
+        The re-read costs one prefill of the whole transcript; token indices stay the same. The new cache is
+        built aside and swapped in only when the whole conversation fits it: if the re-read fails (e.g.
+        `full` on a conversation longer than the context window) or is interrupted, the error is raised and
+        the session goes on unchanged.
         """
-        ids = list(self.ids)
-        self.settings = settings
-        self.cache = H2OCache(self.model, settings)
-        self.ids = array("l")
-        if ids:
-            self._feed(ids)
+        cache = H2OCache(self.model, settings)
+        if self.ids:
+            _, stats = prefill(self.model, cache, [list(self.ids)], FEED_CALL_TOKENS)
+            stats.reraise()
+        self.settings, self.cache = settings, cache
 
     def set_budget(self, budget: int) -> None:
         self.rebuild(replace(self.settings, budget=budget))
@@ -196,15 +205,12 @@ class ChatSession:
         return [asdict(turn) for turn in self.turns]
 
     def save(self, path: str | Path) -> Path:
-        """Write the transcript: JSON for a .json path, Markdown otherwise."""
+        """Write the transcript: JSON for a .json path, Markdown otherwise; mode 0600 (it is private text)."""
         path = Path(path).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
         if path.suffix.lower() == ".json":
             data = {"system": self.system, "settings": asdict(self.settings), "turns": self.transcript()}
-            path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        else:
-            path.write_text(to_markdown(self.system, self.turns), encoding="utf-8")
-        return path
+            return write_private(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        return write_private(path, to_markdown(self.system, self.turns))
 
 
 def to_markdown(system: str | None, turns: list[Turn]) -> str:

@@ -75,6 +75,13 @@ class CacheSnapshot:
         recent = torch.bincount(flat, weights=(valid & ~self.heavy).flatten().float(), minlength=size)
         return heavy.view(layers, heads, width).long(), recent.view(layers, heads, width).long()
 
+    def holds_tokens(self, width: int) -> list[bool]:
+        """Which of `width` timeline cells cover at least one token index (fewer tokens than cells leave gaps)."""
+        if self.tokens_seen >= width:
+            return [True] * width
+        cells = torch.arange(self.tokens_seen) * width // max(self.tokens_seen, 1)
+        return (torch.bincount(cells, minlength=width) > 0).tolist()
+
     def top_heavy(self, count: int = 8) -> list[tuple[int, int]]:
         """(token index, number of layer x KV heads keeping it as a heavy hitter), most kept first."""
         index = self.token_index[self.heavy & (self.token_index >= 0)]

@@ -8,7 +8,7 @@ import sys
 import typer
 
 from h2o_cli import __version__
-from h2o_cli.cli import bench, chat, compare, memory, models_cmd, plot, stream
+from h2o_cli.cli import bench, chat, compare, lm_eval_cmd, memory, models_cmd, plot, stream
 from h2o_cli.cli import eval as eval_cmd
 from h2o_cli.errors import H2OError
 
@@ -28,6 +28,11 @@ app.command("eval", no_args_is_help=True)(eval_cmd.eval)
 app.command("compare", no_args_is_help=True)(compare.compare)
 app.command("plot", no_args_is_help=True)(plot.plot)
 app.command("bench")(bench.bench)
+app.command(
+    "lm-eval",
+    no_args_is_help=True,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)(lm_eval_cmd.lm_eval)
 
 
 def _version(value: bool) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -14,6 +15,7 @@ from h2o_cli.cli.common import stderr
 from h2o_cli.cli.panel import LivePanel, PanelView, render_panel
 from h2o_cli.errors import H2OError, UsageError
 from h2o_cli.models import h2o_home
+from h2o_cli.private import private_file, private_folder
 
 HELP = """\
 [bold]Commands[/]
@@ -28,6 +30,16 @@ HELP = """\
   /exit              leave (Ctrl-D too)
 Multi-line input: Esc then Enter for a new line, or start and end a block with \"\"\".
 Ctrl-C stops the current answer; the transcript is saved on exit."""
+
+
+def history_path(home: Path) -> Path:
+    """The input history, beside the transcripts in the private `chats` folder. A history left at the old
+    place (`$H2O_HOME/chat_history`, 0644) is moved in."""
+    path = private_folder(home / "chats") / "history"
+    old = home / "chat_history"
+    if old.is_file() and not path.exists():
+        os.replace(old, path)
+    return path
 
 
 class LineReader:
@@ -54,7 +66,8 @@ class TerminalReader:
         def _newline(event) -> None:
             event.current_buffer.insert_text("\n")
 
-        history_file.parent.mkdir(parents=True, exist_ok=True)
+        private_folder(history_file.parent)
+        private_file(history_file)  # prompt-toolkit appends to it under the umask otherwise
         self.session = PromptSession(history=FileHistory(str(history_file)), key_bindings=bindings)
 
     def read(self, prompt: str) -> str:
@@ -71,7 +84,7 @@ class ChatLoop:
         self.model_name = model_name
         home = h2o_home()
         terminal = sys.stdin.isatty()
-        self.reader = reader or (TerminalReader(home / "chat_history") if terminal else LineReader())
+        self.reader = reader or (TerminalReader(history_path(home)) if terminal else LineReader())
         self.transcript_path = home / "chats" / time.strftime("chat-%Y%m%d-%H%M%S.json")
         self.running = True
 
@@ -178,8 +191,7 @@ class ChatLoop:
         if not argument:
             raise UsageError("/budget needs a value, e.g. /budget 256 or /budget 0.05")
         tokens = parse_budget(argument, context_window(self.session.model))
-        with stderr.status("re-reading the conversation …") if sys.stderr.isatty() else _nothing():
-            self.session.set_budget(tokens)
+        self._rebuild(f"/budget {argument}", self.session.set_budget, tokens)
         stderr.print(f"budget {tokens} tokens per KV head; {self.session.cache.tokens_seen:,} tokens re-read")
 
     def _policy(self, argument: str) -> None:
@@ -187,9 +199,20 @@ class ChatLoop:
 
         if argument not in POLICIES:
             raise UsageError(f"/policy needs one of {', '.join(POLICIES)}")
-        with stderr.status("re-reading the conversation …") if sys.stderr.isatty() else _nothing():
-            self.session.set_policy(argument)
+        self._rebuild(f"/policy {argument}", self.session.set_policy, argument)
         stderr.print(f"policy {argument}; {self.session.cache.tokens_seen:,} tokens re-read")
+
+    def _rebuild(self, command: str, change, value) -> None:
+        """Re-read the conversation into a new cache; on failure or Ctrl-C the chat goes on as it was."""
+        settings = self.session.settings
+        unchanged = f"the chat goes on unchanged ({settings.policy}, budget {settings.budget})"
+        try:
+            with stderr.status("re-reading the conversation …") if sys.stderr.isatty() else _nothing():
+                change(value)
+        except KeyboardInterrupt:
+            raise H2OError(f"{command} interrupted; {unchanged}") from None
+        except H2OError as error:
+            raise type(error)(f"{command} failed: {error}; {unchanged}") from error
 
     def _reset(self, argument: str) -> None:
         self._save_transcript()
@@ -246,6 +269,7 @@ class ChatLoop:
     def _save_transcript(self, final: bool = False) -> None:
         if not self.session.turns:
             return
+        private_folder(self.transcript_path.parent)
         path = self.session.save(self.transcript_path)
         if final:
             stderr.print(f"transcript saved to {escape(str(path))}")

@@ -31,11 +31,16 @@ class PanelView:
     layer: int | None = None
 
 
-def strip_text(cells: list[tuple[int, int]], tokens_per_cell: float) -> Text:
-    """One KV head's timeline: green ▒ = recent window, yellow/red blocks = heavy hitters (taller = more)."""
+def strip_text(
+    cells: list[tuple[int, int]], tokens_per_cell: float, holds_tokens: list[bool] | None = None
+) -> Text:
+    """One KV head's timeline: green ▒ = recent window, yellow/red blocks = heavy hitters (taller = more),
+    dim · = evicted, blank = a cell that covers no token (a conversation shorter than the strip)."""
     text = Text()
-    for heavy, recent in cells:
-        if recent:
+    for number, (heavy, recent) in enumerate(cells):
+        if holds_tokens is not None and not holds_tokens[number]:
+            text.append(" ")
+        elif recent:
             text.append("▒", style="green")
         elif heavy:
             share = min(heavy / max(tokens_per_cell, 1.0), 1.0)
@@ -90,6 +95,7 @@ def render_panel(
         step = max(1, -(-snapshot.n_layers // room))
         layers = list(range(0, snapshot.n_layers, step))
     heavy_cells, recent_cells = snapshot.strips(strip_width)
+    holds_tokens = snapshot.holds_tokens(strip_width)
     heavy_kept = heavy_cells.sum(-1).tolist()
     all_kept = (heavy_cells + recent_cells).sum(-1).tolist()
     for layer in layers:
@@ -98,7 +104,7 @@ def render_panel(
                 zip(heavy_cells[layer, head].tolist(), recent_cells[layer, head].tolist(), strict=True)
             )
             row = Text(f"L{layer:<2} h{head:<3}"[:LABEL_WIDTH].ljust(LABEL_WIDTH), style="bold")
-            row += strip_text(cells, tokens_per_cell)
+            row += strip_text(cells, tokens_per_cell, holds_tokens)
             kept, n_heavy = all_kept[layer][head], heavy_kept[layer][head]
             row += Text(f" {kept:>4}/{snapshot.budget:<4} {n_heavy:>4}h {size(snapshot.bytes_per_head):>9}")
             lines.append(row)
@@ -123,7 +129,14 @@ def render_panel(
             words = "  ".join(f"{_shown(decode(index))} {kept}/{total}" for index, kept in top)
             lines.append(Text.assemble(("most kept: ", "bold"), words))
     legend = Text.assemble(
-        ("▒", "green"), " recent  ", ("▅", "yellow"), " heavy hitters  ", ("u a", "cyan"), " turn starts"
+        ("▒", "green"),
+        " recent  ",
+        ("▅", "yellow"),
+        " heavy hitters  ",
+        ("·", "dim"),
+        " evicted  ",
+        ("u a", "cyan"),
+        " turn starts",
     )
     lines.append(legend)
     return Group(*[line[:width] if len(line) > width else line for line in lines[:height]])

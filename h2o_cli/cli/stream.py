@@ -47,7 +47,12 @@ def stream(
     source: Annotated[str, typer.Argument(metavar="FILE", help="Text file to read, or - for stdin.")],
     ppl: Annotated[bool, typer.Option("--ppl", help="Report the perplexity of the text.")] = False,
     max_tokens: Annotated[
-        int | None, typer.Option("--max-tokens", min=1, help="Read only the first N tokens.")
+        int | None,
+        typer.Option(
+            "--max-tokens",
+            min=1,
+            help="Read only the first N tokens of the text (a --prompt is asked after them).",
+        ),
     ] = None,
     prompt: Annotated[
         str | None, typer.Option("--prompt", help="Question to answer after reading the text.")
@@ -165,23 +170,31 @@ def _run_generate(
     import time
 
     from h2o_cli.generation import TextStreamer, generate_ids
-    from h2o_cli.prompting import user_frame
+    from h2o_cli.prompting import read_then_answer
     from h2o_cli.runtime import cache_summary, peak_rss_bytes
     from h2o_cli.streaming import prefill
 
     with _progress(total_bytes) as progress:
         task = progress.add_task("read", total=total_bytes, status="")
         pieces = _pieces(tokenizer, _tracked(progress, task, source_file, total_bytes), source)
-        if prompt is not None:
-            before, after = user_frame(tokenizer)
-            head = tokenizer(before, add_special_tokens=False)["input_ids"]
-            tail = tokenizer("\n\n" + prompt + after, add_special_tokens=False)["input_ids"]
-            pieces = _framed(head, pieces, tail)
+        if prompt is not None:  # --max-tokens cuts the text; the question is always asked after it
+            pieces, max_tokens = read_then_answer(tokenizer, pieces, prompt, max_tokens), None
 
         def update(stats) -> None:
             progress.update(task, status=f"{stats.tokens:,} tok  {stats.tokens_per_s:,.0f} tok/s")
 
         logits, stats = prefill(lm, cache, pieces, chunk, max_tokens, update)
+    if stats.interrupted or stats.error:  # a partial read: report it, answer nothing
+        stderr.print(
+            f"read {stats.tokens:,} tokens before {'Ctrl-C' if stats.interrupted else 'an error'}; no answer"
+        )
+        report = {
+            "answer": None,
+            "tokens": stats.tokens,
+            "interrupted": stats.interrupted,
+            **cache_summary(cache),
+        }
+        return report | ({"error": stats.error} if stats.error else {})
     if logits is None:
         raise InputError(f"{source} is empty; give a text to read")
     streamer = TextStreamer(tokenizer)
@@ -208,13 +221,6 @@ def _run_generate(
         "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
         "peak_rss_bytes": peak_rss_bytes(),
     }
-
-
-def _framed(head: list[int], pieces, tail: list[int]):
-    if head:
-        yield head
-    yield from pieces
-    yield tail
 
 
 stream.__doc__ = (stream.__doc__ or "") + EXAMPLES

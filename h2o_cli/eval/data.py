@@ -16,7 +16,7 @@ import re
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-from h2o_cli.errors import H2OError
+from h2o_cli.errors import H2OError, InputError, UsageError
 
 DATA_ENV = "H2O_DATA"
 NO_DATA = f"pass --data-dir DIR or set ${DATA_ENV} to the folder that holds the task files"
@@ -139,3 +139,49 @@ def load_essays(path=None) -> str:
     if not files:
         raise H2OError(f"no essays (*.txt) in {folder}; point --data at the PaulGrahamEssays folder")
     return "\n".join(file.read_text(encoding="utf-8") for file in files)
+
+
+# Each built-in task's loader and the fields its prompts read (lm-eval's names), for checking a `--data` file.
+LOADERS = {
+    "copa": (load_copa, ("premise", "choice1", "choice2", "question", "label")),
+    "piqa": (load_piqa, ("goal", "sol1", "sol2", "label")),
+    "openbookqa": (load_openbookqa, ("query", "choices", "gold")),
+    "winogrande": (load_winogrande, ("context_options", "continuation", "gold")),
+    "rte": (load_rte, ("sentence1", "sentence2", "label")),
+    "mathqa": (load_mathqa, ("Problem", "choices", "correct")),
+    "xsum": (load_xsum, ("article", "summary_gt")),
+    "hotpotqa": (load_hotpotqa, ("question", "answer", "context")),
+    "kv-retrieval": (load_kv_retrieval, ("ordered_kv_records", "key", "value")),
+    "needle": (load_essays, ()),
+}
+
+
+def check_data(task: str, path: str) -> None:
+    """Load `--data` for `task` once and raise a one-line `InputError` unless it is that task's format."""
+    if task not in LOADERS:
+        raise UsageError(f"--data works with the built-in tasks ({', '.join(LOADERS)}), not {task!r}")
+    loader, fields = LOADERS[task]
+    if not Path(path).exists():
+        raise InputError(f"--data {path} does not exist")
+    try:
+        loaded = loader(path)
+        rows = [row for split in loaded.values() for row in split] if isinstance(loaded, dict) else loaded
+        missing = [name for name in fields for row in rows[:1] if name not in row]
+    except H2OError:
+        raise
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+        IndexError,
+        AttributeError,
+        SyntaxError,
+        csv.Error,
+    ) as error:
+        detail = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+        raise InputError(f"--data {path} is not a {task} file in the expected format ({detail})") from None
+    if not rows:
+        raise InputError(f"--data {path} holds no {task} examples")
+    if missing:
+        raise InputError(f"--data {path} is not a {task} file: its records lack {', '.join(missing)}")

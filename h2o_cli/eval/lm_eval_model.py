@@ -1,7 +1,11 @@
-"""`lm_eval --model h2o`: an lm-evaluation-harness model that scores through the H2O cache.
+"""`--model h2o`: an lm-evaluation-harness model that scores through the H2O cache.
 
-    lm_eval --model h2o --model_args model=smollm2-135m,budget=0.2,policy=h2o \
-        --tasks h2o_copa --include_path h2o_cli/eval/tasks
+From the command line, through `h2o lm-eval` (lm-eval's own CLI with this module imported first; lm-eval
+0.4.13 does not load models from an entry-point group, so plain `lm_eval --model h2o` cannot find it):
+
+    h2o lm-eval --model h2o --model_args model=smollm2-135m,budget=0.2,policy=h2o --tasks h2o_copa
+
+From Python: `import h2o_cli.eval.lm_eval_model`, then `lm_eval.simple_evaluate(model="h2o", ...)`.
 
 Requests run one at a time (the cache holds one sequence). Requests sharing a context are prefilled once.
 Every request's budget (in tokens) is recorded in `budget_tokens` for reporting.

@@ -4,8 +4,9 @@
 - `kv-retrieval`: lost-in-the-middle JSON key-value retrieval (75 keys), gold pair moved to the middle.
 - `needle`: the Paul Graham needle-in-a-haystack over a length x depth grid.
 Each example is `LongExample(prompt, answers, cell)`; `cell` names its grid point (needle) or "".
-With a tokenizer that has a chat template (an instruct model) the whole prompt is sent as one user message
-in that template (`h2o_cli.prompting.user_frame`), as lost-in-the-middle did for its chat models.
+Each prompt is a document and a question about it, framed by `h2o_cli.prompting.document_frame` (the read-then-
+answer framing `h2o stream --prompt` uses too): with a chat template (an instruct model) they are one user message
+in that template, as lost-in-the-middle did for its chat models.
 """
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from h2o_cli.eval import data
-from h2o_cli.prompting import user_frame
+from h2o_cli.prompting import document_frame
 
-QA_PROMPT = (
+# Each prompt is a document, then "\n\n" and a question (`document_frame`): lost-in-the-middle's prompts.
+QA_DOCUMENT = (
     "Write a high-quality answer for the given question using only the provided search results "
-    "(some of which might be irrelevant).\n\n{search_results}\n\nQuestion: {question}\nAnswer:"
+    "(some of which might be irrelevant).\n\n{search_results}"
 )
-KV_PROMPT = (
-    "Extract the value corresponding to the specified key in the JSON object below.\n\n"
-    'JSON data:\n{records}\n\nKey: "{key}"\nCorresponding value:'
+QA_QUESTION = "Question: {question}\nAnswer:"
+KV_DOCUMENT = (
+    "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n{records}"
 )
+KV_QUESTION = 'Key: "{key}"\nCorresponding value:'
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 NEEDLE_QUESTION = "What is the best thing to do in San Francisco?"
 NEEDLE_ANSWERS = ("eat a sandwich", "dolores park")
@@ -39,33 +42,33 @@ class LongExample:
     cell: str = ""
 
 
-def hotpotqa_examples(path=None) -> Iterator[LongExample]:
+def hotpotqa_examples(tokenizer, path=None) -> Iterator[LongExample]:
     for item in data.load_hotpotqa(path):
         documents = "\n".join(
             f"Document [{number}](Title: {title}) {''.join(sentences).strip()}"
             for number, (title, sentences) in enumerate(item["context"], start=1)
         )
-        yield LongExample(
-            QA_PROMPT.format(search_results=documents, question=item["question"]), (item["answer"],)
-        )
+        before, after = document_frame(tokenizer, QA_QUESTION.format(question=item["question"]))
+        yield LongExample(before + QA_DOCUMENT.format(search_results=documents) + after, (item["answer"],))
 
 
-def kv_examples(path=None) -> Iterator[LongExample]:
+def kv_examples(tokenizer, path=None) -> Iterator[LongExample]:
     for item in data.load_kv_retrieval(path):
         records = [pair for pair in item["ordered_kv_records"] if pair[0] != item["key"]]
         records.insert(len(records) // 2, [item["key"], item["value"]])
         body = "{" + ",\n ".join(f"{json.dumps(key)}: {json.dumps(value)}" for key, value in records) + "}"
-        yield LongExample(KV_PROMPT.format(records=body, key=item["key"]), (item["value"],))
+        before, after = document_frame(tokenizer, KV_QUESTION.format(key=item["key"]))
+        yield LongExample(before + KV_DOCUMENT.format(records=body) + after, (item["value"],))
 
 
 def needle_examples(
-    tokenizer, lengths=(1000, 2000, 4000), depths=(0, 25, 50, 75, 100), path=None, frame=("", "")
+    tokenizer, lengths=(1000, 2000, 4000), depths=(0, 25, 50, 75, 100), path=None
 ) -> Iterator[LongExample]:
     """Haystack cut so the prompt is `length` tokens, needle inserted at `depth` % (at a sentence end, as
-    Kamradt's tester). `frame` is the (before, after) text put around the prompt (a chat template)."""
+    Kamradt's tester), then the question (`document_frame`)."""
     haystack_ids = tokenizer(data.load_essays(path), add_special_tokens=False)["input_ids"]
-    question = f"\n\n{NEEDLE_QUESTION} Answer from the text above:"
-    overhead = len(tokenizer(frame[0] + NEEDLE + question + frame[1])["input_ids"])
+    before, after = document_frame(tokenizer, NEEDLE_QUESTION + " Answer from the text above:")
+    overhead = len(tokenizer(before + NEEDLE + after)["input_ids"])
     for length in lengths:
         context = tokenizer.decode(haystack_ids[: max(0, length - overhead)])
         for depth in depths:
@@ -73,18 +76,11 @@ def needle_examples(
             if 0 < cut < len(context):
                 period = context.rfind(".", 0, cut)
                 cut = period + 1 if period >= 0 else cut
-            prompt = frame[0] + context[:cut] + NEEDLE + context[cut:] + question + frame[1]
+            prompt = before + context[:cut] + NEEDLE + context[cut:] + after
             yield LongExample(prompt, NEEDLE_ANSWERS, f"{length}x{depth}%")
 
 
-def chat_frame(tokenizer) -> tuple[str, str]:
-    """The chat template around one user message, or no frame for a base model (no template)."""
-    return user_frame(tokenizer) if getattr(tokenizer, "chat_template", None) else ("", "")
-
-
 def examples(task: str, tokenizer, path=None) -> Iterator[LongExample]:
-    before, after = chat_frame(tokenizer)
     if task == "needle":
-        return needle_examples(tokenizer, path=path, frame=(before, after))
-    source = hotpotqa_examples(path) if task == "hotpotqa" else kv_examples(path)
-    return (LongExample(before + item.prompt + after, item.answers, item.cell) for item in source)
+        return needle_examples(tokenizer, path=path)
+    return hotpotqa_examples(tokenizer, path) if task == "hotpotqa" else kv_examples(tokenizer, path)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from statistics import mean
 
+from h2o_cli.eval.data import check_data
 from h2o_cli.eval.long_tasks import MAX_NEW_TOKENS, examples
 from h2o_cli.eval.scoring import (
     CachePool,
@@ -55,15 +56,18 @@ def run_harness(
     if os.path.isfile(name) and name.endswith((".yaml", ".yml")):
         include.append(str(Path(name).resolve().parent))
         name = Path(name).stem
-    task_spec: str | dict = name
+    # --data reaches the task's `custom_dataset` loader through lm-eval's metadata (passed to it as keyword
+    # arguments); a `dataset_kwargs` override in a task dict would make an inline task without the loader.
+    metadata = None
     if data:
-        task_spec = {"task": name, "dataset_kwargs": {"data_path": data}}
+        check_data(task, data)
+        metadata = {"data_path": str(data)}
     out = lm_eval.simple_evaluate(
         model=lm,
-        tasks=[task_spec],
+        tasks=[name],
         limit=limit,
         num_fewshot=shots,
-        task_manager=TaskManager(include_path=include),
+        task_manager=TaskManager(include_path=include, metadata=metadata),
         random_seed=seed,
         numpy_random_seed=seed,
         torch_random_seed=seed,
@@ -91,6 +95,8 @@ def run_long(
     on_example: Callable[[int], None] | None = None,
 ) -> list[dict]:
     """Greedy answers for a long-context task; rows per needle cell, one row otherwise."""
+    if data:
+        check_data(task, data)
     pool = CachePool(model, spec)
     cells: dict[str, dict[str, list]] = defaultdict(lambda: {"hit": [], "em": [], "budget": []})
     for number, example in enumerate(itertools.islice(examples(task, tokenizer, data), limit)):

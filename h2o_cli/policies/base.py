@@ -34,9 +34,12 @@ def select_evictions(priority: torch.Tensor, token_index: torch.Tensor, count: i
     priority, token_index: [n_kv_heads, slots]. Returns [n_kv_heads, count] slot indices.
     """
     if count == 1:
-        # Decode step: one min per head, then the oldest among equal minima. No sort.
-        lowest = priority.min(dim=1, keepdim=True).values
-        oldest = torch.where(priority == lowest, token_index, torch.iinfo(torch.int64).max)
+        # Decode step: one min per head, then the oldest among equal minima. No sort. Empty slots
+        # (token_index -1) never qualify, even when every valid priority is NEVER.
+        empty = token_index < 0
+        lowest = priority.masked_fill(empty, NEVER).min(dim=1, keepdim=True).values
+        candidates = (priority == lowest) & ~empty
+        oldest = torch.where(candidates, token_index, torch.iinfo(torch.int64).max)
         return oldest.argmin(dim=1, keepdim=True)
     # Lexicographic (priority, token_index): order by age, then a stable sort by priority keeps age order in ties.
     by_age = torch.argsort(torch.where(token_index < 0, torch.iinfo(torch.int64).max, token_index), dim=1)

@@ -1,0 +1,28 @@
+"""The RoPE tables the cache uses follow the positions' values, not the identity of a position tensor."""
+
+from __future__ import annotations
+
+import torch
+
+from h2o_cli.cache import H2OCache
+from h2o_cli.config import CacheSettings
+
+
+def test_position_tensor_rewritten_in_place_is_not_served_stale_rotations(tiny_pair):
+    """Issue 9.10: the RoPE memo was keyed on tensor identity; a caller reusing its position tensor in place
+    got the previous chunk's cos/sin for the first layer. Compare with fresh tensors for every call."""
+    reference, model = tiny_pair
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    settings = CacheSettings(budget=64, policy="full", positions="original", chunk=4)
+    fresh, reused = H2OCache(model, settings), H2OCache(model, settings)
+    positions = torch.arange(4).view(1, 4)
+    with torch.no_grad():
+        for start in range(0, 12, 4):
+            piece = ids[:, start : start + 4]
+            expected = model(input_ids=piece, cache=fresh, position_ids=torch.arange(start, start + 4)[None])
+            if start:
+                positions.add_(4)  # the same tensor object, rewritten in place
+            got = model(input_ids=piece, cache=reused, position_ids=positions)
+            plain = reference(input_ids=ids[:, : start + 4]).logits[:, start:]
+            torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=0)
+            torch.testing.assert_close(got.logits, plain, rtol=1e-4, atol=1e-4)
