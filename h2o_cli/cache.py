@@ -206,8 +206,7 @@ class H2OCache(Cache):
         self.max_positions = shape.context
         self.settings = settings = settings.resolved(shape.context)
         self.quant = getattr(model, "h2o_quant", "none")
-        span = min(span or shape.context, shape.context)
-        budget = make_policy(settings).kept_tokens(span)
+        budget = make_policy(settings).kept_tokens(min(span or shape.context, shape.context))
         check_rolling_window(settings, budget, span, shape.context)
         param = next(model.parameters())
         dtype = compute_dtype(model)
@@ -259,10 +258,11 @@ class H2OCache(Cache):
         return self.stores[0].length
 
 
-def check_rolling_window(settings: CacheSettings, budget: int, span: int, context: int) -> None:
-    """Rolling positions reach `budget + chunk - 1` (SPEC.md); refuse settings that would pass `context`."""
+def check_rolling_window(settings: CacheSettings, budget: int, span: int | None, context: int) -> None:
+    """Rolling positions reach `budget + chunk - 1` (SPEC.md), or `span - 1` for a cache never given more than
+    `span` tokens; refuse settings that would pass `context`."""
     rolling = make_policy(settings).positions_for(settings.positions) == "rolling"
-    if rolling and min(budget + settings.chunk, span) > context:
+    if rolling and min(budget + settings.chunk, span or budget + settings.chunk) > context:
         raise UsageError(
             f"--budget {budget} + --chunk {settings.chunk} = {budget + settings.chunk} positions pass the "
             f"model's context window ({context}); use --chunk {max(1, context - budget)} or less, "

@@ -150,3 +150,12 @@ def test_broken_pipe_ends_quietly():
     result = subprocess.run(["bash", "-c", command], capture_output=True, timeout=300)
     assert result.stdout.decode().strip() == "0"
     assert b"Traceback" not in result.stderr and b"Broken pipe" not in result.stderr
+
+
+def test_rolling_positions_past_the_context_window_are_refused(monkeypatch, capsys):
+    """--budget 8000 --chunk 512 on SmolLM2 (window 8192) would rotate keys at positions up to 8,511."""
+    args = ("stream", EXCERPT, "--ppl", "--budget", "8000", "--chunk", "512", "--threads", "1")
+    exit_code, out, err = h2o_in_process(monkeypatch, capsys, *args)
+    assert exit_code == 2 and out == ""
+    line = one_error_line(err)
+    assert "context window (8192)" in line and "--chunk 192 or less" in line and "--budget 7680" in line

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from h2o_cli.eval import data
 from h2o_cli.config import CacheSettings
+from h2o_cli.eval import data
 from h2o_cli.eval.scoring import contains_answer, exact_match, wilson_interval
 
 pytestmark = pytest.mark.skipif(not data.data_dir().is_dir(), reason="shared data folder not present")
@@ -86,7 +86,9 @@ def test_reusing_the_prefilled_cache_across_choices_equals_a_fresh_prefill(tiny_
     choices = [[7, 8, 9, 10, 11], [60], [5, 6, 61, 62, 63, 64, 65, 99, 100]]
     pool = CachePool(model, CacheSettings(budget=0.3, policy=policy, sinks=1))
     cache = pool.cache_for(len(context), 9)
-    assert cache.stores[0].budget == 7  # far below the context: eviction during prefill and every continuation
+    assert (
+        cache.stores[0].budget == 7
+    )  # far below the context: eviction during prefill and every continuation
     shared = continuation_scores(model, cache, context, choices, chunk=4)
     for choice, (score, greedy) in zip(choices, shared, strict=True):
         ((fresh, fresh_greedy),) = continuation_scores(
