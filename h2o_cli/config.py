@@ -9,6 +9,7 @@ positions, parameter checks) is decided in `h2o_cli/policies/`, never here.
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass, fields, replace
 
 from h2o_cli.errors import UsageError
@@ -95,15 +96,15 @@ class CacheSettings:
     def from_args(cls, **args) -> CacheSettings:
         """From string values (lm-eval's `--model_args budget=0.2,policy=h2o`); names that are not fields are
         left out."""
+        types = typing.get_type_hints(cls)
         values = {}
         for field in fields(cls):
             value = args.get(field.name)
             if value is None or str(value).lower() in ("", "none"):
                 continue
-            if field.name in ("heavy_ratio",):
-                value = float(value)
-            elif field.name in ("sinks", "chunk", "kv_bits"):
-                value = int(value)
+            kind = types[field.name]
+            if kind in (int, float, int | None):  # a union with str (budget) stays as given
+                value = (int if kind != float else float)(value)
             values[field.name] = value
         return cls(**values)
 

@@ -46,6 +46,8 @@ class Policy:
     budget: int
 
     def __post_init__(self) -> None:
+        if not isinstance(self.budget, int):
+            raise TypeError(f"a policy needs a budget in tokens, not {self.budget!r}: resolve it first")
         if self.budget < 2:
             raise UsageError(f"budget of {self.budget} tokens is too small; keep at least 2 tokens per head")
 
