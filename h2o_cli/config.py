@@ -104,7 +104,7 @@ class CacheSettings:
                 continue
             kind = types[field.name]
             if kind in (int, float, int | None):  # a union with str (budget) stays as given
-                value = (int if kind != float else float)(value)
+                value = float(value) if kind is float else int(value)
             values[field.name] = value
         return cls(**values)
 

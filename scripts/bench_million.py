@@ -73,9 +73,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--book", type=Path, default=DATA / "gutenberg_books" / "war_and_peace_pg2600.txt")
     parser.add_argument("--tokens", type=int, default=1_000_000)
@@ -84,9 +82,7 @@ def main() -> None:
     parser.add_argument("--policy", default="h2o")
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument(
-        "--log", type=Path, required=True, help="JSON lines, one per window, written as measured"
-    )
+    parser.add_argument("--log", type=Path, required=True, help="JSON lines, one per window, written as measured")
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
 
@@ -124,9 +120,7 @@ def main() -> None:
         rows.append(row)
         log.write(json.dumps(row) + "\n")
         log.flush()
-        window.update(
-            tokens=stats.tokens, nll=stats.nll, predictions=stats.predictions, clock=time.perf_counter()
-        )
+        window.update(tokens=stats.tokens, nll=stats.nll, predictions=stats.predictions, clock=time.perf_counter())
 
     stats = stream_perplexity(
         model, cache, book_pieces(tokenizer, args.book), args.chunk, args.tokens, on_chunk
