@@ -232,7 +232,7 @@ class H2OCache(Cache):
 
     @property
     def policy(self):
-        """The eviction policy (`h2o_cli.policies`), the same object for every layer's decisions."""
+        """The eviction policy (`h2o_cli.policies`); every layer holds an equal one."""
         return self.layers[0].policy
 
     @property
