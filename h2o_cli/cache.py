@@ -12,14 +12,14 @@ from h2o_kernels import decode_attention, prefill_attention, slot_attention, use
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_cli.config import CacheSettings
-from h2o_cli.errors import ContextOverflowError, UnsupportedModelError
+from h2o_cli.errors import ContextOverflowError, UnsupportedModelError, UsageError
 from h2o_cli.kvquant import storage_dtype
 from h2o_cli.memory import ModelShape
+from h2o_cli.models.families import check_family, text_config
 from h2o_cli.policies import make_policy
 from h2o_cli.positions import Rope, unrotate
 from h2o_cli.store import LayerStore
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 LAYER_KWARG = "h2o_layer"
 
 
@@ -43,7 +43,8 @@ class H2OLayer(CacheLayerMixin):
         self.first_layer = first_layer
         self.store = store
         self.settings = settings
-        self.policy = make_policy(settings)
+        self.policy = policy = make_policy(settings)
+        self.positions = policy.positions_for(settings.positions)
         self.rope = rope
         self.max_positions = max_positions
         self.is_initialized = True
@@ -82,12 +83,12 @@ class H2OLayer(CacheLayerMixin):
             )
         chunk = key_states.shape[2]
         store = self.store
-        if self.settings.positions == "original" or not self.policy.evicts:
+        if self.positions == "original":
             last = store.tokens_seen + chunk
             if last > self.max_positions:
                 raise ContextOverflowError(
                     f"{last} tokens exceed the model's context window ({self.max_positions}) with "
-                    f"{'policy full' if not self.policy.evicts else 'original positions'}; "
+                    f"{'original positions' if self.policy.evicts else f'policy {self.policy.name}'}; "
                     "use --positions rolling with an evicting policy to go further"
                 )
         positions = (kwargs or {}).get("position_ids")
@@ -132,7 +133,7 @@ class H2OLayer(CacheLayerMixin):
         Returns [1, chunk, n_heads, head_dim]."""
         chunk, store = query.shape[1], self.store
         dtype = query.dtype
-        if self.settings.positions == "rolling" and self.policy.evicts:
+        if self.positions == "rolling":
             key_positions = store.rank
             first_query_position = store.length - chunk
         else:
@@ -173,10 +174,8 @@ class H2OLayer(CacheLayerMixin):
             store.evict(self.policy)
             return output.transpose(0, 1).unsqueeze(0)
         policy = self.policy
-        heavy_hitter = (
-            policy.name == "h2o" and policy.score_norm == "sum" and store.length - store.budget == 1
-        )
-        recent_rank = store.length - policy.recent if heavy_hitter else 0
+        heavy_hitter = policy.kernel_victim and store.length - store.budget == 1
+        recent_rank = store.length - policy.recent_slots if heavy_hitter else 0
         output, increments, candidate = decode_attention(
             query[:, 0], store.key_states(), store.value_states(), store.valid, key_positions, store.rank,
             store.token_index,
@@ -208,11 +207,6 @@ class H2OLayer(CacheLayerMixin):
         raise UnsupportedModelError("beam search is not supported with the H2O cache; use greedy or sampling")
 
 
-def text_config(model):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def compute_dtype(model) -> torch.dtype:
     """The dtype attention runs in: the first float parameter's (bitsandbytes weights are int8/uint8)."""
     for param in model.parameters():
@@ -221,39 +215,30 @@ def compute_dtype(model) -> torch.dtype:
     return model.dtype
 
 
-def check_family(model) -> None:
-    """Raise `UnsupportedModelError` unless the model is a rotary, AttentionInterface-based family we support."""
-    config = text_config(model)
-    family = getattr(config, "model_type", "?")
-    if family not in SUPPORTED_FAMILIES:
-        raise UnsupportedModelError(
-            f"model family {family!r} is not supported by the H2O cache (supported: {', '.join(SUPPORTED_FAMILIES)}); "
-            "it needs rotary positions and transformers' attention interface"
-        )
-    if getattr(getattr(model, "model", None), "rotary_emb", None) is None:
-        raise UnsupportedModelError(f"{family} model has no rotary embedding module; cannot re-rotate keys")
-
-
 class H2OCache(Cache):
     """A fixed-memory KV cache for one sequence with H2O (or another) eviction policy.
+
+    A fractional budget is resolved against the model's context window. `span` is the most tokens this cache
+    will be given (default: the context window): a policy that never evicts preallocates that many.
+    With rolling positions, `budget + chunk` (capped at `span`) must fit in the context window, else a
+    `UsageError` names the fix (positions would pass the window the model was trained on).
 
     Example:
         cache = H2OCache(model, CacheSettings(budget=256))
         model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
     """
 
-    def __init__(self, model, settings: CacheSettings) -> None:
+    def __init__(self, model, settings: CacheSettings, span: int | None = None) -> None:
         from h2o_cli.attention import enable
 
         check_family(model)
         enable(model)
-        self.settings = settings
         self.shape = shape = ModelShape.from_config(text_config(model))  # also the memory accounting's
-        self.quant = getattr(model, "h2o_quant", "none")
         self.max_positions = shape.context
-        budget = settings.budget
-        if settings.policy == "full":
-            budget = self.max_positions
+        self.settings = settings = settings.resolved(shape.context)
+        self.quant = getattr(model, "h2o_quant", "none")
+        budget = make_policy(settings).kept_tokens(min(span or shape.context, shape.context))
+        check_rolling_window(settings, budget, span, shape.context)
         param = next(model.parameters())
         dtype = compute_dtype(model)
         rope = Rope(model.model.rotary_emb, shape.head_dim)
@@ -278,6 +263,16 @@ class H2OCache(Cache):
         super().__init__(layers=layers)
 
     @property
+    def policy(self):
+        """The eviction policy (`h2o_cli.policies`); every layer holds an equal one."""
+        return self.layers[0].policy
+
+    @property
+    def positions(self) -> str:
+        """The positions in use: `settings.positions` unless the policy allows only others."""
+        return self.layers[0].positions
+
+    @property
     def stores(self) -> list[LayerStore]:
         return [layer.store for layer in self.layers]
 
@@ -295,4 +290,16 @@ class H2OCache(Cache):
         return self.stores[0].length
 
 
-__all__ = ["H2OCache", "H2OLayer", "SUPPORTED_FAMILIES"]
+def check_rolling_window(settings: CacheSettings, budget: int, span: int | None, context: int) -> None:
+    """Rolling positions reach `budget + chunk - 1` (SPEC.md), or `span - 1` for a cache never given more than
+    `span` tokens; refuse settings that would pass `context`."""
+    rolling = make_policy(settings).positions_for(settings.positions) == "rolling"
+    if rolling and min(budget + settings.chunk, span or budget + settings.chunk) > context:
+        raise UsageError(
+            f"--budget {budget} + --chunk {settings.chunk} = {budget + settings.chunk} positions pass the "
+            f"model's context window ({context}); use --chunk {max(1, context - budget)} or less, "
+            f"or --budget {max(2, context - settings.chunk)} or less"
+        )
+
+
+__all__ = ["H2OCache", "H2OLayer"]

@@ -1,19 +1,29 @@
-"""Cache settings as plain data, and the budget rules of SPEC.md."""
+"""Cache settings as plain data, and the one budget rule of SPEC.md.
+
+`CacheSettings` is the only list of cache settings: the CLI declares one option per field
+(`h2o_cli.cli.options.CACHE_OPTIONS`), the lm-eval model takes the same names as model args, and every
+command, the eval harness and the library build a cache from it. What a policy name means (its slot split,
+positions, parameter checks) is decided in `h2o_cli/policies/`, never here.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, fields, replace
 
 from h2o_cli.errors import UsageError
+from h2o_cli.policies import make_policy, policy_class, policy_names
 
-POLICIES = ("h2o", "local", "sink", "tova", "full")
+POLICIES = policy_names()  # the built-in policies; `policy_names()` also sees policies registered later
 POSITIONS = ("rolling", "original")
-SCORE_NORMS = ("sum", "mean")
+KV_BITS = (None, 16, 8)
 
 
-def parse_budget(value: str | float, context_tokens: int) -> int:
-    """Turn `--budget` into a token count `k` (SPEC.md: fraction of `context_tokens` or absolute count)."""
+def budget_value(value: str | float) -> int | float:
+    """`--budget` checked but not yet resolved: a fraction in (0, 1] (a float) or a token count > 1 (an int)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value  # a count; CacheSettings checks it is at least 2
     try:
         budget = float(value)
     except (TypeError, ValueError):
@@ -23,27 +33,43 @@ def parse_budget(value: str | float, context_tokens: int) -> int:
     if math.isnan(budget) or math.isinf(budget) or budget <= 0:
         raise UsageError(f"--budget {value} must be > 0: a fraction in (0, 1] or a token count > 1")
     if budget <= 1:
-        tokens = round(budget * context_tokens)
-        if tokens < 2:
-            raise UsageError(
-                f"--budget {value} is {tokens} token(s) of a {context_tokens}-token context; "
-                "give a larger fraction or a token count of at least 2"
-            )
-        return tokens
+        return budget
     if budget != int(budget):
         raise UsageError(f"--budget {value} above 1 must be a whole token count, e.g. {int(budget)}")
     return int(budget)
 
 
+def parse_budget(value: str | float, window: int, floor: bool = False) -> int:
+    """The budget rule (SPEC.md): `--budget` as a token count `k`, a fraction being of `window` tokens.
+
+    `window` is the model's context window for `chat`/`stream`, each prompt for `eval`, the tokens read for
+    `compare`. A fraction that rounds below 2 tokens is an error, or 2 with `floor` (eval and compare, where
+    one short example is not the user's mistake).
+    """
+    budget = budget_value(value)
+    if isinstance(budget, int):
+        return budget
+    tokens = round(budget * window)
+    if tokens < 2:
+        if floor:
+            return 2
+        raise UsageError(
+            f"--budget {value} is {tokens} token(s) of a {window}-token context; "
+            "give a larger fraction or a token count of at least 2"
+        )
+    return tokens
+
+
 @dataclass(frozen=True)
 class CacheSettings:
-    """What a cache keeps. `budget` is the token count `k` each KV head keeps after every step.
+    """What a cache keeps. `budget`: the tokens `k` each KV head keeps after every step — a count (an int),
+    or a fraction (a float <= 1, or any `--budget` string) still to be resolved against a window by `resolved`.
 
     `chunk` is the most tokens one forward call adds; the slot buffers hold `budget + chunk` entries so a
     chunk never reallocates.
     """
 
-    budget: int
+    budget: int | float | str
     policy: str = "h2o"
     heavy_ratio: float = 0.5
     sinks: int = 4
@@ -53,35 +79,55 @@ class CacheSettings:
     kv_bits: int | None = None  # None: K/V in the model's dtype; 16: fp16/bf16; 8: int8 + per-token scales
 
     def __post_init__(self) -> None:
-        if self.kv_bits not in (None, 16, 8):
+        object.__setattr__(self, "budget", budget_value(self.budget))
+        if self.kv_bits not in KV_BITS:
             raise UsageError(
                 f"--kv-bits {self.kv_bits} is not supported; choose 16 or 8 (or omit for the model dtype)"
             )
-        if self.policy not in POLICIES:
-            raise UsageError(f"--policy {self.policy!r} is unknown; choose one of {', '.join(POLICIES)}")
+        policy_class(self.policy)
         if self.positions not in POSITIONS:
             raise UsageError(f"--positions {self.positions!r} is unknown; choose rolling or original")
-        if self.score_norm not in SCORE_NORMS:
-            raise UsageError(f"--score-norm {self.score_norm!r} is unknown; choose sum or mean")
-        if self.budget < 2:
-            raise UsageError(f"budget of {self.budget} tokens is too small; keep at least 2 tokens per head")
-        if not 0 <= self.heavy_ratio <= 1:
-            raise UsageError(f"--heavy-ratio {self.heavy_ratio} must lie in [0, 1]")
         if self.chunk < 1:
             raise UsageError(f"--chunk {self.chunk} must be at least 1")
-        if self.policy == "sink" and not 0 <= self.sinks < self.budget:
-            raise UsageError(f"--sinks {self.sinks} must be >= 0 and smaller than the budget ({self.budget})")
+        if self.is_resolved:
+            make_policy(self)  # the policy checks its own parameters (budget, split, sinks, ...)
+
+    @classmethod
+    def from_args(cls, **args) -> CacheSettings:
+        """From string values (lm-eval's `--model_args budget=0.2,policy=h2o`); names that are not fields are
+        left out."""
+        types = typing.get_type_hints(cls)
+        values = {}
+        for field in fields(cls):
+            value = args.get(field.name)
+            if value is None or str(value).lower() in ("", "none"):
+                continue
+            kind = types[field.name]
+            if kind in (int, float, int | None):  # a union with str (budget) stays as given
+                value = float(value) if kind is float else int(value)
+            values[field.name] = value
+        return cls(**values)
+
+    @property
+    def is_resolved(self) -> bool:
+        """Whether `budget` is a token count (not a fraction still to be resolved)."""
+        return isinstance(self.budget, int)
+
+    def resolved(self, window: int, floor: bool = False) -> CacheSettings:
+        """These settings with `budget` in tokens: `parse_budget` against `window` (a count stays a count).
+
+        `floor` (eval, compare): a tiny window still gets 2 tokens, and sinks stay below the budget.
+        """
+        budget = parse_budget(self.budget, window, floor)
+        sinks = min(self.sinks, budget - 1) if floor else self.sinks
+        return replace(self, budget=budget, sinks=sinks)
 
     @property
     def heavy(self) -> int:
-        """Slots for heavy hitters (`h2o`, `tova`); sink tokens for `sink`; 0 for window policies."""
-        if self.policy in ("h2o", "tova"):
-            return round(self.budget * self.heavy_ratio)
-        if self.policy == "sink":
-            return self.sinks
-        return 0
+        """Slots the policy keeps for heavy hitters (or sinks); the policy decides."""
+        return make_policy(self).heavy_slots
 
     @property
     def recent(self) -> int:
-        """Slots for the newest tokens."""
-        return self.budget - self.heavy
+        """Slots for the newest tokens; the policy decides."""
+        return make_policy(self).recent_slots

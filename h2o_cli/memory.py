@@ -22,30 +22,6 @@ SCALE_BYTES = 4  # one fp32 scale per token for K and one for V in an int8 cache
 CONTEXTS = tuple(2**p for p in range(12, 21))  # 4K ... 1M
 
 
-def _llama(hidden, layers, heads, kv_heads, vocab, intermediate, context) -> dict:
-    return dict(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=vocab,
-        intermediate_size=intermediate,
-        max_position_embeddings=context,
-        tie_word_embeddings=False,
-    )
-
-
-# Public configs of aliases, so `h2o memory --model llama-7b` works with no download (config.json on the hub).
-PUBLIC_CONFIGS: dict[str, dict] = {
-    "llama-7b": _llama(4096, 32, 32, 32, 32000, 11008, 2048),
-    "llama-2-7b": _llama(4096, 32, 32, 32, 32000, 11008, 4096),
-    "llama-13b": _llama(5120, 40, 40, 40, 32000, 13824, 2048),
-    "llama-3.1-8b": _llama(4096, 32, 32, 8, 128256, 14336, 131072),
-    "mistral-7b": _llama(4096, 32, 32, 8, 32000, 14336, 32768),
-}
-PUBLIC_CONFIGS["llama-2-7b-chat"] = PUBLIC_CONFIGS["llama-2-7b"]
-
-
 @dataclass(frozen=True)
 class ModelShape:
     """The numbers of a decoder that memory depends on."""
@@ -218,22 +194,3 @@ def memory_table(
         "weights_bytes": weights,
         "rows": rows,
     }
-
-
-def config_for(name: str):
-    """A config for `--model` without loading weights: the converted/local folder or the hub cache, else the
-    built-in public config of an alias (without asking the hub), else the hub. Returns (config, source)."""
-    from types import SimpleNamespace
-
-    from h2o_cli.errors import H2OError
-    from h2o_cli.models import load_config, resolve
-
-    source = resolve(name)
-    public = PUBLIC_CONFIGS.get(name.lower())
-    try:
-        config = load_config(source, local_only=public is not None)
-        return config, "hub cache" if source.kind == "hub" else "model folder"
-    except H2OError:
-        if public is None:
-            raise
-        return SimpleNamespace(**public), "built-in public config"

@@ -14,6 +14,7 @@ import torch
 
 from h2o_cli.cache import H2OCache
 from h2o_cli.config import CacheSettings
+from h2o_cli.policies.base import REGISTRY
 from h2o_cli.streaming import stream_perplexity
 
 
@@ -121,8 +122,8 @@ def plot_budget_curve(rows: Sequence[dict], path: Path, metric: str = "ppl") -> 
         points = sorted(
             (row["budget"], row[metric]) for row in rows if row["policy"] == policy and metric in row
         )
-        if policy == "full" and points:
-            ax.axhline(points[0][1], color="black", linestyle="--", label="full")
+        if points and policy in REGISTRY and not REGISTRY[policy].evicts:  # one budget: a reference line
+            ax.axhline(points[0][1], color="black", linestyle="--", label=policy)
             continue
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
     ax.set_xscale("log")

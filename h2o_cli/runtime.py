@@ -5,41 +5,14 @@ from __future__ import annotations
 import resource
 import sys
 
-from h2o_cli.cache import H2OCache, text_config
-from h2o_cli.config import CacheSettings, parse_budget
+from h2o_cli.cache import H2OCache
+from h2o_cli.config import CacheSettings
+from h2o_cli.models.families import context_window
 
 
-def context_window(model) -> int:
-    return int(text_config(model).max_position_embeddings)
-
-
-def make_settings(
-    model,
-    budget: str,
-    policy: str = "h2o",
-    heavy_ratio: float = 0.5,
-    sinks: int = 4,
-    positions: str = "rolling",
-    score_norm: str = "sum",
-    chunk: int = 256,
-    kv_bits: int | None = None,
-) -> CacheSettings:
+def make_settings(model, budget: str | float, policy: str = "h2o", **settings) -> CacheSettings:
     """CacheSettings with `--budget` resolved against the model's context window (SPEC.md)."""
-    window = context_window(model)
-    tokens = parse_budget(budget, window)
-    if policy == "full":
-        positions = "original"
-        tokens = window
-    return CacheSettings(
-        budget=tokens,
-        policy=policy,
-        heavy_ratio=heavy_ratio,
-        sinks=sinks,
-        positions=positions,
-        score_norm=score_norm,
-        chunk=chunk,
-        kv_bits=kv_bits,
-    )
+    return CacheSettings(budget=budget, policy=policy, **settings).resolved(context_window(model))
 
 
 def peak_rss_bytes() -> int:
@@ -55,6 +28,7 @@ def cache_summary(cache: H2OCache) -> dict:
     from h2o_cli import memory
 
     settings = cache.settings
+    policy = cache.policy
     stores = cache.stores
     shape = cache.shape
     dtype_bytes = stores[0].compute_dtype.itemsize
@@ -63,10 +37,10 @@ def cache_summary(cache: H2OCache) -> dict:
     return {
         "policy": settings.policy,
         "budget_tokens": stores[0].budget,
-        "heavy": settings.heavy,
-        "recent": settings.recent if settings.policy != "full" else stores[0].budget,
-        "sinks": settings.sinks if settings.policy == "sink" else 0,
-        "positions": settings.positions,
+        "heavy": policy.heavy_slots,
+        "recent": stores[0].budget - policy.heavy_slots,
+        "sinks": getattr(policy, "sinks", 0),
+        "positions": cache.positions,
         "score_norm": settings.score_norm,
         "chunk": settings.chunk,
         "kv_bits": settings.kv_bits,

@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from h2o_cli.cache import H2OCache
+from h2o_cli.config import CacheSettings
 from h2o_cli.eval.compare import compare_perplexity
 from h2o_cli.eval.data import data_dir
-from h2o_cli.eval.scoring import EvalCache
+from h2o_cli.eval.scoring import CachePool
 from h2o_cli.generation import Sampling, generate_ids
 from h2o_cli.models import load_model
 from h2o_cli.streaming import prefill
@@ -50,10 +50,11 @@ def quality(args) -> None:
             started = time.perf_counter()
             row = {"quant": args.quant, "kv_bits": kv_bits, "policy": policy, "tokens": args.tokens}
             for name, ids in books.items():
-                (ppl,) = compare_perplexity(model, ids, [BUDGET], [policy], args.chunk, kv_bits=kv_bits)
+                base = CacheSettings(budget=BUDGET, chunk=args.chunk, kv_bits=kv_bits)
+                (ppl,) = compare_perplexity(model, ids, [BUDGET], [policy], base)
                 row[f"ppl_{name}"] = round(ppl["ppl"], 3)
                 row["budget_tokens"] = ppl["budget_tokens"]
-            spec = EvalCache(budget=BUDGET, policy=policy, kv_bits=kv_bits)
+            spec = CacheSettings(budget=BUDGET, policy=policy, kv_bits=kv_bits)
             for task in ("copa", "piqa"):
                 scored = run_harness(lm, task, spec, args.examples, 0, 1234, None)
                 row[task] = {key: scored.get(key) for key in ("n", "acc", "ci_low", "ci_high")}
@@ -68,8 +69,8 @@ def decode(args) -> None:
         prompt = book_ids(tokenizer, "frankenstein", args.prompt)
         for kv_bits in KV_BITS:
             for policy in POLICIES:
-                spec = EvalCache(BUDGET, policy, kv_bits=kv_bits)
-                cache = H2OCache(model, spec.settings(args.prompt, 8192, args.new))
+                spec = CacheSettings(budget=BUDGET, policy=policy, kv_bits=kv_bits)
+                cache = CachePool(model, spec).cache_for(args.prompt, args.new)
                 with torch.inference_mode():
                     logits, read = prefill(model, cache, [prompt], 128, None, None)
                     read.reraise()

@@ -228,3 +228,37 @@ def test_transcripts_and_input_history_are_private(loaded, home):
     assert mode(home / "new") == 0o700  # a folder /save had to create
     assert history.parent == home / "chats" and mode(history) == 0o600
     assert history.read_text() == "an old line\n" and not (home / "chat_history").exists()
+
+
+def test_quant_and_kv_bits_reach_the_model_and_the_cache(smollm, monkeypatch, home):
+    """`chat` takes --quant (passed to the loader) and --kv-bits (an int8 cache), like stream, eval, compare."""
+    from h2o_cli import memory
+    from h2o_cli.cli.chat import CHAT_CHUNK
+
+    asked = []
+
+    def load(model, device, dtype, trust_remote_code, threads=0, quant="none"):
+        asked.append(quant)
+        return smollm
+
+    monkeypatch.setattr("h2o_cli.cli.chat.load", load)
+    args = [
+        "chat",
+        "--quant",
+        "8bit",
+        "--kv-bits",
+        "8",
+        "--budget",
+        "64",
+        "-n",
+        "2",
+        "--json",
+        "--threads",
+        "1",
+    ]
+    result = CliRunner().invoke(app, args, input="Hello\n")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert asked == ["8bit"] and report["kv_bits"] == 8
+    shape = memory.ModelShape.from_config(smollm[0].config)
+    assert report["kv_cache_bytes_per_head"] == memory.h2o_head_bytes(shape, 64 + CHAT_CHUNK, 8, 4)

@@ -49,6 +49,9 @@ def h2o_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
             ["stream", EXCERPT, "--ppl", "--budget", "0.00001"], 2, "--budget", marks=pytest.mark.model
         ),
         (["stream", EXCERPT, "--ppl", "--model", "no-such-model"], 2, "--model"),
+        (["eval", "copa", "--budget", "1.5"], 2, "--budget 1.5 above 1 must be a whole token count"),
+        (["eval", "copa", "--budget", "zero"], 2, "--budget 'zero' is not a number"),
+        (["compare", EXCERPT, "--budgets", "0.1,-2"], 2, "--budget -2 must be > 0"),
     ],
 )
 def test_bad_input_is_one_line_and_an_exit_code(monkeypatch, capsys, args, code, words):
@@ -239,3 +242,43 @@ def test_prefill_stops_on_ctrl_c_with_what_it_read(tiny_pair):
     assert stats.interrupted and stats.tokens == 16 and logits is not None
     with pytest.raises(KeyboardInterrupt):
         stats.reraise()
+
+
+def test_rolling_positions_past_the_context_window_are_refused(monkeypatch, capsys):
+    """--budget 8000 --chunk 512 on SmolLM2 (window 8192) would rotate keys at positions up to 8,511."""
+    args = ("stream", EXCERPT, "--ppl", "--budget", "8000", "--chunk", "512", "--threads", "1")
+    exit_code, out, err = h2o_in_process(monkeypatch, capsys, *args)
+    assert exit_code == 2 and out == ""
+    line = one_error_line(err)
+    assert "context window (8192)" in line and "--chunk 192 or less" in line and "--budget 7680" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "repo"),
+    [
+        (["stream", EXCERPT, "--ppl", "--model", "nobody/no-such-model-h2o"], "nobody/no-such-model-h2o"),
+        (["chat", "--model", "llama-7b"], "huggyllama/llama-7b"),
+    ],
+    ids=["unknown-hub-id", "preset-without-weights"],
+)
+def test_unreachable_hub_is_one_line_at_once(args, repo):
+    """Without HF_HUB_OFFLINE and with the hub unreachable, huggingface_hub used to retry for ~25 s and print a
+    dozen warning lines; now the hub is probed once and the error is one line (the bound is generous: it
+    includes interpreter and torch start-up on a shared machine)."""
+    import time
+
+    from h2o_cli.models import hub_cached
+
+    if hub_cached(repo):
+        pytest.skip(f"{repo} is in the local Hugging Face cache")
+    env = {key: value for key, value in os.environ.items() if key != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", OMP_WAIT_POLICY="PASSIVE", H2O_DEBUG="0")
+    code = "from h2o_cli.cli.app import main; main()"
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", code, *args], input=b"Hello\n", capture_output=True, timeout=120, env=env
+    )
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1 and result.stdout == b""
+    assert f"cannot load {repo}" in one_error_line(result.stderr.decode())
+    assert elapsed < 20, f"{elapsed:.1f} s"

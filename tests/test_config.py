@@ -52,3 +52,52 @@ def test_split_heavy_recent():
 def test_settings_reject_nonsense(kwargs):
     with pytest.raises(UsageError):
         CacheSettings(**kwargs)
+
+
+def test_budget_plus_chunk_must_fit_the_window_with_rolling_positions(tiny_pair):
+    """SPEC: rolling positions reach budget + chunk - 1; past the window (256 here) the cache refuses."""
+    from h2o_cli.cache import H2OCache
+
+    _, model = tiny_pair
+    with pytest.raises(UsageError, match=r"--chunk 6 or less, or --budget 240 or less"):
+        H2OCache(model, CacheSettings(budget=250, chunk=16))
+    assert H2OCache(model, CacheSettings(budget=240, chunk=16)).stores[0].slots == 256  # exactly fits
+    H2OCache(model, CacheSettings(budget=250, chunk=16), span=200)  # never given more than 200 tokens
+    H2OCache(model, CacheSettings(budget=250, chunk=16, positions="original"))  # checked per token instead
+
+
+def test_settings_resolve_a_fraction_against_their_window():
+    settings = CacheSettings(budget="0.1", chunk=32)
+    assert settings.budget == 0.1 and not settings.is_resolved
+    assert settings.resolved(8192).budget == 819 and settings.resolved(8192).is_resolved
+    assert CacheSettings(budget="512").resolved(100).budget == 512  # a count stays a count
+    with pytest.raises(UsageError, match="--budget"):
+        settings.resolved(10)  # 1 token
+    assert settings.resolved(10, floor=True).budget == 2
+
+
+def test_lm_eval_model_args_map_onto_the_same_fields():
+    settings = CacheSettings.from_args(
+        budget="0.3", policy="sink", sinks="2", kv_bits="8", chunk="64", batch_size="1"
+    )
+    assert settings == CacheSettings(budget=0.3, policy="sink", sinks=2, kv_bits=8, chunk=64)
+    assert CacheSettings.from_args(budget="0.2", kv_bits="None").kv_bits is None
+
+
+def test_every_cache_option_is_one_settings_field():
+    """A new cache flag is one CacheSettings field plus one line in CACHE_OPTIONS; commands get it from there."""
+    import dataclasses
+    import inspect
+
+    from h2o_cli.cli import chat, compare, options, stream
+    from h2o_cli.cli import eval as eval_cmd
+
+    assert list(options.CACHE_OPTIONS) == [field.name for field in dataclasses.fields(CacheSettings)]
+    for command, skipped in (
+        (chat.chat, ()),
+        (stream.stream, ()),
+        (eval_cmd.eval, ("policy",)),
+        (compare.compare, ("budget", "policy")),
+    ):
+        offered = set(inspect.signature(command).parameters)
+        assert {name for name in options.CACHE_OPTIONS if name not in skipped} <= offered, command.__name__

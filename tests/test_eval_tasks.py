@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from h2o_cli.config import CacheSettings
 from h2o_cli.eval import data
-from h2o_cli.eval.scoring import EvalCache, contains_answer, exact_match, wilson_interval
+from h2o_cli.eval.scoring import contains_answer, exact_match, wilson_interval
 
 
 @pytest.mark.data
@@ -54,20 +55,20 @@ def test_answer_matching():
 
 
 def test_budget_is_a_fraction_of_each_prompt():
-    spec = EvalCache(budget=0.2, policy="h2o")
-    assert spec.settings(100, 8192).budget == 20
-    assert spec.settings(4, 8192).budget == 2  # never below 2 tokens
-    assert EvalCache(policy="sink", budget=0.2).settings(10, 8192).sinks == 1
+    settings = CacheSettings(budget=0.2, policy="h2o")
+    assert settings.resolved(100, floor=True).budget == 20
+    assert settings.resolved(4, floor=True).budget == 2  # never below 2 tokens
+    assert CacheSettings(policy="sink", budget=0.2).resolved(10, floor=True).sinks == 1
 
 
 def test_multiple_choice_score_hand_computed(tiny_pair):
     """continuation_scores on a tiny model equals a log-likelihood computed by hand from one plain forward."""
-    from h2o_cli.cache import H2OCache
-    from h2o_cli.eval.scoring import continuation_scores
+    from h2o_cli.eval.scoring import CachePool, continuation_scores
 
     reference, model = tiny_pair
     context, choices = [5, 9, 17, 3, 40, 41], [[7, 8], [60]]
-    cache = H2OCache(model, EvalCache(policy="full").settings(len(context), 256, 2))
+    cache = CachePool(model, CacheSettings(budget=0.2, policy="full")).cache_for(len(context), 2)
+    assert cache.stores[0].budget == len(context) + 2  # the whole example, not the whole window
     ours = continuation_scores(model, cache, context, choices, chunk=4)
     for (score, _), choice in zip(ours, choices, strict=False):
         whole = torch.tensor([context + choice])
@@ -79,19 +80,21 @@ def test_multiple_choice_score_hand_computed(tiny_pair):
 @pytest.mark.parametrize("policy", ["h2o", "tova"])
 def test_reusing_the_prefilled_cache_across_choices_equals_a_fresh_prefill(tiny_pair, policy):
     """Choices scored from one snapshot of the prefilled (and evicting) cache match a fresh prefill per choice."""
-    from h2o_cli.cache import H2OCache
-    from h2o_cli.eval.scoring import continuation_scores
+    from h2o_cli.eval.scoring import CachePool, continuation_scores
 
     _, model = tiny_pair
     generator = torch.Generator().manual_seed(3)
     context = torch.randint(0, 128, (23,), generator=generator).tolist()
     choices = [[7, 8, 9, 10, 11], [60], [5, 6, 61, 62, 63, 64, 65, 99, 100]]
-    settings = EvalCache(budget=0.3, policy=policy, sinks=1).settings(len(context), 256)
-    assert settings.budget == 7  # far below the context: eviction during prefill and every continuation
-    shared = continuation_scores(model, H2OCache(model, settings), context, choices, chunk=4)
+    pool = CachePool(model, CacheSettings(budget=0.3, policy=policy, sinks=1))
+    cache = pool.cache_for(len(context), 9)
+    assert (
+        cache.stores[0].budget == 7
+    )  # far below the context: eviction during prefill and every continuation
+    shared = continuation_scores(model, cache, context, choices, chunk=4)
     for choice, (score, greedy) in zip(choices, shared, strict=True):
         ((fresh, fresh_greedy),) = continuation_scores(
-            model, H2OCache(model, settings), context, [choice], chunk=4
+            model, pool.cache_for(len(context), 9), context, [choice], chunk=4
         )
         assert score == pytest.approx(fresh, abs=1e-5)
         assert greedy == fresh_greedy
@@ -125,6 +128,6 @@ def test_full_cache_finds_the_needle_with_the_chat_prompt(smollm):
     model, tokenizer = smollm
     example = next(iter(examples("needle", tokenizer)))  # 1,000 tokens, needle at depth 0%
     ids = tokenizer(example.prompt)["input_ids"]
-    cache = CachePool(model, EvalCache(policy="full")).cache_for(len(ids), 32)
+    cache = CachePool(model, CacheSettings(budget=0.2, policy="full")).cache_for(len(ids), 32)
     answer = greedy_answer(model, tokenizer, cache, ids, 32, 256, ("\n\n",))
     assert contains_answer(answer, NEEDLE_ANSWERS), answer

@@ -9,8 +9,9 @@ import pytest
 import torch
 from naive import naive_model_nll
 
-from h2o_cli.cache import SUPPORTED_FAMILIES, H2OCache
+from h2o_cli.cache import H2OCache
 from h2o_cli.config import CacheSettings
+from h2o_cli.models.families import SUPPORTED_FAMILIES
 
 SIZES = dict(
     vocab_size=128,

@@ -81,15 +81,17 @@ def test_int8_cache_composes_with_every_policy(tiny_pair, policy):
 def test_eval_and_compare_caches_store_int8_when_asked(tiny_pair, policy):
     """`h2o eval` / `h2o compare --kv-bits 8` reach the cache: int8 stores, perplexity within 2% of fp32."""
     from h2o_cli.eval.compare import compare_perplexity
-    from h2o_cli.eval.scoring import EvalCache
+    from h2o_cli.eval.scoring import CachePool
 
     _, model = tiny_pair
     for kv_bits, dtype in ((None, torch.float32), (16, torch.float16), (8, torch.int8)):
-        settings = EvalCache(budget=0.5, policy=policy, kv_bits=kv_bits).settings(40, 256, 4)
-        assert H2OCache(model, settings).stores[0].keys.dtype == dtype
+        pool = CachePool(model, CacheSettings(budget=0.5, policy=policy, kv_bits=kv_bits))
+        assert pool.cache_for(40, 4).stores[0].keys.dtype == dtype
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     ppl = {
-        kv_bits: compare_perplexity(model, ids, [0.5], [policy], chunk=4, kv_bits=kv_bits)[0]
+        kv_bits: compare_perplexity(
+            model, ids, [0.5], [policy], CacheSettings(budget=1.0, chunk=4, kv_bits=kv_bits)
+        )[0]
         for kv_bits in (None, 8)
     }
     assert ppl[8]["kv_bits"] == 8

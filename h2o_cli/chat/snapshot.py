@@ -101,7 +101,7 @@ def take_snapshot(cache: H2OCache) -> CacheSnapshot:
     rank = torch.stack([s.rank for s in stores]).cpu()
     valid = torch.stack([s.valid for s in stores]).cpu()
     scores = torch.stack([s.scores for s in stores]).float().cpu()
-    recent = store.budget if settings.policy in ("local", "full") else settings.recent
+    recent = store.budget - cache.policy.heavy_slots
     heavy = valid & (rank < store.length - recent)
     return CacheSnapshot(
         token_index=torch.where(valid, token_index, -1),

@@ -11,6 +11,7 @@ import typer
 
 from h2o_cli.cli import options as opt
 from h2o_cli.cli.common import load
+from h2o_cli.config import CacheSettings
 from h2o_cli.errors import InputError
 
 # Spare cache slots beside the budget: a chat reads a turn in 256-token forward calls and the cache attends
@@ -24,19 +25,15 @@ Examples:
   h2o chat --model llama-7b --budget 0.1
   echo "Summarise: $(cat notes.txt)" | h2o chat
   h2o chat --system "You are terse." --max-new-tokens 200 --temperature 0.7 --seed 1
+  h2o chat --quant 8bit --kv-bits 8 --budget 256
 """
 
 
+@opt.cache_options(budget=opt.DEFAULTS["budget"], chunk=CHAT_CHUNK)
 def chat(
+    settings: CacheSettings,
     system: Annotated[str | None, typer.Option("--system", "-s", help="System message.")] = None,
     model: opt.Model = opt.DEFAULTS["model"],
-    budget: opt.Budget = opt.DEFAULTS["budget"],
-    policy: opt.Policy = "h2o",
-    heavy_ratio: opt.HeavyRatio = 0.5,
-    sinks: opt.Sinks = 4,
-    positions: opt.Positions = "rolling",
-    score_norm: opt.ScoreNorm = "sum",
-    chunk: opt.Chunk = CHAT_CHUNK,
     max_new_tokens: opt.MaxNewTokens = 512,
     temperature: opt.Temperature = 0.0,
     top_p: opt.TopP = 1.0,
@@ -50,6 +47,7 @@ def chat(
         bool,
         typer.Option("--json", help="One-shot mode: print one JSON object (answer and figures) on stdout."),
     ] = False,
+    quant: opt.Quant = "none",
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
     threads: opt.Threads = 0,
@@ -61,13 +59,13 @@ def chat(
     """
     from h2o_cli.chat import ChatSession
     from h2o_cli.generation import Sampling
-    from h2o_cli.runtime import make_settings
+    from h2o_cli.models import context_window
 
     sampling = Sampling(max_new_tokens, temperature, top_p, seed)
     one_shot = not interactive and not sys.stdin.isatty()
     message = _read_stdin() if one_shot else None
-    lm, tokenizer = load(model, device, dtype, trust_remote_code, threads)
-    settings = make_settings(lm, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk)
+    lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant)
+    settings = settings.resolved(context_window(lm))
     session = ChatSession(lm, tokenizer, settings, sampling, system)
     if one_shot:
         try:

@@ -9,7 +9,7 @@ import typer
 
 from h2o_cli.cli import options
 from h2o_cli.cli.common import load, stderr
-from h2o_cli.errors import UsageError
+from h2o_cli.config import CacheSettings
 
 EXAMPLES = """
 
@@ -24,7 +24,9 @@ Examples:
 """
 
 
+@options.cache_options(skip=("budget", "policy"), budget=1.0, chunk=32)
 def compare(
+    settings: CacheSettings,
     file: Annotated[str, typer.Argument(help="Text file (or - for stdin).")],
     budgets: Annotated[
         str,
@@ -41,29 +43,22 @@ def compare(
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", min=2, help="Read at most this many tokens.")
     ] = 4096,
-    chunk: options.Chunk = 32,
-    score_norm: options.ScoreNorm = "sum",
     model: options.Model = options.DEFAULTS["model"],
     device: options.Device = "auto",
     dtype: options.Dtype = "auto",
     quant: options.Quant = "none",
-    kv_bits: options.KvBits = None,
     threads: options.Threads = 0,
     json_out: options.Json = False,
 ) -> None:
     """Perplexity of FILE's first --max-tokens tokens for every policy at every budget."""
     from rich.table import Table
 
+    from h2o_cli.config import budget_value
     from h2o_cli.eval.compare import compare_perplexity
     from h2o_cli.textio import open_source
 
-    try:
-        fractions = [float(value) for value in budgets.split(",") if value.strip()]
-    except ValueError as error:
-        raise UsageError(f"--budgets {budgets!r}: give numbers like 0.05,0.1") from error
+    fractions = [budget_value(value) for value in budgets.split(",") if value.strip()]
     chosen = options.parse_policies(policies)
-    if any(value <= 0 for value in fractions):
-        raise UsageError("--budgets must all be > 0")
     model_obj, tokenizer = load(model, device, dtype, False, threads, quant)
     with open_source(file) as stream:
         text = stream.read(max_tokens * 16).decode("utf-8", errors="replace").lstrip("\ufeff")
@@ -73,12 +68,10 @@ def compare(
         ids,
         fractions,
         chosen,
-        chunk,
-        score_norm,
-        kv_bits,
+        settings,
         on_row=lambda row: stderr.print(f"[dim]{row['policy']} {row['budget']}: ppl {row['ppl']:.3f}[/]"),
     )
-    table = Table(title=f"perplexity, {len(ids)} tokens, chunk {chunk}")
+    table = Table(title=f"perplexity, {len(ids)} tokens, chunk {settings.chunk}")
     for name in ("policy", "budget", "budget_tokens", "ppl"):
         table.add_column(name, justify="left" if name == "policy" else "right")
     for row in rows:

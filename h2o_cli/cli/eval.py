@@ -9,12 +9,14 @@ import json
 import logging
 import os
 import sys
+from dataclasses import replace
 from typing import Annotated
 
 import typer
 
 from h2o_cli.cli import options
 from h2o_cli.cli.common import load, stderr
+from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
 
 EXAMPLES = """
@@ -89,7 +91,9 @@ def _lm_eval_output(verbose: bool):
     return contextlib.nullcontext() if verbose else contextlib.redirect_stderr(io.StringIO())
 
 
+@options.cache_options(skip=("policy",), options={"budget": options.PromptBudget}, budget="0.2")
 def eval(  # noqa: A001 - the command is called eval
+    settings: CacheSettings,
     tasks: Annotated[
         list[str],
         typer.Argument(
@@ -97,9 +101,6 @@ def eval(  # noqa: A001 - the command is called eval
             "kv-retrieval needle, or any lm-eval task name / YAML path."
         ),
     ],
-    budget: Annotated[
-        float, typer.Option("--budget", "-b", help="Fraction (0,1] of each prompt, or a count > 1.")
-    ] = 0.2,
     policies: Annotated[
         str, typer.Option("--policies", help="Comma-separated policies to compare.")
     ] = "full,local,h2o",
@@ -114,15 +115,10 @@ def eval(  # noqa: A001 - the command is called eval
         str | None, typer.Option("--data", help="Use this file (same format) instead of the shared copy.")
     ] = None,
     data_dir: options.DataDir = None,
-    score_norm: options.ScoreNorm = "sum",
-    heavy_ratio: options.HeavyRatio = 0.5,
-    sinks: options.Sinks = 4,
-    chunk: options.Chunk = 256,
     model: options.Model = options.DEFAULTS["model"],
     device: options.Device = "auto",
     dtype: options.Dtype = "auto",
     quant: options.Quant = "none",
-    kv_bits: options.KvBits = None,
     threads: options.Threads = 0,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON list of rows on stdout.")] = False,
     csv_out: Annotated[bool, typer.Option("--csv", help="Print the rows as CSV on stdout.")] = False,
@@ -134,11 +130,8 @@ def eval(  # noqa: A001 - the command is called eval
     from h2o_cli.eval.data import DATA_ENV
     from h2o_cli.eval.data import data_dir as data_folder
     from h2o_cli.eval.long_tasks import LONG_TASKS
-    from h2o_cli.eval.scoring import EvalCache
 
     chosen = options.parse_policies(policies)
-    if budget <= 0 or (budget > 1 and budget != int(budget)):
-        raise UsageError(f"--budget {budget} must be a fraction in (0, 1] or a whole token count")
     if not verbose:
         _quiet()
     try:
@@ -156,16 +149,8 @@ def eval(  # noqa: A001 - the command is called eval
     rows: list[dict] = []
     for task in tasks:
         for policy in chosen:
-            spec = EvalCache(
-                budget=budget,
-                policy=policy,
-                heavy_ratio=heavy_ratio,
-                sinks=sinks,
-                score_norm=score_norm,
-                chunk=chunk,
-                kv_bits=kv_bits,
-            )
-            stderr.print(f"[dim]{task} · {policy} · budget {budget}[/]")
+            spec = replace(settings, policy=policy)
+            stderr.print(f"[dim]{task} · {policy} · budget {settings.budget}[/]")
             if task in LONG_TASKS:
                 found = run_long(loaded[0], loaded[1], task, spec, limit, data)
             else:

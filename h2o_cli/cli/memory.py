@@ -6,6 +6,7 @@ import json
 
 from h2o_cli.cli import options as opt
 from h2o_cli.cli.common import size, stderr, stdout_console
+from h2o_cli.config import CacheSettings
 
 EXAMPLES = """
 Examples:
@@ -15,12 +16,15 @@ Examples:
 """
 
 
+@opt.cache_options(
+    skip=("policy", "heavy_ratio", "sinks", "positions", "score_norm"),
+    budget=opt.DEFAULTS["budget"],
+    chunk=opt.DEFAULTS["chunk"],
+)
 def memory(
+    settings: CacheSettings,
     model: opt.Model = opt.DEFAULTS["model"],
-    budget: opt.Budget = opt.DEFAULTS["budget"],
-    chunk: opt.Chunk = opt.DEFAULTS["chunk"],
     quant: opt.Quant = "none",
-    kv_bits: opt.KvBits = None,
     dtype: opt.Dtype = "auto",
     device: opt.Device = "cpu",
     as_json: opt.Json = False,
@@ -29,13 +33,12 @@ def memory(
 
     Computed from the model config without loading weights (a built-in public config for offline aliases).
     """
-    from h2o_cli.config import parse_budget
-    from h2o_cli.memory import ModelShape, config_for, memory_table
-    from h2o_cli.models import pick_device, pick_dtype
+    from h2o_cli.memory import ModelShape, memory_table
+    from h2o_cli.models import config_for, pick_device, pick_dtype
 
     config, origin = config_for(model)
     shape = ModelShape.from_config(config)
-    tokens = parse_budget(budget, shape.context)
+    tokens, chunk, kv_bits = settings.resolved(shape.context).budget, settings.chunk, settings.kv_bits
     dtype_bytes = pick_dtype(dtype, pick_device(device)).itemsize
     table = memory_table(shape, tokens, chunk, quant, kv_bits, dtype_bytes)
     table.update(model=model, config_source=origin)

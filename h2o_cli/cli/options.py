@@ -1,21 +1,36 @@
-"""Options shared by several commands, declared once."""
+"""Options shared by several commands, declared once.
+
+Cache options map one-to-one onto `CacheSettings` fields (`CACHE_OPTIONS`); a command decorated with
+`cache_options` gets all of them and receives one `settings: CacheSettings`. A new cache flag is one field
+in `CacheSettings` and one line in `CACHE_OPTIONS`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from h2o_cli.config import POLICIES, POSITIONS, SCORE_NORMS
+from h2o_cli.config import POSITIONS, CacheSettings
 from h2o_cli.eval.data import DATA_ENV
 from h2o_cli.models import DEFAULT_MODEL, QUANTS
+from h2o_cli.policies import policy_names
+from h2o_cli.policies.h2o import SCORE_NORMS
+
+POLICIES = policy_names()
 
 
-def _choice(name: str, choices: tuple[str, ...]):
+def _choice(name: str, choices):
+    """A callback accepting one of `choices` (a tuple, or a function giving it when the option is used)."""
+
     def check(value: str) -> str:
-        if value not in choices:
-            raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}")
+        allowed = choices() if callable(choices) else choices
+        if value not in allowed:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(allowed)}")
         return value
 
     check.__name__ = f"check_{name}"
@@ -34,13 +49,19 @@ Budget = Annotated[
         help="Tokens kept per KV head: a fraction (0,1] of the context window, or a count > 1.",
     ),
 ]
+PromptBudget = Annotated[
+    str,
+    typer.Option(
+        "--budget", "-b", help="Tokens kept per KV head: a fraction (0,1] of each prompt, or a count > 1."
+    ),
+]
 Policy = Annotated[
     str,
     typer.Option(
         "--policy",
         "-p",
         help=f"Eviction policy: {', '.join(POLICIES)}.",
-        callback=_choice("policy", POLICIES),
+        callback=_choice("policy", policy_names),
     ),
 ]
 HeavyRatio = Annotated[
@@ -66,7 +87,15 @@ ScoreNorm = Annotated[
         callback=_choice("score-norm", SCORE_NORMS),
     ),
 ]
-Chunk = Annotated[int, typer.Option("--chunk", min=1, help="Tokens per forward pass (1 = token by token).")]
+Chunk = Annotated[
+    int,
+    typer.Option(
+        "--chunk",
+        min=1,
+        help="Tokens per forward pass (1 = token by token). With rolling positions, budget + chunk must fit in "
+        "the context window: otherwise the command stops with a usage error naming the largest chunk that fits.",
+    ),
+]
 Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 Dtype = Annotated[
     str, typer.Option("--dtype", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16.")
@@ -120,6 +149,61 @@ Seed = Annotated[int | None, typer.Option("--seed", help="Random seed for sampli
 
 DEFAULTS = {"model": DEFAULT_MODEL, "budget": "0.1", "chunk": 256}
 
+# One option per CacheSettings field, in --help order.
+CACHE_OPTIONS = {
+    "budget": Budget,
+    "policy": Policy,
+    "heavy_ratio": HeavyRatio,
+    "sinks": Sinks,
+    "positions": Positions,
+    "score_norm": ScoreNorm,
+    "chunk": Chunk,
+    "kv_bits": KvBits,
+}
+
+
+def cache_options(skip: tuple[str, ...] = (), options: dict | None = None, **defaults):
+    """Decorate a command with one option per `CacheSettings` field; it receives `settings: CacheSettings`
+    (budget not yet resolved) instead of them.
+
+    skip: fields the command does not offer (set from `defaults`, else their `CacheSettings` defaults);
+    options: a different option for a field (e.g. `PromptBudget`); defaults: a different default for a field.
+    """
+    fields = {field.name: field for field in dataclasses.fields(CacheSettings)}
+    assert set(CACHE_OPTIONS) == set(fields), "every CacheSettings field needs exactly one option"
+    chosen = {name: {**CACHE_OPTIONS, **(options or {})}[name] for name in CACHE_OPTIONS if name not in skip}
+
+    missing = [
+        name for name in fields if name not in defaults and fields[name].default is dataclasses.MISSING
+    ]
+    assert not missing, f"give a default for {missing}"
+    fixed = {name: defaults[name] for name in skip if name in defaults}  # skipped fields set by the command
+
+    def decorate(command):
+        signature = inspect.signature(command, eval_str=True)
+        own = [param for param in signature.parameters.values() if param.name != "settings"]
+        added = [
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=annotation,
+                default=defaults[name] if name in defaults else fields[name].default,
+            )
+            for name, annotation in chosen.items()
+        ]
+
+        @functools.wraps(command)
+        def run(**values):
+            settings = CacheSettings(**fixed, **{name: values.pop(name) for name in chosen})
+            return command(settings=settings, **values)
+
+        run.__signature__ = signature.replace(parameters=own + added)
+        run.__annotations__ = {param.name: param.annotation for param in own + added}
+        del run.__wrapped__  # typer must read the new signature, not the command's
+        return run
+
+    return decorate
+
 
 def parse_policies(value: str) -> list[str]:
     """The policies of a comma-separated `--policies` value; a usage error names an unknown one."""
@@ -127,6 +211,6 @@ def parse_policies(value: str) -> list[str]:
 
     chosen = [name.strip() for name in value.split(",") if name.strip()]
     for name in chosen:
-        if name not in POLICIES:
-            raise UsageError(f"--policies: {name!r} is not one of {', '.join(POLICIES)}")
+        if name not in policy_names():
+            raise UsageError(f"--policies: {name!r} is not one of {', '.join(policy_names())}")
     return chosen

@@ -10,6 +10,7 @@ import typer
 
 from h2o_cli.cli import options as opt
 from h2o_cli.cli.common import load, size, stderr
+from h2o_cli.config import CacheSettings
 from h2o_cli.errors import InputError
 
 EXAMPLES = """
@@ -43,7 +44,9 @@ def _tracked(progress, task, source_file, total_bytes: int | None):
     return source_file if total_bytes is None else progress.wrap_file(source_file, total_bytes, task_id=task)
 
 
+@opt.cache_options(budget=opt.DEFAULTS["budget"], chunk=opt.DEFAULTS["chunk"])
 def stream(
+    settings: CacheSettings,
     source: Annotated[str, typer.Argument(metavar="FILE", help="Text file to read, or - for stdin.")],
     ppl: Annotated[bool, typer.Option("--ppl", help="Report the perplexity of the text.")] = False,
     max_tokens: Annotated[
@@ -58,15 +61,7 @@ def stream(
         str | None, typer.Option("--prompt", help="Question to answer after reading the text.")
     ] = None,
     model: opt.Model = opt.DEFAULTS["model"],
-    budget: opt.Budget = opt.DEFAULTS["budget"],
-    policy: opt.Policy = "h2o",
-    heavy_ratio: opt.HeavyRatio = 0.5,
-    sinks: opt.Sinks = 4,
-    positions: opt.Positions = "rolling",
-    score_norm: opt.ScoreNorm = "sum",
-    chunk: opt.Chunk = opt.DEFAULTS["chunk"],
     quant: opt.Quant = "none",
-    kv_bits: opt.KvBits = None,
     max_new_tokens: opt.MaxNewTokens = 128,
     temperature: opt.Temperature = 0.0,
     top_p: opt.TopP = 1.0,
@@ -83,13 +78,11 @@ def stream(
     the text). The perplexity line or the generated text goes to stdout; progress and figures to stderr.
     """
     from h2o_cli.cache import H2OCache
-    from h2o_cli.config import parse_budget
     from h2o_cli.generation import Sampling
-    from h2o_cli.runtime import make_settings
+    from h2o_cli.models import context_window
     from h2o_cli.textio import open_source
 
     sampling = Sampling(max_new_tokens, temperature, top_p, seed)
-    parse_budget(budget, 1 << 40)  # reject a malformed --budget before spending seconds on the model
     source_file = open_source(source)  # fail on a bad path before loading a model
     total_bytes = None
     if source != "-":
@@ -98,8 +91,8 @@ def stream(
         if total_bytes == 0:
             raise InputError(f"{source} is empty; give a text with at least two tokens")
     lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant)
-    settings = make_settings(lm, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk, kv_bits)
-    cache = H2OCache(lm, settings)
+    cache = H2OCache(lm, settings.resolved(context_window(lm)))
+    chunk = settings.chunk
     run = _run_ppl if ppl else _run_generate
     report = run(
         lm, tokenizer, cache, source_file, source, total_bytes, max_tokens, chunk, prompt, sampling, as_json

@@ -3,58 +3,45 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from h2o_cli.cache import H2OCache
 from h2o_cli.config import CacheSettings
+from h2o_cli.policies import policy_class
 from h2o_cli.streaming import stream_perplexity
-
-
-def budget_tokens(budget: float, tokens: int) -> int:
-    """A fraction (<= 1) is of the tokens read (the whole text is the 'prompt'); above 1 it is a count."""
-    return max(2, round(budget * tokens)) if budget <= 1 else int(budget)
 
 
 def compare_perplexity(
     model,
     ids: Sequence[int],
-    budgets: Sequence[float],
+    budgets: Sequence[float | str],
     policies: Sequence[str],
-    chunk: int = 32,
-    score_norm: str = "sum",
-    kv_bits: int | None = None,
+    settings: CacheSettings | None = None,
     on_row: Callable[[dict], None] | None = None,
 ) -> list[dict]:
-    """Rows {policy, budget, budget_tokens, tokens, ppl}; `full` once, at budget 1.0."""
+    """Rows {policy, budget, budget_tokens, tokens, ppl} for every policy at every budget.
+
+    `settings` gives everything but the policy and budget (default: `CacheSettings` defaults, chunk 32). A
+    fractional budget is of the tokens read (the whole text is the 'prompt'); a policy that never evicts is
+    run once, at budget 1.0.
+    """
+    base = settings or CacheSettings(budget=1.0, chunk=32)
+    cells = [
+        (policy, budget)
+        for policy in policies
+        for budget in (budgets if policy_class(policy).evicts else [1.0])
+    ]
     rows = []
-    window = int(model.config.get_text_config().max_position_embeddings)
-    cells = [("full", 1.0)] if "full" in policies else []
-    cells += [(policy, budget) for policy in policies if policy != "full" for budget in budgets]
     for policy, budget in cells:
-        if policy == "full":
-            settings = CacheSettings(
-                budget=min(window, len(ids)) or 2,
-                policy="local",
-                positions="original",
-                chunk=chunk,
-                kv_bits=kv_bits,
-            )
-        else:
-            k = budget_tokens(budget, len(ids))
-            settings = CacheSettings(
-                budget=k,
-                policy=policy,
-                sinks=min(4, k - 1),
-                score_norm=score_norm,
-                chunk=chunk,
-                kv_bits=kv_bits,
-            )
-        stats = stream_perplexity(model, H2OCache(model, settings), [list(ids)], chunk)
+        cell = replace(base, policy=policy, budget=budget).resolved(len(ids), floor=True)
+        cache = H2OCache(model, cell, span=len(ids))
+        stats = stream_perplexity(model, cache, [list(ids)], cell.chunk)
         row = {
             "policy": policy,
             "budget": budget,
-            "budget_tokens": settings.budget,
-            "score_norm": score_norm,
-            "kv_bits": kv_bits,
+            "budget_tokens": cache.stores[0].budget,
+            "score_norm": cell.score_norm,
+            "kv_bits": cell.kv_bits,
             "quant": getattr(model, "h2o_quant", "none"),
             "tokens": stats.tokens,
             "ppl": stats.ppl,

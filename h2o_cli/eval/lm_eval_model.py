@@ -21,13 +21,15 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from h2o_cli.eval.scoring import CachePool, EvalCache, continuation_scores, greedy_answer
+from h2o_cli.config import CacheSettings
+from h2o_cli.eval.scoring import CachePool, budget_used, continuation_scores, greedy_answer
+from h2o_cli.policies import policy_class
 
 
 @register_model("h2o")
 class H2OLM(TemplateLM):
-    """Model args: model, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk, kv_bits, device,
-    dtype, quant, threads.
+    """Model args: model, device, dtype, quant, threads, and every `CacheSettings` field (budget, policy,
+    heavy_ratio, sinks, positions, score_norm, chunk, kv_bits). The budget is a fraction of each prompt.
 
     `model` may also be an already loaded `(model, tokenizer)` pair (from Python, not the command line).
     """
@@ -35,21 +37,13 @@ class H2OLM(TemplateLM):
     def __init__(
         self,
         model="smollm2-135m",
-        budget: float | str = 0.2,
-        policy: str = "h2o",
-        heavy_ratio: float = 0.5,
-        sinks: int = 4,
-        positions: str = "rolling",
-        score_norm: str = "sum",
-        chunk: int = 256,
-        kv_bits: int | None = None,
         device: str = "cpu",
         dtype: str = "auto",
         quant: str = "none",
         threads: int = 0,
         pretrained=None,
-        tokenizer=None,
-        **_ignored,
+        budget: float | str = 0.2,
+        **args,
     ) -> None:
         super().__init__()
         if threads:
@@ -62,24 +56,13 @@ class H2OLM(TemplateLM):
             self.model, self.tokenizer = load_model(
                 pretrained or model, device=device or "cpu", dtype=dtype, quant=quant
             )
-        self.spec = EvalCache(
-            budget=float(budget),
-            policy=policy,
-            heavy_ratio=float(heavy_ratio),
-            sinks=int(sinks),
-            positions=positions,
-            score_norm=score_norm,
-            chunk=int(chunk),
-            kv_bits=int(kv_bits) if kv_bits else None,
-        )
-        self.pool = CachePool(self.model, self.spec)
-        self.budget_tokens: list[int] = []
+        self.configure(CacheSettings.from_args(budget=budget, **args))  # other names (batch_size, ...) unused
 
-    def configure(self, spec: EvalCache) -> None:
-        """Switch policy/budget without reloading the weights."""
-        self.spec = spec
-        self.pool = CachePool(self.model, spec)
-        self.budget_tokens = []
+    def configure(self, settings: CacheSettings) -> None:
+        """Switch cache settings (policy, budget, ...) without reloading the weights."""
+        self.settings = settings
+        self.pool = CachePool(self.model, settings)
+        self.budget_tokens: list[int] = []
 
     @property
     def eot_token_id(self) -> int:
@@ -111,7 +94,7 @@ class H2OLM(TemplateLM):
 
     def _cache(self, prompt_tokens: int, extra_tokens: int):
         cache = self.pool.cache_for(prompt_tokens, extra_tokens)
-        self.budget_tokens.append(prompt_tokens if self.spec.policy == "full" else cache.stores[0].budget)
+        self.budget_tokens.append(budget_used(cache, prompt_tokens))
         return cache
 
     def _loglikelihood_tokens(
@@ -130,7 +113,7 @@ class H2OLM(TemplateLM):
                 self._cache(len(context_ids), max(len(c) for c in continuations)),
                 context_ids,
                 continuations,
-                self.spec.chunk,
+                self.settings.chunk,
             )
             for index, score in zip(indices, scores, strict=False):
                 results[index] = score
@@ -140,14 +123,40 @@ class H2OLM(TemplateLM):
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Log-likelihood of whole documents; the budget is a fraction of the tokens scored together."""
         results = []
         for request in self._bar(requests, disable=disable_tqdm, desc="h2o rolling"):
-            ids = self.tok_encode(request.args[0])
-            ((score, _),) = continuation_scores(
-                self.model, self._cache(1, len(ids)), [self.prefix_token_id], [ids], self.spec.chunk
-            )
-            results.append(score)
+            total = 0.0
+            for context, continuation in self._rolling_windows(self.tok_encode(request.args[0])):
+                ((score, _),) = continuation_scores(
+                    self.model,
+                    self._cache(len(context) + len(continuation), 0),
+                    context,
+                    [continuation],
+                    self.settings.chunk,
+                )
+                total += score
+            self.cache_hook.add_partial("loglikelihood_rolling", (request.args[0],), total)
+            results.append(total)
         return results
+
+    def _rolling_windows(self, ids: list[int]) -> list[tuple[list[int], list[int]]]:
+        """(context, continuation) pairs that predict every token of a document, the first from the prefix token.
+
+        One pair when the cache can take the whole document (it fits in the window, or an evicting policy on
+        rolling positions goes any length); otherwise lm-eval's rolling windows of `max_length` tokens, as
+        its own hf model scores them.
+        """
+        policy = policy_class(self.settings.policy)
+        rolls = policy.evicts and policy.positions_for(self.settings.positions) == "rolling"
+        if rolls or len(ids) + 1 <= self.max_length:
+            return [([self.prefix_token_id], ids)]
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        windows = get_rolling_token_windows(
+            token_list=ids, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1
+        )
+        return [make_disjoint_window(window) for window in windows]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         results = []
@@ -163,7 +172,7 @@ class H2OLM(TemplateLM):
                 self._cache(len(ids), max_new),
                 ids,
                 max_new,
-                self.spec.chunk,
+                self.settings.chunk,
                 until,
             )
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)

@@ -9,11 +9,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from statistics import mean
 
+from h2o_cli.config import CacheSettings
 from h2o_cli.eval.data import check_data
 from h2o_cli.eval.long_tasks import MAX_NEW_TOKENS, examples
 from h2o_cli.eval.scoring import (
     CachePool,
-    EvalCache,
+    budget_used,
     contains_answer,
     exact_match,
     greedy_answer,
@@ -26,7 +27,7 @@ HARNESS_TASKS = {
 }
 
 
-def _row(task: str, spec: EvalCache, budget_tokens: Sequence[int], n: int, **metrics) -> dict:
+def _row(task: str, spec: CacheSettings, budget_tokens: Sequence[int], n: int, **metrics) -> dict:
     row = {
         "task": task,
         "policy": spec.policy,
@@ -44,7 +45,7 @@ def _row(task: str, spec: EvalCache, budget_tokens: Sequence[int], n: int, **met
 
 
 def run_harness(
-    lm, task: str, spec: EvalCache, limit: int | None, shots: int, seed: int, data: str | None
+    lm, task: str, spec: CacheSettings, limit: int | None, shots: int, seed: int, data: str | None
 ) -> dict:
     """One lm-eval task (friendly name, registered name or YAML path) scored through `lm` with `spec`."""
     import lm_eval
@@ -89,7 +90,7 @@ def run_long(
     model,
     tokenizer,
     task: str,
-    spec: EvalCache,
+    spec: CacheSettings,
     limit: int | None,
     data: str | None,
     on_example: Callable[[int], None] | None = None,
@@ -106,7 +107,7 @@ def run_long(
         cell = cells[example.cell]
         cell["hit"].append(contains_answer(answer, example.answers))
         cell["em"].append(exact_match(answer.strip().split("\n")[0], example.answers))
-        cell["budget"].append(len(ids) if spec.policy == "full" else cache.stores[0].budget)
+        cell["budget"].append(budget_used(cache, len(ids)))
         if on_example is not None:
             on_example(number + 1)
     rows = []

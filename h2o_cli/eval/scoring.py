@@ -11,66 +11,34 @@ import math
 import re
 import string
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from h2o_cli.cache import H2OCache
-from h2o_cli.config import CacheSettings, parse_budget
+from h2o_cli.config import CacheSettings
 from h2o_cli.generation import Sampling, TextStreamer, generate_ids
+from h2o_cli.models.families import context_window
 from h2o_cli.streaming import chunks_of, forward_chunk
 
 
-@dataclass(frozen=True)
-class EvalCache:
-    """What to build a cache from for each example: `budget` is a fraction (<= 1) of the prompt or a count."""
-
-    budget: float = 0.2
-    policy: str = "h2o"
-    heavy_ratio: float = 0.5
-    sinks: int = 4
-    positions: str = "rolling"
-    score_norm: str = "sum"
-    chunk: int = 256
-    kv_bits: int | None = None  # K/V storage (CacheSettings.kv_bits): None = model dtype, 16, or 8
-
-    def settings(self, prompt_tokens: int, window: int, extra_tokens: int = 0) -> CacheSettings:
-        """CacheSettings for one prompt. Tiny prompts get at least 2 tokens (and keep sinks below the budget).
-
-        `full` becomes a window as long as the whole example (prompt + `extra_tokens`) with original
-        positions: nothing is ever evicted, so it is exact full attention without 8K empty slots per head.
-        """
-        if self.policy == "full":
-            total = max(2, min(window, prompt_tokens + extra_tokens))
-            return CacheSettings(
-                budget=total, policy="local", positions="original", chunk=self.chunk, kv_bits=self.kv_bits
-            )
-        if self.budget <= 1:
-            budget = max(2, round(self.budget * prompt_tokens))
-        else:
-            budget = parse_budget(self.budget, window)
-        return CacheSettings(
-            budget=budget,
-            policy=self.policy,
-            heavy_ratio=self.heavy_ratio,
-            sinks=min(self.sinks, budget - 1),
-            positions=self.positions,
-            score_norm=self.score_norm,
-            chunk=self.chunk,
-            kv_bits=self.kv_bits,
-        )
-
-
 class CachePool:
-    """Builds the cache for each example from one `EvalCache` spec."""
+    """Builds the cache for each example from one `CacheSettings` (its budget a fraction of each prompt)."""
 
-    def __init__(self, model, spec: EvalCache) -> None:
+    def __init__(self, model, settings: CacheSettings) -> None:
         self.model = model
-        self.spec = spec
-        self.window = int(model.config.get_text_config().max_position_embeddings)
+        self.settings = settings
+        self.window = context_window(model)
 
     def cache_for(self, prompt_tokens: int, extra_tokens: int = 0) -> H2OCache:
-        return H2OCache(self.model, self.spec.settings(prompt_tokens, self.window, extra_tokens))
+        """A cache for a prompt followed by `extra_tokens` (continuation or answer): the budget is resolved
+        against the prompt; a policy that never evicts holds the whole example, not the whole window."""
+        settings = self.settings.resolved(prompt_tokens, floor=True)
+        return H2OCache(self.model, settings, span=prompt_tokens + extra_tokens)
+
+
+def budget_used(cache: H2OCache, prompt_tokens: int) -> int:
+    """Tokens of the prompt the cache keeps per head (all of it for a cache that never evicts)."""
+    return min(prompt_tokens, cache.stores[0].budget)
 
 
 def snapshot(cache: H2OCache) -> list[dict]:

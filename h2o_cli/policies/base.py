@@ -1,10 +1,16 @@
-"""What every eviction policy sees, and the shared tie rule."""
+"""What every eviction policy is and sees, the registry of policies, and the shared tie rule."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
+
+from h2o_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from h2o_cli.config import CacheSettings
 
 NEVER = float("inf")
 
@@ -19,6 +25,86 @@ class SlotState(Protocol):
     seen: torch.Tensor
     last_probs: torch.Tensor
     length: int
+
+
+@dataclass(frozen=True)
+class Policy:
+    """An eviction policy: a frozen dataclass that decides everything its name means.
+
+    Fields are named after `CacheSettings` fields and filled from them (`from_settings`); `__post_init__`
+    checks them. The class constants say what the rest of the code may assume:
+    - `evicts`: False for a cache that keeps every token (then it holds its whole span, see `kept_tokens`).
+    - `positions`: the `--positions` values it supports; the first is used when another is asked for.
+    - `kernel_victim` (property): the fused decode kernel's eviction candidate (the lowest accumulated score
+      outside the `recent_slots` newest entries, ties to the oldest) is exactly this policy's choice.
+    """
+
+    name: ClassVar[str]
+    evicts: ClassVar[bool] = True
+    positions: ClassVar[tuple[str, ...]] = ("rolling", "original")
+
+    budget: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.budget, int):
+            raise TypeError(f"a policy needs a budget in tokens, not {self.budget!r}: resolve it first")
+        if self.budget < 2:
+            raise UsageError(f"budget of {self.budget} tokens is too small; keep at least 2 tokens per head")
+
+    @classmethod
+    def from_settings(cls, settings: CacheSettings) -> Policy:
+        """The policy for `settings` (its `budget` resolved to tokens): each field from the same-named setting."""
+        return cls(**{field.name: getattr(settings, field.name) for field in fields(cls)})
+
+    @property
+    def heavy_slots(self) -> int:
+        """Slots for entries kept for what they are (heavy hitters, sinks); 0 for window policies."""
+        return 0
+
+    @property
+    def recent_slots(self) -> int:
+        """Slots for the newest entries."""
+        return self.budget - self.heavy_slots
+
+    @property
+    def kernel_victim(self) -> bool:
+        return False
+
+    @classmethod
+    def positions_for(cls, asked: str) -> str:
+        """The positions a cache with this policy uses when `asked` for some (`rolling` or `original`)."""
+        return asked if asked in cls.positions else cls.positions[0]
+
+    def kept_tokens(self, span: int) -> int:
+        """Entries each KV head keeps when the cache will be given at most `span` tokens."""
+        return self.budget
+
+    def priority(self, state: SlotState) -> torch.Tensor:
+        """`[n_kv_heads, slots]`: the lowest is evicted first (ties to the oldest), `inf` = never."""
+        raise NotImplementedError
+
+
+REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register(policy: type[Policy]) -> type[Policy]:
+    """Make a policy class known by its `name` (to `CacheSettings`, the CLI's choices, `make_policy`)."""
+    REGISTRY[policy.name] = policy
+    return policy
+
+
+def policy_class(name: str) -> type[Policy]:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise UsageError(f"--policy {name!r} is unknown; choose one of {', '.join(REGISTRY)}") from None
+
+
+def split_slots(budget: int, heavy_ratio: float) -> int:
+    """Heavy-hitter slots of a budget (the rest hold the newest entries); checks `--heavy-ratio`."""
+    if not 0 <= heavy_ratio <= 1:
+        raise UsageError(f"--heavy-ratio {heavy_ratio} must lie in [0, 1]")
+    return round(budget * heavy_ratio)
 
 
 def protect_recent(priority: torch.Tensor, state: SlotState, recent: int) -> torch.Tensor:

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from h2o_cli.policies.base import SlotState, protect_recent
+from h2o_cli.policies.base import Policy, SlotState, protect_recent
 
 
 @dataclass(frozen=True)
-class LocalPolicy:
-    name: str = "local"
-    evicts: bool = True
+class LocalPolicy(Policy):
+    name: ClassVar[str] = "local"
 
     def priority(self, state: SlotState) -> torch.Tensor:
         # Every valid entry ties; the tie rule (oldest first) makes it a window.

@@ -1,0 +1,33 @@
+"""GGUF files: dequantised once into a float safetensors folder that loads in about a second."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantise a GGUF file once and save float safetensors + tokenizer in `target`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = loaded.config
+    # A GGUF-loaded model refuses save_pretrained; a fresh model of the same class with its weights does not.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = type(loaded)(config)
+    fresh.load_state_dict(loaded.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        fresh.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
