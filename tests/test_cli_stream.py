@@ -263,8 +263,8 @@ def test_rolling_positions_past_the_context_window_are_refused(monkeypatch, caps
 )
 def test_unreachable_hub_is_one_line_at_once(args, repo):
     """Without HF_HUB_OFFLINE and with the hub unreachable, huggingface_hub used to retry for ~25 s and print a
-    dozen warning lines; now the hub is probed once and the error is one line (the bound is generous: it
-    includes interpreter and torch start-up on a shared machine)."""
+    dozen warning lines; now the hub is probed once and the error is one line. The time is bounded relative
+    to the same interpreter's start-up and imports, measured alongside, so a loaded machine cannot fail it."""
     import time
 
     from h2o_cli.models import hub_cached
@@ -275,10 +275,16 @@ def test_unreachable_hub_is_one_line_at_once(args, repo):
     env.update(HF_ENDPOINT="http://127.0.0.1:9", OMP_WAIT_POLICY="PASSIVE", H2O_DEBUG="0")
     code = "from h2o_cli.cli.app import main; main()"
     started = time.monotonic()
+    subprocess.run(
+        [sys.executable, "-c", code, "models"], capture_output=True, timeout=120, env=env, check=True
+    )
+    start_up = time.monotonic() - started  # interpreter, torch and transformers imports
+    started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-c", code, *args], input=b"Hello\n", capture_output=True, timeout=120, env=env
     )
     elapsed = time.monotonic() - started
     assert result.returncode == 1 and result.stdout == b""
     assert f"cannot load {repo}" in one_error_line(result.stderr.decode())
-    assert elapsed < 20, f"{elapsed:.1f} s"
+    # The retries alone took ~25 s; one probe takes at most its 3 s timeout.
+    assert elapsed < start_up + 10, f"{elapsed:.1f} s vs start-up {start_up:.1f} s"
