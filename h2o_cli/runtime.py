@@ -50,4 +50,5 @@ def cache_summary(cache: H2OCache) -> dict:
         "kv_cache_bytes_per_head": per_head,
         "cached_tokens": cache.length,
         "evictions": stores[0].evictions,
+        **cache.archive_summary(),
     }
