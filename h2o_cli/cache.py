@@ -245,8 +245,11 @@ class RecallLayer(H2OLayer):
             grouped = query.reshape(n_kv, -1, store.head_dim)  # [n_kv, group * chunk, d]
             chosen, valid = self.archive.choose(grouped, store.token_index[:, :active], first, slots)
             index = chosen.unsqueeze(-1).expand(-1, -1, store.head_dim)
-            self.recall_keys.copy_(self.archive.keys.gather(1, index))
-            self.recall_values.copy_(self.archive.values.gather(1, index))
+            empty = ~valid.unsqueeze(
+                -1
+            )  # unwritten archive memory may hold NaN: 0 * NaN would reach the output
+            self.recall_keys.copy_(self.archive.keys.gather(1, index).masked_fill_(empty, 0))
+            self.recall_values.copy_(self.archive.values.gather(1, index).masked_fill_(empty, 0))
             self.recall_index.copy_(torch.where(valid, self.archive.token_index[chosen], -1))
         self.recalled = float((self.recall_index >= 0).sum()) / n_kv
         self.recalled_total += self.recalled
