@@ -386,7 +386,7 @@ class H2OCache(Cache):
     def archive_summary(self) -> dict:
         """The archive's figures with a recalling policy, else {}: `archive_bytes` (all layers, preallocated),
         `archive_tokens` (tokens held: how far back recall reaches), `archive_oldest` (the oldest token's
-        index), `recall_slots`, `recalled_per_step` (tokens per KV head, mean over layers and steps)."""
+        index), `recall_slots` and their bytes, `recalled_per_step` (tokens per KV head, mean over layers and steps)."""
         layers = [layer for layer in self.layers if isinstance(layer, RecallLayer)]
         if not layers:
             return {}
@@ -397,6 +397,11 @@ class H2OCache(Cache):
             "archive_tokens": archive.held(),
             "archive_oldest": archive.oldest,
             "recall_slots": self.policy.recall_slots,
+            "recall_slot_bytes": sum(
+                tensor.nbytes
+                for layer in layers
+                for tensor in (layer.recall_keys, layer.recall_values, layer.recall_index)
+            ),
             "recalled_per_step": sum(layer.recalled_total for layer in layers) / steps if steps else 0.0,
         }
 

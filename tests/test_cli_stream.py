@@ -52,6 +52,14 @@ def h2o_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
         (["eval", "copa", "--budget", "1.5"], 2, "--budget 1.5 above 1 must be a whole token count"),
         (["eval", "copa", "--budget", "zero"], 2, "--budget 'zero' is not a number"),
         (["compare", EXCERPT, "--budgets", "0.1,-2"], 2, "--budget -2 must be > 0"),
+        (
+            ["stream", EXCERPT, "--ppl", "--policy", "recall", "--recall-ratio", "-0.5"],
+            2,
+            "--recall-ratio -0.5",
+        ),
+        (["chat", "--policy", "recall", "--recall-ratio", "1.5"], 2, "--recall-ratio 1.5 must lie in [0, 1]"),
+        (["eval", "copa", "--policies", "recall", "--page-size", "0"], 2, "--page-size 0 must be at least 1"),
+        (["compare", EXCERPT, "--archive-max", "8"], 2, "--archive-max 8 must hold at least two pages"),
     ],
 )
 def test_bad_input_is_one_line_and_an_exit_code(monkeypatch, capsys, args, code, words):
