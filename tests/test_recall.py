@@ -234,3 +234,22 @@ def test_recall_past_the_models_window_with_rolling_positions(tiny_pair):
 def test_bad_recall_settings_are_usage_errors(values, words):
     with pytest.raises(UsageError, match=words.replace("[", r"\[").replace("]", r"\]")):
         CacheSettings(**{"budget": 64, "policy": "recall", **values})
+
+
+def test_recall_with_room_for_every_token_equals_full_on_the_embedded_model(smollm, excerpt):
+    """Anchor on the real model: budget 256 over a 240-token stream (S = 128 + 128 recalled) is `full`."""
+    from h2o_cli.streaming import stream_perplexity
+
+    model, tokenizer = smollm
+    ids = tokenizer(excerpt)["input_ids"][:240]
+    results = []
+    for settings in (
+        CacheSettings(budget=256, policy="full", chunk=32, positions="original"),
+        CacheSettings(budget=256, policy="recall", chunk=32, positions="rolling"),
+    ):
+        cache = H2OCache(model, settings, span=len(ids))
+        results.append(stream_perplexity(model, cache, [ids], 32))
+    assert (
+        results[1].error is None and cache.length == 128 and cache.archive_summary()["recalled_per_step"] > 0
+    )
+    assert results[1].ppl == pytest.approx(results[0].ppl, rel=1e-4)
