@@ -93,19 +93,34 @@ class PageArchive:
         self.keys.index_copy_(1, slots, keys.to(self.keys.dtype))
         self.values.index_copy_(1, slots, values.to(self.values.dtype))
         self.token_index.index_copy_(0, slots, token_index)
-        touched = torch.unique(slots // self.page_size)
-        held = (page_slots[touched] != NOTHING).view(1, -1, self.page_size, 1)
-        page_keys = self.keys.view(self.n_kv_heads, self.pages, self.page_size, self.head_dim)[
-            :, touched
-        ].float()
-        self.low[:, touched] = page_keys.masked_fill(~held, float("inf")).amin(dim=2)
-        self.high[:, touched] = page_keys.masked_fill(~held, float("-inf")).amax(dim=2)
+        self._summarise(torch.unique(slots // self.page_size))
         self.tokens += count
+
+    def _summarise(self, pages: torch.Tensor) -> None:
+        """Recompute the min/max keys of ring `pages` [n] from the tokens they hold."""
+        held = (self.token_index.view(self.pages, self.page_size)[pages] != NOTHING).view(
+            1, -1, self.page_size, 1
+        )
+        page_keys = self.keys.view(self.n_kv_heads, self.pages, self.page_size, self.head_dim)[
+            :, pages
+        ].float()
+        self.low[:, pages] = page_keys.masked_fill(~held, float("inf")).amin(dim=2)
+        self.high[:, pages] = page_keys.masked_fill(~held, float("-inf")).amax(dim=2)
 
     def reset(self) -> None:
         """Forget every token (the buffers stay)."""
         self.token_index.fill_(NOTHING)
         self.tokens = 0
+
+    def rewind(self, tokens: int) -> None:
+        """Forget the tokens from index `tokens` on (a scorer going back to a snapshot). Pages the ring dropped
+        for them do not come back."""
+        newer = self.token_index >= tokens
+        touched = torch.unique(newer.nonzero().flatten() // self.page_size)
+        self.token_index[newer] = NOTHING
+        self.tokens = tokens
+        if touched.numel():
+            self._summarise(touched)
 
     def choose(
         self, query: torch.Tensor, resident: torch.Tensor, before: int, slots: int

@@ -383,6 +383,14 @@ class H2OCache(Cache):
     def tokens_seen(self) -> int:
         return self.stores[0].tokens_seen
 
+    def rewind_archive(self, tokens: int) -> None:
+        """With a recalling policy, forget archived tokens from index `tokens` on (the stores were put back to
+        that point, e.g. by the eval scorer's snapshot); nothing otherwise."""
+        for layer in self.layers:
+            if isinstance(layer, RecallLayer):
+                layer.archive.rewind(tokens)
+                layer.recall_index.fill_(-1)
+
     def archive_summary(self) -> dict:
         """The archive's figures with a recalling policy, else {}: `archive_bytes` (all layers, preallocated),
         `archive_tokens` (tokens held: how far back recall reaches), `archive_oldest` (the oldest token's

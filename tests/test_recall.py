@@ -253,3 +253,15 @@ def test_recall_with_room_for_every_token_equals_full_on_the_embedded_model(smol
         results[1].error is None and cache.length == 128 and cache.archive_summary()["recalled_per_step"] > 0
     )
     assert results[1].ppl == pytest.approx(results[0].ppl, rel=1e-4)
+
+
+def test_eval_scorer_rewinds_the_archive_between_continuations(tiny_pair):
+    """Scoring B after A (from the scorer's snapshot) equals scoring B alone: A's tokens leave the archive."""
+    from h2o_cli.eval.scoring import continuation_scores
+
+    _, model = tiny_pair
+    settings = CacheSettings(budget=8, policy="recall", chunk=2, page_size=2)
+    context, continuations = list(range(3, 30)), [[5, 6, 7, 8, 9, 1, 2], list(range(40, 56))]
+    both = continuation_scores(model, H2OCache(model, settings, span=50), context, continuations, 2)
+    alone = continuation_scores(model, H2OCache(model, settings, span=50), context, continuations[1:], 2)
+    assert both[1][0] == pytest.approx(alone[0][0], rel=1e-6, abs=1e-6)
