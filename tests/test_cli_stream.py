@@ -122,10 +122,10 @@ def test_recall_json_reports_its_archive():
     report = json.loads(result.stdout)
     assert report["policy"] == "recall" and report["budget_tokens"] == 64 and report["recall_slots"] == 32
     assert report["heavy"] + report["recent"] == 32 and report["cached_tokens"] == 32
-    # 300 tokens in a ring of 10 pages of 16: pages 144..159 to 288..299 (12 tokens so far) remain.
+    # 300 tokens in a ring of 20 pages of 8: pages 144..151 to 296..299 (4 tokens so far) remain.
     assert report["archive_tokens"] == 156 and report["archive_oldest"] == 144
-    # SmolLM2: 30 layers x (K and V of 3 heads x 64 fp32 + int64 index + fp32 min/max per 16-token page).
-    assert report["archive_bytes"] == 30 * 160 * (2 * 3 * 64 * 4 + 8 + 2 * 3 * 64 * 4 / 16)
+    # SmolLM2: 30 layers x (K and V of 3 heads x 64 fp32 + int64 index + fp32 min/max per 8-token page).
+    assert report["archive_bytes"] == 30 * 160 * (2 * 3 * 64 * 4 + 8 + 2 * 3 * 64 * 4 / 8)
     assert 0 < report["recalled_per_step"] <= 32
     assert report["ppl"] < 100
 
