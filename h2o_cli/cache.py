@@ -11,6 +11,7 @@ import torch
 from h2o_kernels import decode_attention, prefill_attention, slot_attention, use_triton
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from h2o_cli.archive import PageArchive
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import ContextOverflowError, UnsupportedModelError, UsageError
 from h2o_cli.kvquant import storage_dtype
@@ -207,6 +208,98 @@ class H2OLayer(CacheLayerMixin):
         raise UnsupportedModelError("beam search is not supported with the H2O cache; use greedy or sampling")
 
 
+class RecallLayer(H2OLayer):
+    """A layer of the `recall` policy (docs/spec.md): `H2OLayer`'s store holds S, managed as `h2o`; every
+    token is also written to a `PageArchive`, and each step refills `recall_slots` slots per KV head from it.
+
+    The step always runs on the torch reference (also on CUDA): pass 1 chooses the recalled tokens with the
+    chunk's queries, pass 2 attends over S, them and the chunk with the exact softmax, scores S only, evicts.
+    """
+
+    def add_archive(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate the archive (`capacity` tokens) and the recall slots `[n_kv_heads, recall_slots, head_dim]`."""
+        store, policy = self.store, self.policy
+        self.archive = PageArchive(
+            store.n_kv_heads, store.head_dim, capacity, policy.page_size, dtype, device
+        )
+        shape = (store.n_kv_heads, policy.recall_slots)
+        self.recall_keys = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)
+        self.recall_values = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)
+        self.recall_index = torch.full(shape, -1, dtype=torch.int64, device=device)  # token index, -1 = empty
+        self.recalled = 0.0  # tokens recalled per KV head in the last step (the mean over heads)
+        self.recalled_total, self.steps = 0.0, 0  # over every step since the start
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs=None, **extra):
+        """As `H2OLayer.update`, and archive the call's unrotated K/V (write-through, before any eviction)."""
+        result = super().update(key_states, value_states, *args, kwargs=kwargs, **extra)
+        self.archive.write(*self._new_states)
+        return result
+
+    def _attend_written(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The recall step for the chunk just written (query [n_heads, chunk, head_dim], unrotated).
+        Returns [1, chunk, n_heads, head_dim]."""
+        chunk, store = query.shape[1], self.store
+        n_kv, active, first = store.n_kv_heads, store.active, store.tokens_seen - chunk
+        slots = self.recall_index.shape[1]
+        if slots:  # pass 1: the chunk's queries choose archived tokens, read back into the recall slots
+            grouped = query.reshape(n_kv, -1, store.head_dim)  # [n_kv, group * chunk, d]
+            chosen, valid = self.archive.choose(grouped, store.token_index[:, :active], first, slots)
+            index = chosen.unsqueeze(-1).expand(-1, -1, store.head_dim)
+            empty = ~valid.unsqueeze(
+                -1
+            )  # unwritten archive memory may hold NaN: 0 * NaN would reach the output
+            self.recall_keys.copy_(self.archive.keys.gather(1, index).masked_fill_(empty, 0))
+            self.recall_values.copy_(self.archive.values.gather(1, index).masked_fill_(empty, 0))
+            self.recall_index.copy_(torch.where(valid, self.archive.token_index[chosen], -1))
+        self.recalled = float((self.recall_index >= 0).sum()) / n_kv
+        self.recalled_total += self.recalled
+        self.steps += 1
+        # Pass 2: E_q = S ∪ R ∪ {chunk tokens <= q}; R is older than the chunk, so every query sees all of it.
+        token_index = torch.cat([store.token_index[:, :active], self.recall_index], dim=1)
+        present = token_index >= 0
+        allowed = torch.cat(
+            [
+                store.allowed(chunk).expand(-1, chunk, -1),
+                present[:, active:].unsqueeze(1).expand(-1, chunk, -1),
+            ],
+            dim=2,
+        )
+        if self.positions == "rolling":
+            # Rank by token index among the entries present; heads with fewer entries are shifted up so every
+            # head's queries share positions (RoPE logits depend only on the distance, which stays the rank's).
+            order = torch.argsort(token_index.masked_fill(~present, torch.iinfo(torch.int64).max), dim=1)
+            steps = torch.arange(order.shape[1], device=order.device).expand_as(order)
+            rank = torch.empty_like(order).scatter_(1, order, steps)
+            entries = present.sum(dim=1, keepdim=True)
+            key_positions = torch.where(present, rank + entries.max() - entries, 0)
+            first_query_position = int(entries.max()) - chunk
+        else:
+            key_positions = token_index.clamp_min(0)
+            first_query_position = first
+        cos_table, sin_table = self.rope.table(first_query_position + chunk, query.dtype, query.device)
+        query_positions = slice(first_query_position, first_query_position + chunk)
+        output, increments, last_probs = slot_attention(
+            query,
+            torch.cat([store.key_states(active), self.recall_keys.to(store.compute_dtype)], dim=1),
+            torch.cat([store.value_states(active), self.recall_values.to(store.compute_dtype)], dim=1),
+            allowed,
+            cos_table[query_positions],
+            sin_table[query_positions],
+            cos_table[key_positions],
+            sin_table[key_positions],
+            scaling,
+        )
+        store.accumulate(increments[:, :active], last_probs[:, :active], chunk)  # S only: r = 0 is h2o
+        store.evict(self.policy)
+        return output.transpose(0, 1).unsqueeze(0)
+
+    def reset(self) -> None:
+        super().reset()
+        self.archive.reset()
+        self.recall_index.fill_(-1)
+        self.recalled, self.recalled_total, self.steps = 0.0, 0.0, 0
+
+
 def compute_dtype(model) -> torch.dtype:
     """The dtype attention runs in: the first float parameter's (bitsandbytes weights are int8/uint8)."""
     for param in model.parameters():
@@ -237,13 +330,16 @@ class H2OCache(Cache):
         self.max_positions = shape.context
         self.settings = settings = settings.resolved(shape.context)
         self.quant = getattr(model, "h2o_quant", "none")
-        budget = make_policy(settings).kept_tokens(min(span or shape.context, shape.context))
-        check_rolling_window(settings, budget, span, shape.context)
+        policy = make_policy(settings)
+        budget = policy.kept_tokens(min(span or shape.context, shape.context))
+        # Attention reads the kept entries, the recall slots and the chunk: positions reach their sum.
+        check_rolling_window(settings, budget + policy.recall_slots, span, shape.context)
         param = next(model.parameters())
         dtype = compute_dtype(model)
         rope = Rope(model.model.rotary_emb, shape.head_dim)
+        layer_class = RecallLayer if policy.recalls else H2OLayer
         layers = [
-            H2OLayer(
+            layer_class(
                 LayerStore(
                     shape.n_kv_heads,
                     shape.head_dim,
@@ -260,6 +356,9 @@ class H2OCache(Cache):
             )
             for number in range(shape.n_layers)
         ]
+        if policy.recalls:
+            for layer in layers:
+                layer.add_archive(policy.archive_tokens(span), dtype, param.device)
         super().__init__(layers=layers)
 
     @property
@@ -284,6 +383,36 @@ class H2OCache(Cache):
     def tokens_seen(self) -> int:
         return self.stores[0].tokens_seen
 
+    def rewind_archive(self, tokens: int) -> None:
+        """With a recalling policy, forget archived tokens from index `tokens` on (the stores were put back to
+        that point, e.g. by the eval scorer's snapshot); nothing otherwise."""
+        for layer in self.layers:
+            if isinstance(layer, RecallLayer):
+                layer.archive.rewind(tokens)
+                layer.recall_index.fill_(-1)
+
+    def archive_summary(self) -> dict:
+        """The archive's figures with a recalling policy, else {}: `archive_bytes` (all layers, preallocated),
+        `archive_tokens` (tokens held: how far back recall reaches), `archive_oldest` (the oldest token's
+        index), `recall_slots` and their bytes, `recalled_per_step` (tokens per KV head, mean over layers and steps)."""
+        layers = [layer for layer in self.layers if isinstance(layer, RecallLayer)]
+        if not layers:
+            return {}
+        archive = layers[0].archive
+        steps = sum(layer.steps for layer in layers)
+        return {
+            "archive_bytes": sum(layer.archive.nbytes() for layer in layers),
+            "archive_tokens": archive.held(),
+            "archive_oldest": archive.oldest,
+            "recall_slots": self.policy.recall_slots,
+            "recall_slot_bytes": sum(
+                tensor.nbytes
+                for layer in layers
+                for tensor in (layer.recall_keys, layer.recall_values, layer.recall_index)
+            ),
+            "recalled_per_step": sum(layer.recalled_total for layer in layers) / steps if steps else 0.0,
+        }
+
     @property
     def length(self) -> int:
         """Entries each KV head holds now."""
@@ -302,4 +431,4 @@ def check_rolling_window(settings: CacheSettings, budget: int, span: int | None,
         )
 
 
-__all__ = ["H2OCache", "H2OLayer"]
+__all__ = ["H2OCache", "H2OLayer", "RecallLayer"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 
 from h2o_cli.errors import UsageError
 from h2o_cli.policies import make_policy, policy_class, policy_names
+from h2o_cli.policies.recall import check_recall_options
 
 POLICIES = policy_names()  # the built-in policies; `policy_names()` also sees policies registered later
 POSITIONS = ("rolling", "original")
@@ -77,6 +78,9 @@ class CacheSettings:
     score_norm: str = "sum"
     chunk: int = 256
     kv_bits: int | None = None  # None: K/V in the model's dtype; 16: fp16/bf16; 8: int8 + per-token scales
+    recall_ratio: float = 0.5  # recall: share of the budget refilled from the archive at every step
+    page_size: int = 8  # recall: tokens per archive page (one key summary per page and KV head)
+    archive_max: int = 16384  # recall: tokens the archive holds; older pages are dropped for good
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", budget_value(self.budget))
@@ -89,6 +93,7 @@ class CacheSettings:
             raise UsageError(f"--positions {self.positions!r} is unknown; choose rolling or original")
         if self.chunk < 1:
             raise UsageError(f"--chunk {self.chunk} must be at least 1")
+        check_recall_options(self.recall_ratio, self.page_size, self.archive_max)
         if self.is_resolved:
             make_policy(self)  # the policy checks its own parameters (budget, split, sinks, ...)
 

@@ -118,6 +118,14 @@ def h2o_cache_bytes(shape: ModelShape, budget: int, chunk: int, kv_bits: int | N
     return shape.n_layers * shape.n_kv_heads * h2o_head_bytes(shape, budget + chunk, kv_bits, dtype_bytes)
 
 
+def archive_bytes(shape: ModelShape, capacity: int, page_size: int, dtype_bytes: int) -> int:
+    """Bytes of the `recall` archive of every layer (`h2o_cli.archive.PageArchive`): K/V of `capacity` tokens
+    in the compute dtype and their int64 token index, plus per (page, KV head) fp32 min and max keys."""
+    kv = capacity * (2 * shape.n_kv_heads * shape.head_dim * dtype_bytes + 8)
+    summaries = (capacity // page_size) * shape.n_kv_heads * shape.head_dim * 2 * 4
+    return shape.n_layers * (kv + summaries)
+
+
 def full_head_bytes(shape: ModelShape, context: int, kv_bits: int | None, dtype_bytes: int) -> int:
     """Bytes of a dense cache of `context` tokens for one KV head."""
     return context * token_kv_bytes(shape, kv_bits, dtype_bytes)
@@ -156,8 +164,11 @@ def memory_table(
     kv_bits: int | None = None,
     dtype_bytes: int = 4,
     contexts: tuple[int, ...] = CONTEXTS,
+    page_size: int = 8,
+    archive_max: int = 16384,
 ) -> dict:
-    """Weights, KV cache (full vs H2O, per head and total) and activation peaks for each context length."""
+    """Weights, KV cache (full vs H2O, per head and total) and activation peaks for each context length;
+    the `recall` archive per token and at `archive_max` tokens (pages of `page_size`)."""
     weights = weight_bytes(shape, quant, dtype_bytes)
     heads = shape.n_layers * shape.n_kv_heads
     slots = budget + chunk
@@ -192,5 +203,8 @@ def memory_table(
         "kv_heads_total": heads,
         "context_window": shape.context,
         "weights_bytes": weights,
+        "recall_archive_bytes_per_token": archive_bytes(shape, page_size, page_size, dtype_bytes) / page_size,
+        "recall_archive_tokens": archive_max,
+        "recall_archive_bytes": archive_bytes(shape, archive_max, page_size, dtype_bytes),
         "rows": rows,
     }

@@ -36,7 +36,7 @@ def cache_summary(cache: H2OCache) -> dict:
     weights = memory.weight_bytes(shape, cache.quant, dtype_bytes) if cache.quant in memory.QUANTS else None
     return {
         "policy": settings.policy,
-        "budget_tokens": stores[0].budget,
+        "budget_tokens": stores[0].budget + policy.recall_slots,  # recall: resident + recalled slots
         "heavy": policy.heavy_slots,
         "recent": stores[0].budget - policy.heavy_slots,
         "sinks": getattr(policy, "sinks", 0),
@@ -50,4 +50,5 @@ def cache_summary(cache: H2OCache) -> dict:
         "kv_cache_bytes_per_head": per_head,
         "cached_tokens": cache.length,
         "evictions": stores[0].evictions,
+        **cache.archive_summary(),
     }

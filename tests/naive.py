@@ -54,7 +54,7 @@ def choose_victim(head: NaiveHeadState, settings) -> int:
     if policy == "sink":
         return next(t for t in alive if t >= settings.sinks)
     candidates = alive[: len(alive) - settings.recent] if settings.recent else alive
-    if policy == "h2o":
+    if policy in ("h2o", "recall"):  # recall manages its resident set exactly as h2o
         if settings.score_norm == "mean":
             key = {t: head.score[t] / max(head.seen[t], 1) for t in candidates}
         else:
@@ -65,6 +65,33 @@ def choose_victim(head: NaiveHeadState, settings) -> int:
         raise AssertionError(policy)
     best = min(key.values())
     return min(t for t in candidates if key[t] == best)  # ties go to the oldest
+
+
+def resident_budget(settings) -> int:
+    """Entries a head keeps after a step: the budget, less the recall slots for `recall` (docs/spec.md)."""
+    return settings.budget - recall_slots(settings)
+
+
+def recall_slots(settings) -> int:
+    return round(settings.budget * settings.recall_ratio) if settings.policy == "recall" else 0
+
+
+def naive_recall(head: NaiveHeadState, queries: torch.Tensor, first_token: int, settings) -> list[int]:
+    """R of one KV head for a chunk (docs/spec.md, recall pass 1), literally; no archive cap.
+
+    queries: [m, d] unrotated, the chunk's queries of the head's query heads. `head` already holds the chunk.
+    A page's bound comes from every key archived so far (up to the chunk's last token).
+    """
+    size = settings.page_size
+    candidates = [t for t in range(first_token) if not head.alive[t]]
+
+    def bound(page: int) -> float:
+        keys = torch.stack(head.keys[page * size : (page + 1) * size]).double()
+        low, high = keys.min(dim=0).values, keys.max(dim=0).values
+        return max(float(torch.maximum(q * high, q * low).sum()) for q in queries.double())
+
+    order = sorted({t // size for t in candidates}, key=lambda page: (-bound(page), page))
+    return [t for page in order for t in candidates if t // size == page][: recall_slots(settings)]
 
 
 def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_freq, scaling):
@@ -85,9 +112,13 @@ def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_
             head.score.append(0.0)
             head.seen.append(0)
             head.last.append(0.0)
+        recalled = []
+        if recall_slots(settings):
+            group_queries = queries[j * group : (j + 1) * group].reshape(-1, head_dim)
+            recalled = naive_recall(head, group_queries, first_token, settings)
         for i in range(chunk):
             query_token = first_token + i
-            visible = old + list(range(first_token, query_token + 1))  # E_q, token order
+            visible = sorted(old + recalled) + list(range(first_token, query_token + 1))  # E_q, token order
             if settings.positions == "rolling" and settings.policy != "full":
                 key_pos = torch.arange(len(visible))
                 query_pos = torch.tensor([len(visible) - 1])
@@ -103,12 +134,14 @@ def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_
                 output[h, i] = p @ v
                 total += p
             for position, t in enumerate(visible):
+                if t in recalled:  # recall: only the resident set accumulates scores
+                    continue
                 head.score[t] += float(total[position])
                 head.seen[t] += 1
                 if i == chunk - 1:
                     head.last[t] = float(total[position])
         if settings.policy != "full":
-            while len(head.alive_indices()) > settings.budget:
+            while len(head.alive_indices()) > resident_budget(settings):
                 head.alive[choose_victim(head, settings)] = False
     return output
 

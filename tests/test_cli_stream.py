@@ -52,6 +52,14 @@ def h2o_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
         (["eval", "copa", "--budget", "1.5"], 2, "--budget 1.5 above 1 must be a whole token count"),
         (["eval", "copa", "--budget", "zero"], 2, "--budget 'zero' is not a number"),
         (["compare", EXCERPT, "--budgets", "0.1,-2"], 2, "--budget -2 must be > 0"),
+        (
+            ["stream", EXCERPT, "--ppl", "--policy", "recall", "--recall-ratio", "-0.5"],
+            2,
+            "--recall-ratio -0.5",
+        ),
+        (["chat", "--policy", "recall", "--recall-ratio", "1.5"], 2, "--recall-ratio 1.5 must lie in [0, 1]"),
+        (["eval", "copa", "--policies", "recall", "--page-size", "0"], 2, "--page-size 0 must be at least 1"),
+        (["compare", EXCERPT, "--archive-max", "8"], 2, "--archive-max 8 must hold at least two pages"),
     ],
 )
 def test_bad_input_is_one_line_and_an_exit_code(monkeypatch, capsys, args, code, words):
@@ -104,6 +112,22 @@ def test_json_from_stdin_equals_file(tmp_path):
         assert field in report
     assert report["tokens"] == 300 and report["budget_tokens"] == 64 and report["heavy"] == 32
     assert json.loads(from_stdin.stdout)["ppl"] == pytest.approx(report["ppl"], rel=1e-9)
+
+
+@pytest.mark.model
+def test_recall_json_reports_its_archive():
+    args = ["--ppl", "--json", "--budget", "64", "--max-tokens", "300", "--chunk", "32", "--policy", "recall"]
+    result = h2o("stream", EXCERPT, *args, "--archive-max", "160")
+    assert result.returncode == 0, result.stderr.decode()
+    report = json.loads(result.stdout)
+    assert report["policy"] == "recall" and report["budget_tokens"] == 64 and report["recall_slots"] == 32
+    assert report["heavy"] + report["recent"] == 32 and report["cached_tokens"] == 32
+    # 300 tokens in a ring of 20 pages of 8: pages 144..151 to 296..299 (4 tokens so far) remain.
+    assert report["archive_tokens"] == 156 and report["archive_oldest"] == 144
+    # SmolLM2: 30 layers x (K and V of 3 heads x 64 fp32 + int64 index + fp32 min/max per 8-token page).
+    assert report["archive_bytes"] == 30 * 160 * (2 * 3 * 64 * 4 + 8 + 2 * 3 * 64 * 4 / 8)
+    assert 0 < report["recalled_per_step"] <= 32
+    assert report["ppl"] < 100
 
 
 @pytest.mark.model

@@ -145,6 +145,24 @@ def test_memory_cli_works_offline_for_llama_7b(monkeypatch, tmp_path):
     assert table["config_source"] == "built-in public config" and table["budget_tokens"] == 410
     assert table["weights_bytes"] == 2 * 6_738_415_616
     assert table["rows"][0]["context"] == 4096 and table["rows"][-1]["context"] == 2**20
+    # recall's archive, by hand: 32 layers x (K and V of 32 heads x 128 fp16 + an int64 index + fp32 min/max
+    # of 32 x 128 per 8-token page).
+    per_token = 32 * (2 * 32 * 128 * 2 + 8 + 2 * 32 * 128 * 4 / 8)
+    assert table["recall_archive_bytes_per_token"] == per_token
+    assert table["recall_archive_bytes"] == per_token * 16384
+
+
+def test_recall_archive_accounting_equals_the_cache(tiny_pair):
+    from h2o_cli.runtime import cache_summary
+    from h2o_cli.streaming import stream_perplexity
+
+    _, model = tiny_pair
+    cache = H2OCache(model, CacheSettings(budget=32, policy="recall", chunk=8, page_size=8, archive_max=100))
+    stream_perplexity(model, cache, [list(range(120))], 8)
+    shape = memory.ModelShape.from_config(model.config)
+    summary = cache_summary(cache)
+    assert summary["archive_bytes"] == memory.archive_bytes(shape, 104, 8, 4)  # 100 tokens: 13 pages of 8
+    assert summary["archive_tokens"] == 120 - 16 and summary["archive_oldest"] == 16
 
 
 @pytest.mark.parametrize("kv_bits", [None, 8])

@@ -17,7 +17,7 @@ Examples:
 
 
 @opt.cache_options(
-    skip=("policy", "heavy_ratio", "sinks", "positions", "score_norm"),
+    skip=("policy", "heavy_ratio", "sinks", "positions", "score_norm", "recall_ratio"),
     budget=opt.DEFAULTS["budget"],
     chunk=opt.DEFAULTS["chunk"],
 )
@@ -40,7 +40,10 @@ def memory(
     shape = ModelShape.from_config(config)
     tokens, chunk, kv_bits = settings.resolved(shape.context).budget, settings.chunk, settings.kv_bits
     dtype_bytes = pick_dtype(dtype, pick_device(device)).itemsize
-    table = memory_table(shape, tokens, chunk, quant, kv_bits, dtype_bytes)
+    archive = -(-settings.archive_max // settings.page_size) * settings.page_size  # whole pages, as the cache
+    table = memory_table(
+        shape, tokens, chunk, quant, kv_bits, dtype_bytes, page_size=settings.page_size, archive_max=archive
+    )
     table.update(model=model, config_source=origin)
     if as_json:
         print(json.dumps(table))
@@ -78,6 +81,10 @@ def memory(
         f"per head = one KV head of one layer ({table['kv_heads_total']} in all); "
         "* = beyond the context window (full attention cannot go there; H2O with rolling positions can); "
         f"config: {origin}"
+    )
+    stderr.print(
+        f"--policy recall also keeps an archive in RAM: {size(table['recall_archive_bytes_per_token'])} per token, "
+        f"{size(table['recall_archive_bytes'])} at --archive-max {archive:,} tokens"
     )
 
 

@@ -130,6 +130,14 @@ KvBits = Annotated[
         callback=_kv_bits,
     ),
 ]
+RecallRatio = Annotated[
+    float,
+    typer.Option("--recall-ratio", help="recall: share of the budget refilled from the archive every step."),
+]
+PageSize = Annotated[int, typer.Option("--page-size", help="recall: tokens per archive page.")]
+ArchiveMax = Annotated[
+    int, typer.Option("--archive-max", help="recall: tokens the archive keeps (older pages are dropped).")
+]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 DataDir = Annotated[
     Path | None,
@@ -159,6 +167,9 @@ CACHE_OPTIONS = {
     "score_norm": ScoreNorm,
     "chunk": Chunk,
     "kv_bits": KvBits,
+    "recall_ratio": RecallRatio,
+    "page_size": PageSize,
+    "archive_max": ArchiveMax,
 }
 
 

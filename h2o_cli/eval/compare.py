@@ -39,7 +39,7 @@ def compare_perplexity(
         row = {
             "policy": policy,
             "budget": budget,
-            "budget_tokens": cache.stores[0].budget,
+            "budget_tokens": cache.stores[0].budget + cache.policy.recall_slots,
             "score_norm": cell.score_norm,
             "kv_bits": cell.kv_bits,
             "quant": getattr(model, "h2o_quant", "none"),

@@ -37,8 +37,9 @@ class CachePool:
 
 
 def budget_used(cache: H2OCache, prompt_tokens: int) -> int:
-    """Tokens of the prompt the cache keeps per head (all of it for a cache that never evicts)."""
-    return min(prompt_tokens, cache.stores[0].budget)
+    """Tokens of the prompt attention reads per head besides the chunk (all of it for a cache that never
+    evicts; the resident entries and the recall slots for `recall`)."""
+    return min(prompt_tokens, cache.stores[0].budget + cache.policy.recall_slots)
 
 
 def snapshot(cache: H2OCache) -> list[dict]:
@@ -72,6 +73,7 @@ def restore(cache: H2OCache, states: list[dict]) -> None:
             state["tokens_seen"],
             state["evictions"],
         )
+    cache.rewind_archive(states[0]["tokens_seen"])
 
 
 @torch.inference_mode()

@@ -8,6 +8,7 @@ from h2o_cli.policies.base import REGISTRY, Policy, policy_class, register, sele
 from h2o_cli.policies.full import FullPolicy
 from h2o_cli.policies.h2o import HeavyHitterPolicy
 from h2o_cli.policies.local import LocalPolicy
+from h2o_cli.policies.recall import RecallPolicy
 from h2o_cli.policies.sink import SinkPolicy
 from h2o_cli.policies.tova import TovaPolicy
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from h2o_cli.config import CacheSettings
 
 # The registry: one line per policy (its order is the order of the CLI's choices).
-for _policy in (HeavyHitterPolicy, LocalPolicy, SinkPolicy, TovaPolicy, FullPolicy):
+for _policy in (HeavyHitterPolicy, LocalPolicy, SinkPolicy, TovaPolicy, FullPolicy, RecallPolicy):
     register(_policy)
 
 

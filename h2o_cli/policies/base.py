@@ -37,10 +37,12 @@ class Policy:
     - `positions`: the `--positions` values it supports; the first is used when another is asked for.
     - `kernel_victim` (property): the fused decode kernel's eviction candidate (the lowest accumulated score
       outside the `recent_slots` newest entries, ties to the oldest) is exactly this policy's choice.
+    - `recalls`: the cache archives every token and refills `recall_slots` from it at each step (`recall`).
     """
 
     name: ClassVar[str]
     evicts: ClassVar[bool] = True
+    recalls: ClassVar[bool] = False
     positions: ClassVar[tuple[str, ...]] = ("rolling", "original")
 
     budget: int
@@ -69,6 +71,11 @@ class Policy:
     @property
     def kernel_victim(self) -> bool:
         return False
+
+    @property
+    def recall_slots(self) -> int:
+        """Slots per KV head refilled from an archive at every step (besides the kept entries)."""
+        return 0
 
     @classmethod
     def positions_for(cls, asked: str) -> str:

@@ -1,0 +1,267 @@
+"""The `recall` policy (docs/spec.md): the naive simulation, the exactness anchors, the page choice, the cap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config
+from naive import NaiveHeadState, inv_freq_of, naive_attend_chunk
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from h2o_cli.archive import PageArchive
+from h2o_cli.cache import H2OCache, RecallLayer
+from h2o_cli.config import CacheSettings
+from h2o_cli.errors import UsageError
+from h2o_cli.positions import Rope, rotate
+from h2o_cli.store import LayerStore
+
+N_HEADS, N_KV, HEAD_DIM = 6, 2, 16
+
+
+def make_recall_layer(settings: CacheSettings) -> tuple[RecallLayer, torch.Tensor]:
+    config = tiny_config(
+        hidden_size=N_HEADS * HEAD_DIM, num_attention_heads=N_HEADS, num_key_value_heads=N_KV
+    )
+    policy_budget = settings.budget - round(settings.budget * settings.recall_ratio)
+    store = LayerStore(N_KV, HEAD_DIM, policy_budget, settings.chunk, torch.float64, torch.device("cpu"))
+    layer = RecallLayer(
+        store, settings, Rope(LlamaRotaryEmbedding(config), HEAD_DIM), config.max_position_embeddings
+    )
+    layer.add_archive(settings.archive_max, torch.float64, torch.device("cpu"))
+    return layer, inv_freq_of(config, HEAD_DIM)
+
+
+def feed(layer: RecallLayer, q, k, v, start: int) -> torch.Tensor:
+    """One chunk as the model hands it over (q, k rotated at their original positions); the output."""
+    positions = torch.arange(start, start + k.shape[1])
+    cos, sin = layer.rope.cos_sin(positions, k.dtype)
+    layer.update(rotate(k, cos, sin)[None], v[None], kwargs={"position_ids": positions[None]})
+    return layer.attend(rotate(q, cos, sin)[None], HEAD_DIM**-0.5)[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("positions", ["rolling", "original"])
+@pytest.mark.parametrize("ratio", [0.5, 0.75])
+@pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6]], ids=["decode", "chunked"])
+def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
+    """Outputs, the resident set and the recalled tokens follow docs/spec.md literally (tests/naive.py)."""
+    torch.manual_seed(2)
+    settings = CacheSettings(
+        budget=8,
+        chunk=9,
+        policy="recall",
+        positions=positions,
+        recall_ratio=ratio,
+        page_size=3,
+        archive_max=96,
+    )
+    layer, inv_freq = make_recall_layer(settings)
+    heads = [NaiveHeadState() for _ in range(N_KV)]
+    start = 0
+    for c in chunks:
+        q = torch.randn(N_HEADS, c, HEAD_DIM, dtype=torch.float64) * 2
+        k = torch.randn(N_KV, c, HEAD_DIM, dtype=torch.float64) * 2
+        v = torch.randn(N_KV, c, HEAD_DIM, dtype=torch.float64)
+        got = feed(layer, q, k, v, start)
+        want = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, HEAD_DIM**-0.5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        start += c
+        store = layer.store
+        for j, head in enumerate(heads):
+            assert sorted(store.token_index[j][store.valid[j]].tolist()) == head.alive_indices()
+    assert layer.recalled > 0 and store.length == layer.policy.resident
+
+
+@pytest.mark.parametrize("positions", ["original", "rolling"])
+@pytest.mark.parametrize("chunk", [1, 7])
+def test_recall_with_room_for_every_token_equals_plain_transformers(tiny_pair, positions, chunk):
+    """Anchor: r covers every evicted token, so E_q is every token <= q (the full attention)."""
+    reference, model = tiny_pair
+    ids = torch.randint(0, 128, (1, 61), generator=torch.Generator().manual_seed(3))
+    settings = CacheSettings(budget=64, policy="recall", chunk=chunk, positions=positions, page_size=4)
+    cache = H2OCache(model, settings)
+    with torch.no_grad():
+        want = reference(ids).logits
+        got = torch.cat([model(ids[:, s : s + chunk], cache=cache).logits for s in range(0, 61, chunk)], 1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert cache.length == 32 and cache.archive_summary()["recalled_per_step"] > 0  # evicted, then recalled
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_recall_without_recall_slots_equals_h2o(tiny_pair, chunk):
+    """Anchor: with r = 0 the resident set, its scores and the logits are h2o's."""
+    _, model = tiny_pair
+    ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(4))
+    caches = [
+        H2OCache(
+            model, CacheSettings(budget=12, policy=policy, chunk=chunk, heavy_ratio=0.25, recall_ratio=0.0)
+        )
+        for policy in ("h2o", "recall")
+    ]
+    with torch.no_grad():
+        logits = [
+            torch.cat([model(ids[:, s : s + chunk], cache=cache).logits for s in range(0, 50, chunk)], 1)
+            for cache in caches
+        ]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    for h2o_store, recall_store in zip(caches[0].stores, caches[1].stores, strict=True):
+        assert torch.equal(h2o_store.token_index, recall_store.token_index)
+        torch.testing.assert_close(recall_store.scores, h2o_store.scores)
+
+
+def exact_bounds(keys: torch.Tensor, token_index: torch.Tensor, queries: torch.Tensor, size: int):
+    """Per (head, page): Quest's bound from the raw keys, and the best key's exact logit, maxed over queries.
+
+    keys: [n_kv, capacity, d] in slot order, token_index [capacity]; queries [n_kv, m, d]. Written with loops.
+    """
+    pages = keys.shape[1] // size
+    bound = torch.full((keys.shape[0], pages), float("-inf"), dtype=torch.float64)
+    best = bound.clone()
+    for head in range(keys.shape[0]):
+        for page in range(pages):
+            slots = [s for s in range(page * size, (page + 1) * size) if token_index[s] >= 0]
+            if not slots:
+                continue
+            page_keys = keys[head, slots].double()
+            low, high = page_keys.min(0).values, page_keys.max(0).values
+            for q in queries[head].double():
+                bound[head, page] = max(bound[head, page], float(torch.maximum(q * low, q * high).sum()))
+                best[head, page] = max(best[head, page], float((page_keys @ q).max()))
+    return bound, best
+
+
+def test_page_choice_agrees_with_the_exact_bound_and_finds_a_planted_key():
+    torch.manual_seed(5)
+    size, capacity = 4, 64
+    archive = PageArchive(N_KV, HEAD_DIM, capacity, size, torch.float32, torch.device("cpu"))
+    keys = torch.randn(N_KV, 90, HEAD_DIM)
+    queries = torch.randn(N_KV, 3, HEAD_DIM)  # e.g. 3 query heads of a group, or a chunk's queries
+    needle = (
+        45  # a key aligned with the first query: its page must come first where its logit beats every bound
+    )
+    keys[:, needle] = queries[:, 0] * 3
+    archive.write(keys[:, :50], torch.zeros(N_KV, 50, HEAD_DIM))
+    archive.write(keys[:, 50:], torch.zeros(N_KV, 40, HEAD_DIM))
+    assert archive.oldest == 28 and archive.held() == 62  # 90 tokens, 16 pages of 4: pages 7..22 remain
+    resident = torch.tensor([[30, 31, 80, 85, 89, -1], [29, 44, 45, 60, 88, 89]])
+    chosen, valid = archive.choose(queries, resident, before=86, slots=10)
+
+    bound, best = exact_bounds(archive.keys, archive.token_index, queries, size)
+    for head in range(N_KV):
+        slots = chosen[head][valid[head]].tolist()
+        tokens = archive.token_index[slots].tolist()
+        held = archive.token_index
+        candidates = {
+            t for t in held.tolist() if 0 <= t < 86 and t not in resident[head].tolist()
+        }  # older than the chunk, not resident
+        assert set(tokens) <= candidates and len(tokens) == 10
+        # The summary never underestimates a page's best logit.
+        assert bool((bound[head] >= best[head] - 1e-4).all())
+        # The pages of the chosen tokens are the top pages under the independent bound (whole pages first).
+        page_of = {t: (t % capacity) // size for t in held.tolist() if t >= 0}
+        with_candidates = sorted(
+            {page_of[t] for t in candidates}, key=lambda p: (-float(bound[head, p]), int(held[p * size]))
+        )
+        expected = [t for p in with_candidates for t in sorted(c for c in candidates if page_of[c] == p)][:10]
+        assert tokens == expected
+        if needle not in resident[head].tolist():  # head 0: the needle's exact logit beats every other bound
+            others = [p for p in with_candidates if p != page_of[needle]]
+            assert best[head, page_of[needle]] > bound[head, others].max()
+            assert needle in tokens
+    assert 45 not in archive.token_index[chosen[1][valid[1]]].tolist()  # head 1 holds it: never twice
+
+
+def test_archive_drops_the_oldest_pages_and_keeps_its_buffers(tiny_pair):
+    _, model = tiny_pair
+    settings = CacheSettings(budget=16, policy="recall", chunk=6, page_size=8, archive_max=40)
+    cache = H2OCache(model, settings)
+    layer = cache.layers[0]
+    archive = layer.archive
+    assert archive.capacity == 40
+    buffers = [archive.keys, archive.values, archive.token_index, archive.low, archive.high]
+    buffers += [layer.recall_keys, layer.recall_values, layer.recall_index, layer.store.keys]
+    pointers = [buffer.data_ptr() for buffer in buffers]
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        for start in range(0, 300, 6):
+            model(ids[:, start : start + 6], cache=cache)
+            assert [buffer.data_ptr() for buffer in buffers] == pointers
+            seen = start + 6
+            newest_page = (seen - 1) // 8 * 8
+            oldest = max(0, newest_page + 8 - 40)
+            held = sorted(t for t in archive.token_index.tolist() if t >= 0)
+            assert held == list(range(oldest, seen)), f"after {seen} tokens"
+            assert archive.oldest == oldest
+            # Recalled tokens come from what the archive still holds.
+            recalled = layer.recall_index[layer.recall_index >= 0]
+            assert bool((recalled >= oldest).all())
+    summary = cache.archive_summary()
+    assert summary["archive_tokens"] == 300 - 264 and summary["archive_oldest"] == 264
+    # The summaries of each full ring page are its keys' min and max.
+    keys = archive.keys.view(archive.n_kv_heads, archive.pages, 8, -1).float()
+    full = (archive.token_index.view(archive.pages, 8) >= 0).all(dim=1)
+    torch.testing.assert_close(archive.low[:, full], keys[:, full].amin(dim=2))
+    torch.testing.assert_close(archive.high[:, full], keys[:, full].amax(dim=2))
+
+
+def test_recall_past_the_models_window_with_rolling_positions(tiny_pair):
+    """A 600-token stream through a 256-position model: positions stay below budget + chunk, and tokens from
+    before position 256 are still recalled at the end."""
+    _, model = tiny_pair
+    settings = CacheSettings(budget=64, policy="recall", chunk=8, page_size=8, archive_max=1024)
+    cache = H2OCache(model, settings)
+    ids = torch.randint(0, 128, (1, 600), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        for start in range(0, 600, 8):
+            logits = model(ids[:, start : start + 8], cache=cache).logits
+    assert torch.isfinite(logits).all() and cache.tokens_seen == 600
+    early = [int((layer.recall_index[(layer.recall_index >= 0)] < 256).sum()) for layer in cache.layers]
+    assert sum(early) > 0, "no token from before the model's window was recalled"
+    assert cache.archive_summary()["archive_oldest"] == 0
+    assert cache.layers[0].rope._cos.shape[0] <= 2 * (64 + 8)  # positions never went past budget + chunk
+
+
+@pytest.mark.parametrize(
+    ("values", "words"),
+    [
+        (dict(recall_ratio=-0.1), "--recall-ratio -0.1 must lie in [0, 1]"),
+        (dict(recall_ratio=1.5), "--recall-ratio 1.5 must lie in [0, 1]"),
+        (dict(recall_ratio=float("nan")), "--recall-ratio nan"),
+        (dict(page_size=0), "--page-size 0 must be at least 1"),
+        (dict(archive_max=10, page_size=16), "--archive-max 10 must hold at least two pages"),
+        (dict(recall_ratio=0.95, budget=20), "leaves 1 resident token"),
+    ],
+)
+def test_bad_recall_settings_are_usage_errors(values, words):
+    with pytest.raises(UsageError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        CacheSettings(**{"budget": 64, "policy": "recall", **values})
+
+
+def test_recall_with_room_for_every_token_equals_full_on_the_embedded_model(smollm, excerpt):
+    """Anchor on the real model: budget 256 over a 240-token stream (S = 128 + 128 recalled) is `full`."""
+    from h2o_cli.streaming import stream_perplexity
+
+    model, tokenizer = smollm
+    ids = tokenizer(excerpt)["input_ids"][:240]
+    results = []
+    for settings in (
+        CacheSettings(budget=256, policy="full", chunk=32, positions="original"),
+        CacheSettings(budget=256, policy="recall", chunk=32, positions="rolling"),
+    ):
+        cache = H2OCache(model, settings, span=len(ids))
+        results.append(stream_perplexity(model, cache, [ids], 32))
+    assert (
+        results[1].error is None and cache.length == 128 and cache.archive_summary()["recalled_per_step"] > 0
+    )
+    assert results[1].ppl == pytest.approx(results[0].ppl, rel=1e-4)
+
+
+def test_eval_scorer_rewinds_the_archive_between_continuations(tiny_pair):
+    """Scoring B after A (from the scorer's snapshot) equals scoring B alone: A's tokens leave the archive."""
+    from h2o_cli.eval.scoring import continuation_scores
+
+    _, model = tiny_pair
+    settings = CacheSettings(budget=8, policy="recall", chunk=2, page_size=2)
+    context, continuations = list(range(3, 30)), [[5, 6, 7, 8, 9, 1, 2], list(range(40, 56))]
+    both = continuation_scores(model, H2OCache(model, settings, span=50), context, continuations, 2)
+    alone = continuation_scores(model, H2OCache(model, settings, span=50), context, continuations[1:], 2)
+    assert both[1][0] == pytest.approx(alone[0][0], rel=1e-6, abs=1e-6)
