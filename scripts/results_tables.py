@@ -173,7 +173,8 @@ def figure(books: dict[str, list[dict]], path: Path) -> Path | None:
 
 
 STREAM_VARIANTS = {  # file suffix of docs/results/stream13_BOOK_SUFFIX.json -> row label (issue 13)
-    "base": None,  # h2o (paper), sink, local as the file names them
+    "base": None,  # h2o (paper), sink, local: as the rows name them
+    "local": None,
     "decay": "h2o, --score-decay {gamma}",
     "sinks4": "h2o, --h2o-sinks 4",
 }
@@ -189,7 +190,7 @@ def stream13_tables(out: Path) -> str:
         rows = _load(path)
         table = books.setdefault(book, {})
         for row in rows:
-            if variant == "base":
+            if STREAM_VARIANTS[variant] is None:
                 label = "h2o (paper)" if row["policy"] == "h2o" else row["policy"]
             else:
                 label = STREAM_VARIANTS[variant].format(gamma=row.get("score_decay"))
