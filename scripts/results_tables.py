@@ -177,6 +177,7 @@ STREAM_VARIANTS = {  # file suffix of docs/results/stream13_BOOK_SUFFIX.json -> 
     "local": None,
     "decay": "h2o, --score-decay {gamma}",
     "sinks4": "h2o, --h2o-sinks 4",
+    "split25": "h2o, --score-decay {gamma} --heavy-ratio 0.25",
 }
 
 

@@ -41,6 +41,7 @@ def compare_perplexity(
             "budget": budget,
             "budget_tokens": cache.stores[0].budget,
             "score_norm": cell.score_norm,
+            "heavy_ratio": cell.heavy_ratio,
             "score_decay": cell.score_decay,
             "h2o_sinks": cell.h2o_sinks,
             "kv_bits": cell.kv_bits,
