@@ -141,12 +141,17 @@ class H2OLayer(CacheLayerMixin):
             key_positions = store.token_index
             first_query_position = store.tokens_seen - chunk
         cos_table, sin_table = self.rope.table(first_query_position + chunk, dtype, query.device)
-        if use_triton(query.device):
+        decay = self.policy.decay_per_query
+        # The prefill kernel sums a chunk's probabilities unweighted: decayed chunks take the torch path.
+        if use_triton(query.device) and (chunk == 1 or decay == 1.0):
             return self._attend_fused(
                 query, key_positions, first_query_position, cos_table, sin_table, scaling
             )
         key_positions = key_positions[:, : store.active].clamp_min(0)
         query_positions = slice(first_query_position, first_query_position + chunk)
+        query_weights = None
+        if decay != 1.0 and chunk > 1:  # query i's probabilities are decayed by the chunk's later queries
+            query_weights = decay ** torch.arange(chunk - 1, -1, -1, dtype=torch.float32, device=query.device)
         output, increments, last_probs = slot_attention(
             query,
             store.key_states(store.active),
@@ -157,8 +162,9 @@ class H2OLayer(CacheLayerMixin):
             cos_table[key_positions],
             sin_table[key_positions],
             scaling,
+            query_weights,
         )
-        store.accumulate(increments, last_probs, chunk)
+        store.accumulate(increments, last_probs, chunk, decay=decay)
         store.evict(self.policy)
         return output.transpose(0, 1).unsqueeze(0)
 
@@ -175,6 +181,8 @@ class H2OLayer(CacheLayerMixin):
             store.evict(self.policy)
             return output.transpose(0, 1).unsqueeze(0)
         policy = self.policy
+        if policy.decay_per_query != 1.0:  # the kernel adds this step's probabilities to γ·õ
+            store.scores.mul_(policy.decay_per_query)
         heavy_hitter = policy.kernel_victim and store.length - store.budget == 1
         recent_rank = store.length - policy.recent_slots if heavy_hitter else 0
         output, increments, candidate = decode_attention(

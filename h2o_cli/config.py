@@ -76,6 +76,8 @@ class CacheSettings:
     sinks: int = 4
     positions: str = "rolling"
     score_norm: str = "sum"
+    score_decay: float = 1.0  # h2o: γ per query token (1 = the paper's sum)
+    h2o_sinks: int = 0  # h2o: the first tokens of the stream, kept in heavy slots whatever their score
     chunk: int = 256
     kv_bits: int | None = None  # None: K/V in the model's dtype; 16: fp16/bf16; 8: int8 + per-token scales
     recall_ratio: float = 0.5  # recall: share of the budget refilled from the archive at every step

@@ -26,6 +26,7 @@ def peak_rss_bytes() -> int:
 def cache_summary(cache: H2OCache) -> dict:
     """Figures about a cache that every command reports the same way (bytes from `h2o_cli.memory`)."""
     from h2o_cli import memory
+    from h2o_cli.analysis import heavy_slot_stats
 
     settings = cache.settings
     policy = cache.policy
@@ -42,6 +43,8 @@ def cache_summary(cache: H2OCache) -> dict:
         "sinks": getattr(policy, "sinks", 0),
         "positions": cache.positions,
         "score_norm": settings.score_norm,
+        "score_decay": policy.decay_per_query,
+        "h2o_sinks": getattr(policy, "h2o_sinks", 0),
         "chunk": settings.chunk,
         "kv_bits": settings.kv_bits,
         "quant": cache.quant,
@@ -51,4 +54,5 @@ def cache_summary(cache: H2OCache) -> dict:
         "cached_tokens": cache.length,
         "evictions": stores[0].evictions,
         **cache.archive_summary(),
+        **heavy_slot_stats(cache).summary(),  # what the heavy slots hold now (issue 13)
     }

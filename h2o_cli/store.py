@@ -133,14 +133,23 @@ class LayerStore:
         return valid.unsqueeze(1) & (token_index.unsqueeze(1) <= query_index.view(1, -1, 1))
 
     def accumulate(
-        self, score_increments: torch.Tensor, last_probs: torch.Tensor, chunk: int, scores_added: bool = False
+        self,
+        score_increments: torch.Tensor,
+        last_probs: torch.Tensor,
+        chunk: int,
+        scores_added: bool = False,
+        decay: float = 1.0,
     ) -> None:
         """Add a chunk's attention to the scores (SPEC step 3); `scores_added`: a kernel already did that.
 
         score_increments, last_probs: `[n_kv_heads, n]` for the first n slots (n = `active` or all slots).
+        decay γ < 1 (docs/spec.md): each query scaled the scores by γ before adding its own, so the old
+        scores shrink by γ**chunk here (one multiply) and the increments must weigh query i by γ**(chunk-1-i).
         """
         width = score_increments.shape[1]
         if not scores_added:
+            if decay != 1.0:
+                self.scores[:, :width] *= decay**chunk
             self.scores[:, :width] += score_increments
         self.last_probs[:, :width] = last_probs
         if chunk == 1:  # decode: the one query saw every valid entry

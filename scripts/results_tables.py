@@ -172,6 +172,59 @@ def figure(books: dict[str, list[dict]], path: Path) -> Path | None:
     return path
 
 
+STREAM_VARIANTS = {  # file suffix of docs/results/stream13_BOOK_SUFFIX.json -> row label (issue 13)
+    "base": None,  # h2o (paper), sink, local: as the rows name them
+    "local": None,
+    "decay": "h2o, --score-decay {gamma}",
+    "sinks4": "h2o, --h2o-sinks 4",
+    "split25": "h2o, --score-decay {gamma} --heavy-ratio 0.25",
+}
+
+
+def stream13_tables(out: Path) -> str:
+    """Issue 13 at reduced scale: per book, PPL at 410 and 819 tokens for h2o (paper), its variants, sink,
+    local (files `stream13_BOOK_VARIANT.json`), and the γ sweep (`stream13_gamma_BOOK.json`)."""
+    books: dict[str, dict[str, dict[int, float]]] = {}
+    tokens: dict[str, int] = {}
+    for path in sorted(out.glob("stream13_*_pg*_*.json")):
+        book, _, variant = path.stem.removeprefix("stream13_").rpartition("_")
+        rows = _load(path)
+        table = books.setdefault(book, {})
+        for row in rows:
+            if STREAM_VARIANTS[variant] is None:
+                label = "h2o (paper)" if row["policy"] == "h2o" else row["policy"]
+            else:
+                label = STREAM_VARIANTS[variant].format(gamma=row.get("score_decay"))
+            table.setdefault(label, {})[row["budget_tokens"]] = row["ppl"]
+            tokens[book] = row["tokens"]
+    lines = []
+    order = ("h2o (paper)", "h2o, --score-decay", "h2o, --h2o-sinks", "sink", "local")
+    for book, table in books.items():
+        budgets = sorted({budget for cells in table.values() for budget in cells})
+        lines.append(f"**{book}** ({tokens[book]:,} tokens, chunk 256)\n")
+        lines.append("| policy | " + " | ".join(f"{budget} tok" for budget in budgets) + " |")
+        lines.append("|---" * (len(budgets) + 1) + "|")
+        labels = sorted(table, key=lambda label: next(n for n, p in enumerate(order) if label.startswith(p)))
+        for label in labels:
+            cells = []
+            for budget in budgets:
+                value = table[label].get(budget)
+                best = min(cells_[budget] for cells_ in table.values() if budget in cells_)
+                cell = "–" if value is None else f"{value:.3f}"
+                cells.append(f"**{cell}**" if value == best else cell)
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append("")
+    sweep = [row for path in sorted(out.glob("stream13_gamma_*.json")) for row in _load(path)]
+    if sweep:
+        lines.append(
+            "| --score-decay γ | " + " | ".join(f"{r['budget_tokens']} tok" for r in sweep[:1]) + " |"
+        )
+        lines.append("|---|---|")
+        for row in sorted(sweep, key=lambda row: row["score_decay"]):
+            lines.append(f"| {row['score_decay']:g} | {row['ppl']:.3f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/results", type=Path)
@@ -184,6 +237,7 @@ def main() -> None:
     print("## xsum\n\n" + xsum_table(args.out / "xsum.json") + "\n")
     for name in ("needle", "hotpotqa", "kv_retrieval"):
         print(f"## {name}\n\n" + long_table(args.out / f"{name}.json") + "\n")
+    print("## Issue 13 (reduced scale)\n\n" + stream13_tables(args.out) + "\n")
     made = figure(books, args.figs / "budget_ppl.png")
     if made:
         print(f"figure: {made}")

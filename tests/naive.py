@@ -55,6 +55,7 @@ def choose_victim(head: NaiveHeadState, settings) -> int:
         return next(t for t in alive if t >= settings.sinks)
     candidates = alive[: len(alive) - settings.recent] if settings.recent else alive
     if policy in ("h2o", "recall"):  # recall manages its resident set exactly as h2o
+        candidates = [t for t in candidates if t >= settings.h2o_sinks]  # explicit sinks stay
         if settings.score_norm == "mean":
             key = {t: head.score[t] / max(head.seen[t], 1) for t in candidates}
         else:
@@ -103,6 +104,7 @@ def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_
     n_kv = len(heads)
     group = n_heads // n_kv
     output = torch.zeros(n_heads, chunk, head_dim, dtype=torch.float64)
+    decay = settings.score_decay if settings.policy == "h2o" else 1.0
     for j, head in enumerate(heads):
         old = head.alive_indices()
         for i in range(chunk):
@@ -133,6 +135,8 @@ def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_
                 p = torch.softmax((q @ k.T)[0] * scaling, dim=-1)
                 output[h, i] = p @ v
                 total += p
+            for t in head.alive_indices():  # docs/spec.md: each query token decays every score first
+                head.score[t] *= decay
             for position, t in enumerate(visible):
                 if t in recalled:  # recall: only the resident set accumulates scores
                     continue

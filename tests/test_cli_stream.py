@@ -108,6 +108,10 @@ def test_json_from_stdin_equals_file(tmp_path):
         "kv_cache_bytes",
         "peak_rss_bytes",
         "model",
+        "heavy_mean_age",
+        "heavy_median_age",
+        "sinks_kept",
+        "heavy_attention_share",
     ):
         assert field in report
     assert report["tokens"] == 300 and report["budget_tokens"] == 64 and report["heavy"] == 32
@@ -312,3 +316,17 @@ def test_unreachable_hub_is_one_line_at_once(args, repo):
     assert f"cannot load {repo}" in one_error_line(result.stderr.decode())
     # The retries alone took ~25 s; one probe takes at most its 3 s timeout.
     assert elapsed < start_up + 10, f"{elapsed:.1f} s vs start-up {start_up:.1f} s"
+
+
+@pytest.mark.model
+def test_h2o_variants_from_the_help_example_run_and_report_their_heavy_slots():
+    """`--score-decay` and `--h2o-sinks` as in `stream --help`'s example: the report says what was asked, and
+    the sinks asked for are held in every KV head of every layer (4 of the first 4 tokens)."""
+    result = h2o("stream", EXCERPT, "--ppl", "--budget", "64", "--score-decay", "0.995", "--h2o-sinks", "4",
+                 "--json", "--max-tokens", "300", "--chunk", "32")  # fmt: skip
+    assert result.returncode == 0, result.stderr.decode()
+    report = json.loads(result.stdout)
+    assert (report["score_decay"], report["h2o_sinks"], report["sinks_kept"]) == (0.995, 4, 4.0)
+    assert 32 - 1 < report["heavy_mean_age"] < 300 and 0 < report["heavy_attention_share"] < 1
+    bad = h2o("stream", EXCERPT, "--ppl", "--budget", "64", "--h2o-sinks", "40", "--max-tokens", "10")
+    assert bad.returncode == 2 and "--h2o-sinks 40" in one_error_line(bad.stderr.decode())

@@ -170,9 +170,19 @@ def test_prefill_long_chunk_4001():
         assert tolerance(got, want, theirs)
 
 
-@pytest.mark.parametrize("policy", ["h2o", "tova"])
-def test_cache_on_kernels_matches_reference_path(tiny_pair, monkeypatch, policy):
-    """The whole cache (prefill chunks, decode, eviction) on the Triton path equals the torch path."""
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"policy": "h2o"},
+        {"policy": "tova"},
+        {"policy": "h2o", "score_decay": 0.9},
+        {"policy": "h2o", "h2o_sinks": 3},
+    ],
+    ids=lambda o: "-".join(str(v) for v in o.values()),
+)
+def test_cache_on_kernels_matches_reference_path(tiny_pair, monkeypatch, overrides):
+    """The whole cache (prefill chunks, decode, eviction) on the Triton path equals the torch path (decayed
+    scores: the decode kernel adds to scores decayed before it runs; chunks take the torch path)."""
     from h2o_kernels import dispatch
 
     import h2o_cli.cache as cache_module
@@ -181,7 +191,7 @@ def test_cache_on_kernels_matches_reference_path(tiny_pair, monkeypatch, policy)
 
     _, model = tiny_pair
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
-    settings = CacheSettings(budget=16, policy=policy, chunk=8)
+    settings = CacheSettings(budget=16, chunk=8, **overrides)
 
     def run() -> tuple[torch.Tensor, list]:
         cache = H2OCache(model, settings)

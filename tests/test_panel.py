@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from rich.console import Console
 
@@ -47,3 +49,25 @@ def test_long_conversation_has_no_blank_cells():
     row = next(line for line in console.export_text().splitlines() if line.startswith("L0"))
     strip = row[LABEL_WIDTH:].split("  ")[0]
     assert " " not in strip.rstrip() and "·" in strip
+
+
+def test_heavy_slots_line_reports_the_summary_and_is_absent_without_heavy_entries():
+    summary = {
+        "heavy_mean_age": 1234.4,
+        "heavy_median_age": 900.0,
+        "sinks_kept": 3.25,
+        "heavy_attention_share": 0.42,
+    }
+    snapshot = snapshot_of([0, 1, 6, 7, 8, 9], 10, recent=4)
+    console = Console(width=160, record=True, color_system=None)
+    console.print(render_panel(replace(snapshot, heavy_summary=summary), PanelView(), 160, 40))
+    text = console.export_text()
+    assert (
+        "heavy slots: age 1,234 tok (median 900) · sinks kept 3.2/4 · last query's attention on them 42%"
+        in text
+    )
+    console = Console(width=160, record=True, color_system=None)
+    console.print(
+        render_panel(replace(snapshot, heavy_summary={"heavy_mean_age": None}), PanelView(), 160, 40)
+    )
+    assert "heavy slots:" not in console.export_text()

@@ -229,6 +229,7 @@ def test_recall_past_the_models_window_with_rolling_positions(tiny_pair):
         (dict(page_size=0), "--page-size 0 must be at least 1"),
         (dict(archive_max=10, page_size=16), "--archive-max 10 must hold at least two pages"),
         (dict(recall_ratio=0.95, budget=20), "leaves 1 resident token"),
+        (dict(score_decay=0.99), "--score-decay 0.99 is not supported with --policy recall"),
     ],
 )
 def test_bad_recall_settings_are_usage_errors(values, words):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,7 @@ class CacheSnapshot:
     bytes_per_head: int
     cache_bytes: int
     full_kv_bytes: int
+    heavy_summary: dict = field(default_factory=dict)  # `HeavySlotStats.summary()`: ages, sinks, attention
 
     @property
     def n_layers(self) -> int:
@@ -92,6 +93,7 @@ class CacheSnapshot:
 
 def take_snapshot(cache: H2OCache) -> CacheSnapshot:
     """Copy the small per-slot arrays of every layer (not K/V): ~a few hundred microseconds for 30 layers."""
+    from h2o_cli.analysis import heavy_slot_stats
     from h2o_cli.chat.session import full_kv_bytes
 
     stores = cache.stores
@@ -117,4 +119,5 @@ def take_snapshot(cache: H2OCache) -> CacheSnapshot:
         bytes_per_head=store.nbytes() // store.n_kv_heads,
         cache_bytes=cache.nbytes(),
         full_kv_bytes=full_kv_bytes(cache, store.tokens_seen),
+        heavy_summary=heavy_slot_stats(cache).summary(),
     )

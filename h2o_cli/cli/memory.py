@@ -17,7 +17,16 @@ Examples:
 
 
 @opt.cache_options(
-    skip=("policy", "heavy_ratio", "sinks", "positions", "score_norm", "recall_ratio"),
+    skip=(
+        "policy",
+        "heavy_ratio",
+        "sinks",
+        "positions",
+        "score_norm",
+        "recall_ratio",
+        "score_decay",
+        "h2o_sinks",
+    ),
     budget=opt.DEFAULTS["budget"],
     chunk=opt.DEFAULTS["chunk"],
 )

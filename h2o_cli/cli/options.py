@@ -87,6 +87,19 @@ ScoreNorm = Annotated[
         callback=_choice("score-norm", SCORE_NORMS),
     ),
 ]
+ScoreDecay = Annotated[
+    float,
+    typer.Option(
+        "--score-decay",
+        min=0.0,
+        max=1.0,
+        help="h2o scores forget: each query token multiplies them by this before adding (1 = the paper).",
+    ),
+]
+H2OSinks = Annotated[
+    int,
+    typer.Option("--h2o-sinks", min=0, help="h2o: keep the first N tokens in heavy slots (0 = the paper)."),
+]
 Chunk = Annotated[
     int,
     typer.Option(
@@ -165,6 +178,8 @@ CACHE_OPTIONS = {
     "sinks": Sinks,
     "positions": Positions,
     "score_norm": ScoreNorm,
+    "score_decay": ScoreDecay,
+    "h2o_sinks": H2OSinks,
     "chunk": Chunk,
     "kv_bits": KvBits,
     "recall_ratio": RecallRatio,

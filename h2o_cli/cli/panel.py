@@ -11,6 +11,7 @@ from rich.live import Live
 from rich.segment import Segment
 from rich.text import Text
 
+from h2o_cli.analysis import SINK_TOKENS
 from h2o_cli.chat.snapshot import CacheSnapshot, take_snapshot
 from h2o_cli.cli.common import size
 
@@ -60,6 +61,19 @@ def turn_ruler(turn_starts: list[tuple[str, int]], tokens_seen: int, width: int)
     return Text("".join(cells), style="cyan")
 
 
+def heavy_slots_line(summary: dict) -> Text | None:
+    """What the heavy slots hold (`HeavySlotStats.summary()`), in one line; None with no heavy entries."""
+    if summary.get("heavy_mean_age") is None:
+        return None
+    share = summary.get("heavy_attention_share")
+    return Text.assemble(
+        ("heavy slots: ", "bold"),
+        f"age {summary['heavy_mean_age']:,.0f} tok (median {summary['heavy_median_age']:,.0f}) · ",
+        f"sinks kept {summary['sinks_kept']:.1f}/{SINK_TOKENS} · ",
+        f"last query's attention on them {share:.0%}" if share is not None else "",
+    )
+
+
 def render_panel(
     snapshot: CacheSnapshot,
     view: PanelView,
@@ -87,6 +101,9 @@ def render_panel(
         f" · evictions {snapshot.evictions:,}/head · {tokens_per_s:,.1f} tok/s",
     )
     lines += [header, totals]
+    heavy_line = heavy_slots_line(snapshot.heavy_summary)
+    if heavy_line is not None:
+        lines.append(heavy_line)
     lines.append(Text(" " * LABEL_WIDTH) + turn_ruler(list(turn_starts), snapshot.tokens_seen, strip_width))
     if view.layer is not None:
         layers = [min(max(view.layer, 0), snapshot.n_layers - 1)]

@@ -20,6 +20,7 @@ Examples:
   cat book.txt | h2o stream - --ppl --budget 512 --policy sink --json
   h2o stream book.txt --prompt "Who is Victor's friend?" --max-new-tokens 64
   h2o stream book.txt --ppl --quant 4bit --kv-bits 8
+  h2o stream book.txt --ppl --budget 410 --score-decay 0.995 --h2o-sinks 4 --json
 """
 
 

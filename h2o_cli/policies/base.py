@@ -35,6 +35,7 @@ class Policy:
     checks them. The class constants say what the rest of the code may assume:
     - `evicts`: False for a cache that keeps every token (then it holds its whole span, see `kept_tokens`).
     - `positions`: the `--positions` values it supports; the first is used when another is asked for.
+    - `decay_per_query` (property): γ by which the cache multiplies every score per query token (1 = none).
     - `kernel_victim` (property): the fused decode kernel's eviction candidate (the lowest accumulated score
       outside the `recent_slots` newest entries, ties to the oldest) is exactly this policy's choice.
     - `recalls`: the cache archives every token and refills `recall_slots` from it at each step (`recall`).
@@ -76,6 +77,12 @@ class Policy:
     def recall_slots(self) -> int:
         """Slots per KV head refilled from an archive at every step (besides the kept entries)."""
         return 0
+
+    @property
+    def decay_per_query(self) -> float:
+        """γ of accumulated scores: before each query token adds its probabilities, every score is multiplied
+        by γ (docs/spec.md). 1.0 (the default): scores only add up, as in the paper."""
+        return 1.0
 
     @classmethod
     def positions_for(cls, asked: str) -> str:

@@ -21,6 +21,7 @@ def slot_attention(
     key_cos: torch.Tensor,
     key_sin: torch.Tensor,
     scaling: float,
+    query_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact softmax attention of a chunk over the entries each KV head may see.
 
@@ -29,7 +30,8 @@ def slot_attention(
     query_cos/sin: [chunk, head_dim]; key_cos/sin: [n_kv_heads, slots, head_dim].
     Returns output [n_heads, chunk, head_dim], score increments [n_kv_heads, slots] (probabilities summed over
     the chunk's queries and the query heads of each KV head) and the last query's probabilities
-    [n_kv_heads, slots] (summed over query heads).
+    [n_kv_heads, slots] (summed over query heads). query_weights [chunk] (float32): weigh each query's
+    probabilities in the score increments (decayed scores); None = all 1.
     """
     n_heads, chunk, head_dim = query.shape
     n_kv_heads, slots = keys.shape[:2]
@@ -43,5 +45,8 @@ def slot_attention(
     probs = torch.softmax(logits, dim=-1)  # [n_kv, group, chunk, slots]
     output = torch.bmm(probs.view(n_kv_heads, group * chunk, slots).to(values.dtype), values)
     last_probs = probs[:, :, -1].sum(dim=1)
-    score_increments = last_probs if chunk == 1 else probs.sum(dim=(1, 2))
+    if query_weights is not None:
+        score_increments = torch.einsum("kgcs,c->ks", probs, query_weights)
+    else:
+        score_increments = last_probs if chunk == 1 else probs.sum(dim=(1, 2))
     return output.view(n_heads, chunk, head_dim), score_increments, last_probs
