@@ -18,6 +18,7 @@ from h2o_cli.policies import make_policy, policy_class, policy_names
 POLICIES = policy_names()  # the built-in policies; `policy_names()` also sees policies registered later
 POSITIONS = ("rolling", "original")
 KV_BITS = (None, 16, 8)
+KERNELS = ("auto", "torch", "triton")  # h2o_kernels.dispatch.KERNELS (a test checks they agree)
 
 
 def budget_value(value: str | float) -> int | float:
@@ -77,6 +78,9 @@ class CacheSettings:
     score_norm: str = "sum"
     chunk: int = 256
     kv_bits: int | None = None  # None: K/V in the model's dtype; 16: fp16/bf16; 8: int8 + per-token scales
+    kernels: str = (
+        "auto"  # attention: torch, triton (CUDA), auto (triton on CUDA when installed; $H2O_KERNELS)
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", budget_value(self.budget))
@@ -85,6 +89,8 @@ class CacheSettings:
                 f"--kv-bits {self.kv_bits} is not supported; choose 16 or 8 (or omit for the model dtype)"
             )
         policy_class(self.policy)
+        if self.kernels not in KERNELS:
+            raise UsageError(f"--kernels {self.kernels!r} is unknown; choose {', '.join(KERNELS)}")
         if self.positions not in POSITIONS:
             raise UsageError(f"--positions {self.positions!r} is unknown; choose rolling or original")
         if self.chunk < 1:

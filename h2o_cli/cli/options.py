@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from h2o_cli.config import POSITIONS, CacheSettings
+from h2o_cli.config import KERNELS, POSITIONS, CacheSettings
 from h2o_cli.eval.data import DATA_ENV
 from h2o_cli.models import DEFAULT_MODEL, QUANTS
 from h2o_cli.policies import policy_names
@@ -130,6 +130,15 @@ KvBits = Annotated[
         callback=_kv_bits,
     ),
 ]
+Kernels = Annotated[
+    str,
+    typer.Option(
+        "--kernels",
+        help="Attention code: torch, triton (CUDA) or auto (triton on CUDA when installed, else torch; "
+        "$H2O_KERNELS). A Triton failure falls back to torch with one warning.",
+        callback=_choice("kernels", KERNELS),
+    ),
+]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 DataDir = Annotated[
     Path | None,
@@ -159,6 +168,7 @@ CACHE_OPTIONS = {
     "score_norm": ScoreNorm,
     "chunk": Chunk,
     "kv_bits": KvBits,
+    "kernels": Kernels,
 }
 
 
