@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from h2o_kernels import decode_attention, prefill_attention, slot_attention, use_triton
 from h2o_kernels.dispatch import kernels_choice, triton_possible
+from h2o_kernels.reference import rows
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_cli.config import CacheSettings
@@ -154,8 +155,8 @@ class H2OLayer(CacheLayerMixin):
             store.allowed(chunk),
             cos_table[query_positions],
             sin_table[query_positions],
-            cos_table[key_positions],
-            sin_table[key_positions],
+            rows(cos_table, key_positions),
+            rows(sin_table, key_positions),
             scaling,
         )
         store.accumulate(increments, last_probs, chunk)

@@ -43,15 +43,16 @@ def kernels_choice(kernels: str = "auto") -> str:
 
 def triton_possible(device: torch.device) -> bool:
     """Whether the Triton kernels can be tried on `device`: CUDA, with triton installed."""
-    return torch.device(device).type == "cuda" and triton_importable()
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return device_type == "cuda" and triton_importable()
 
 
 def use_triton(device: torch.device, kernels: str = "auto") -> bool:
     """True when the Triton kernels run on `device` for the setting `kernels` (see the module docstring);
     False for good once a Triton kernel has failed in this process."""
-    if _failure is not None or kernels_choice(kernels) == "torch":
+    if _failure is not None or not triton_possible(device):  # the CPU's answer, first and cheap
         return False
-    return triton_possible(device)
+    return kernels_choice(kernels) != "torch"
 
 
 def fall_back(error: BaseException) -> None:
