@@ -138,3 +138,13 @@ def test_fallback_warning_is_one_line_on_stderr():
     assert done.stdout.strip() == "ok"
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "simulated launch failure" in lines[0] and "torch path" in lines[0]
+
+
+def test_kernels_option_rejects_an_unknown_choice(monkeypatch, capsys):
+    """`--kernels` is a cache option of the commands that build a cache; a wrong value is a usage error."""
+    from h2o_cli.cli.app import main
+
+    monkeypatch.setattr("sys.argv", ["h2o", "stream", "-", "--kernels", "cuda"])
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code == 2 and "cuda" in capsys.readouterr().err

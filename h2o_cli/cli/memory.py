@@ -17,7 +17,7 @@ Examples:
 
 
 @opt.cache_options(
-    skip=("policy", "heavy_ratio", "sinks", "positions", "score_norm"),
+    skip=("policy", "heavy_ratio", "sinks", "positions", "score_norm", "kernels"),
     budget=opt.DEFAULTS["budget"],
     chunk=opt.DEFAULTS["chunk"],
 )
