@@ -148,3 +148,12 @@ def test_bench_only_rejects_unknown_parts(monkeypatch, capsys, tmp_path):
     with pytest.raises(SystemExit) as done:
         main()
     assert done.value.code == 2 and "warp" not in capsys.readouterr().out
+
+
+def test_bench_contexts_option_parses_counts_and_rejects_words():
+    from h2o_cli.cli.bench import parse_contexts
+    from h2o_cli.errors import UsageError
+
+    assert parse_contexts("4096,1024") == (1024, 4096)
+    with pytest.raises(UsageError, match="--contexts"):
+        parse_contexts("1k")

@@ -23,6 +23,16 @@ Examples:
 """
 
 
+def parse_contexts(value: str) -> tuple[int, ...]:
+    try:
+        contexts = tuple(sorted(int(part) for part in value.split(",") if part.strip()))
+    except ValueError:
+        raise UsageError(f"--contexts {value!r}: give token counts like 1024,4096,8000") from None
+    if not contexts or contexts[0] < 2:
+        raise UsageError(f"--contexts {value!r}: give token counts like 1024,4096,8000")
+    return contexts
+
+
 def parse_parts(value: str | None) -> tuple[str, ...]:
     from h2o_cli.bench import PARTS
 
@@ -52,6 +62,12 @@ def bench(
             "prefill, llama_cpp. Default: all.",
         ),
     ] = None,
+    contexts: Annotated[
+        str | None,
+        typer.Option(
+            "--contexts", help="Comma-separated contexts of the decode parts (default 1024,4096,8000)."
+        ),
+    ] = None,
     rounds: Annotated[
         int, typer.Option("--rounds", min=1, help="Alternating plain/h2o rounds of the speed part.")
     ] = 2,
@@ -74,6 +90,8 @@ def bench(
     parts = parse_parts(only)
     plan = lib.BenchPlan.quick() if quick else lib.BenchPlan()
     plan = dataclasses.replace(plan, parts=parts, rounds=rounds, kernels=kernels)
+    if contexts is not None:
+        plan = dataclasses.replace(plan, contexts=parse_contexts(contexts))
     if flat_to is not None:
         plan = dataclasses.replace(plan, flat_points=(min(plan.flat_points[0], flat_to // 2), flat_to))
     lm, tokenizer = load(model, device, "auto", False, threads)
@@ -85,6 +103,7 @@ def bench(
         ["h2o bench"]
         + (["--quick"] if quick else [])
         + ([f"--only {','.join(parts)}"] if only else [])
+        + ([f"--contexts {contexts}"] if contexts else [])
         + ([f"--rounds {rounds}"] if rounds != 2 else [])
         + ([f"--device {device}"] if device != "cpu" else [])
         + ([f"--kernels {kernels}"] if kernels != "auto" else [])
