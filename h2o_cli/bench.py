@@ -1,4 +1,5 @@
-"""`h2o bench` measurements: decode speed vs full cache, policy overhead, flat cost of a stream, prefill memory.
+"""`h2o bench` measurements: h2o vs plain transformers (decode, stream), decode vs our full cache, policy
+overhead, flat cost of a stream, prefill memory, llama.cpp.
 
 Every ratio compares figures measured in the same run, on the same model and thread setting.
 """
@@ -14,12 +15,13 @@ from pathlib import Path
 import psutil
 import torch
 
+from h2o_cli import bench_speed
 from h2o_cli.cache import H2OCache
 from h2o_cli.runtime import context_window, make_settings, peak_rss_bytes
 from h2o_cli.streaming import chunks_of, forward_chunk, prefill
 
 BOOK = Path("gutenberg_books/war_and_peace_pg2600.txt")  # under the data folder (`--data-dir`, $H2O_DATA)
-BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+PARTS = ("speed", "stream", "policies", "flat", "prefill", "llama_cpp")  # what `--only` may choose
 
 
 @dataclass
@@ -34,11 +36,21 @@ class BenchPlan:
     flat_budget: int = 1024
     prefill_tokens: int = 8000
     chunk: int = 256
+    parts: tuple[str, ...] = PARTS
+    speed_fraction: float = 0.1  # h2o's budget against plain transformers, of each context
+    rounds: int = 2
+    stream_tokens: int = 8000
+    kernels: str = "auto"
 
     @classmethod
     def quick(cls) -> BenchPlan:
         return cls(contexts=(1024,), decode_tokens=16, flat_points=(1_000, 4_000), flat_window=256,
-                   flat_budget=256, prefill_tokens=2048)  # fmt: skip
+                   flat_budget=256, prefill_tokens=2048, stream_tokens=1024)  # fmt: skip
+
+    def section(self, threads: int) -> str:
+        """Name of the docs section a run of these parts fills: `bench` for all of them, else one per parts and
+        thread count (so runs with 1 and 2 threads stand side by side)."""
+        return "bench" if set(self.parts) == set(PARTS) else f"bench-{'-'.join(self.parts)}-threads-{threads}"
 
 
 @dataclass
@@ -46,6 +58,11 @@ class BenchReport:
     threads: int
     rows: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    speed: list[dict] = field(default_factory=list)  # paired plain/h2o decode, one row per round and context
+    stream: dict | None = None
+    bandwidth: float | None = None  # bytes/s, copy (read + write)
+    byte_model: bench_speed.ByteModel | None = None
+    plan: BenchPlan | None = None
 
 
 def current_rss_bytes() -> int:
@@ -59,10 +76,17 @@ def book_ids(tokenizer, count: int, path: Path) -> list[int]:
 
 
 def decode_speed(
-    model, ids: list[int], context: int, policy: str, budget: str, tokens: int, chunk: int
+    model,
+    ids: list[int],
+    context: int,
+    policy: str,
+    budget: str,
+    tokens: int,
+    chunk: int,
+    kernels: str = "auto",
 ) -> float:
     """Tokens/s of token-by-token decode after reading `context` tokens (prefill not timed)."""
-    cache = H2OCache(model, make_settings(model, budget, policy, chunk=chunk))
+    cache = H2OCache(model, make_settings(model, budget, policy, chunk=chunk, kernels=kernels))
     prefill(model, cache, [ids[:context]], chunk)[1].reraise()
     started = time.perf_counter()
     for token in ids[context : context + tokens]:
@@ -124,66 +148,107 @@ def run(
 ) -> BenchReport:
     """Every measurement of `plan` on `model`, reading `book` (a long plain-text file)."""
     threads = torch.get_num_threads()
-    report = BenchReport(threads=threads)
+    report = BenchReport(threads=threads, plan=plan)
+    parts = plan.parts
     window = context_window(model)
-    ids = book_ids(tokenizer, max(max(plan.contexts) + plan.decode_tokens, max(plan.flat_points)), book)
-    for context in plan.contexts:
-        context = min(context, window - plan.decode_tokens)
-        progress(f"decode at context {context}")
-        full = decode_speed(model, ids, context, "full", "1", plan.decode_tokens, plan.chunk)
+    contexts = tuple(min(context, window - plan.decode_tokens) for context in plan.contexts)
+    needed = [max(contexts) + plan.decode_tokens, plan.stream_tokens if "stream" in parts else 0]
+    ids = book_ids(tokenizer, max(needed + ([max(plan.flat_points)] if "flat" in parts else [])), book)
+    if "speed" in parts or "stream" in parts:
+        progress("copy bandwidth")
+        report.bandwidth = bench_speed.copy_bandwidth(device=model.device)
+        report.byte_model = bench_speed.ByteModel.of(model)
+    if "speed" in parts:
+        report.speed = bench_speed.paired_decode(
+            model, ids, contexts, plan.speed_fraction, plan.decode_tokens, plan.rounds, plan.chunk,
+            plan.kernels, progress,
+        )  # fmt: skip
+    if "stream" in parts:
+        progress(f"stream --ppl vs plain transformers, {plan.stream_tokens} tokens")
+        tokens = min(plan.stream_tokens, window)
+        report.stream = bench_speed.stream_speed(model, ids, tokens, plan.chunk, kernels=plan.kernels)
+    if "policies" in parts:
+        policy_rows(report, model, ids, contexts, plan, progress)
+    if "flat" in parts:
+        progress(f"flat cost to token {max(plan.flat_points)}")
+        flat = flat_cost(model, ids, plan.flat_points, plan.flat_window, plan.flat_budget, plan.chunk)
+        first, last = plan.flat_points
+        for point in plan.flat_points:
+            report.rows.append({"what": f"stream ms/token at token {point}", "setting": f"h2o {plan.flat_budget}",
+                                "value": flat[point]["ms_per_token"], "rss_mib": flat[point]["rss"] / 2**20})  # fmt: skip
+        report.rows.append({"what": f"flat cost: time ratio token {last} / {first}", "setting": "goal <= 1.1",
+                            "value": flat[last]["ms_per_token"] / flat[first]["ms_per_token"],
+                            "rss_ratio": flat[last]["rss"] / flat[first]["rss"]})  # fmt: skip
+        report.notes.append(
+            f"flat cost measured at tokens {first} and {last} (not 1M): the token count is --flat-to"
+        )
+    if "prefill" in parts:
+        progress(f"prefill peak memory, {plan.prefill_tokens} tokens")
+        one_shot = prefill_peak(name, book, plan.prefill_tokens, plan.prefill_tokens, threads)
+        chunked = prefill_peak(name, book, plan.prefill_tokens, plan.chunk, threads)
+        report.rows += [
+            {"what": f"prefill peak RSS growth, {plan.prefill_tokens} tokens", "setting": "one shot",
+             "value": one_shot / 2**20, "unit": "MiB"},
+            {"what": f"prefill peak RSS growth, {plan.prefill_tokens} tokens", "setting": f"chunks of {plan.chunk}",
+             "value": chunked / 2**20, "unit": "MiB", "ratio": chunked / max(one_shot, 1), "ratio_of": "one shot"},
+        ]  # fmt: skip
+    if "llama_cpp" in parts:
+        context = contexts[0]
+        cpp = llama_cpp_speed(gguf, context, plan.decode_tokens, threads)
+        if cpp is None:
+            report.notes.append("llama.cpp: llama-cpp-python not installed (or no GGUF file): not measured")
+        else:
+            ours = next((r["value"] for r in report.rows if r["setting"] == "full cache"), None)
+            ours = ours if ours is not None else decode_speed(model, ids, context, "full", "1", plan.decode_tokens,
+                                                              plan.chunk, plan.kernels)  # fmt: skip
+            report.rows.append({"what": f"llama.cpp decode tok/s, context {context}", "setting": "same GGUF",
+                                "value": cpp, "ratio": ours / cpp, "ratio_of": "ours (full) / llama.cpp"})  # fmt: skip
+    return report
+
+
+def policy_rows(report: BenchReport, model, ids: list[int], contexts, plan: BenchPlan, progress) -> None:
+    """Decode against our own full cache, and h2o against local (the policy's own cost), per context."""
+    for context in contexts:
+        progress(f"decode at context {context}: full, h2o, local")
+        full = decode_speed(model, ids, context, "full", "1", plan.decode_tokens, plan.chunk, plan.kernels)
         report.rows.append(
             {"what": f"decode tok/s, context {context}", "setting": "full cache", "value": full}
         )
         for fraction in plan.fractions:
             budget = str(max(2, int(context * fraction)))
-            h2o = decode_speed(model, ids, context, "h2o", budget, plan.decode_tokens, plan.chunk)
-            local = decode_speed(model, ids, context, "local", budget, plan.decode_tokens, plan.chunk)
+            h2o = decode_speed(
+                model, ids, context, "h2o", budget, plan.decode_tokens, plan.chunk, plan.kernels
+            )
+            local = decode_speed(
+                model, ids, context, "local", budget, plan.decode_tokens, plan.chunk, plan.kernels
+            )
             report.rows += [
                 {"what": f"decode tok/s, context {context}", "setting": f"h2o {fraction:.0%} ({budget})",
                  "value": h2o, "ratio": h2o / full, "ratio_of": "full"},
                 {"what": f"policy overhead, context {context}", "setting": f"h2o vs local, budget {budget}",
                  "value": local / h2o - 1, "unit": "fraction", "goal": "<= 0.05"},
             ]  # fmt: skip
-    progress(f"flat cost to token {max(plan.flat_points)}")
-    flat = flat_cost(model, ids, plan.flat_points, plan.flat_window, plan.flat_budget, plan.chunk)
-    first, last = plan.flat_points
-    for point in plan.flat_points:
-        report.rows.append({"what": f"stream ms/token at token {point}", "setting": f"h2o {plan.flat_budget}",
-                            "value": flat[point]["ms_per_token"], "rss_mib": flat[point]["rss"] / 2**20})  # fmt: skip
-    report.rows.append({"what": f"flat cost: time ratio token {last} / {first}", "setting": "goal <= 1.1",
-                        "value": flat[last]["ms_per_token"] / flat[first]["ms_per_token"],
-                        "rss_ratio": flat[last]["rss"] / flat[first]["rss"]})  # fmt: skip
-    report.notes.append(
-        f"flat cost measured at tokens {first} and {last} (not 1M): the token count is --flat-to"
-    )
-    progress(f"prefill peak memory, {plan.prefill_tokens} tokens")
-    one_shot = prefill_peak(name, book, plan.prefill_tokens, plan.prefill_tokens, threads)
-    chunked = prefill_peak(name, book, plan.prefill_tokens, plan.chunk, threads)
-    report.rows += [
-        {"what": f"prefill peak RSS growth, {plan.prefill_tokens} tokens", "setting": "one shot",
-         "value": one_shot / 2**20, "unit": "MiB"},
-        {"what": f"prefill peak RSS growth, {plan.prefill_tokens} tokens", "setting": f"chunks of {plan.chunk}",
-         "value": chunked / 2**20, "unit": "MiB", "ratio": chunked / max(one_shot, 1), "ratio_of": "one shot"},
-    ]  # fmt: skip
-    context = plan.contexts[0]
-    cpp = llama_cpp_speed(gguf, context, plan.decode_tokens, threads)
-    if cpp is None:
-        report.notes.append("llama.cpp: llama-cpp-python not installed (or no GGUF file): not measured")
-    else:
-        ours = next(r["value"] for r in report.rows if r["setting"] == "full cache")
-        report.rows.append({"what": f"llama.cpp decode tok/s, context {context}", "setting": "same GGUF",
-                            "value": cpp, "ratio": ours / cpp, "ratio_of": "ours (full) / llama.cpp"})  # fmt: skip
-    return report
+
+
+def markers(section: str) -> tuple[str, str]:
+    return f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
 
 
 def markdown(report: BenchReport, command: str) -> str:
+    plan = report.plan or BenchPlan()
+    begin, end = markers(plan.section(report.threads))
     lines = [
-        BEGIN,
+        begin,
         f"Generated by `{command}` — torch threads: {report.threads}; another process may share the CPU.",
-        "",
-        "| measurement | setting | value | ratio |",
-        "|---|---|---|---|",
     ]
+    if report.speed or report.stream:
+        lines += ["", *bench_speed.markdown(
+            report.speed, bench_speed.summary(report.speed, report.byte_model, report.bandwidth), report.stream,
+            report.byte_model, report.bandwidth, report.threads, plan.decode_tokens, plan.chunk,
+            plan.speed_fraction,
+        )]  # fmt: skip
+    if report.rows:
+        lines += ["", "| measurement | setting | value | ratio |", "|---|---|---|---|"]
     for row in report.rows:
         ratio = f"{row['ratio']:.2f} of {row['ratio_of']}" if "ratio" in row else ""
         if "rss_mib" in row:
@@ -193,15 +258,16 @@ def markdown(report: BenchReport, command: str) -> str:
         lines.append(
             f"| {row['what']} | {row['setting']} | {row['value']:,.3f} {row.get('unit', '')} | {ratio} |"
         )
-    lines += ["", *[f"- {note}" for note in report.notes], END]
+    lines += ["", *[f"- {note}" for note in report.notes], end]
     return "\n".join(lines)
 
 
 def write_section(path: Path, section: str) -> None:
-    """Replace the text between the bench markers of `path` (append the section if there are none)."""
+    """Replace the text between the markers that open and close `section` in `path` (append it if absent)."""
     text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n\n"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
+    begin, end = section.splitlines()[0], section.splitlines()[-1]
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + section + text[text.index(end) + len(end) :]
     else:
         text = text.rstrip() + "\n\n" + section + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 from h2o_kernels import decode_attention, prefill_attention, slot_attention, use_triton
+from h2o_kernels.dispatch import kernels_choice, triton_possible
+from h2o_kernels.reference import rows
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_cli.archive import PageArchive
@@ -143,7 +145,7 @@ class H2OLayer(CacheLayerMixin):
         cos_table, sin_table = self.rope.table(first_query_position + chunk, dtype, query.device)
         decay = self.policy.decay_per_query
         # The prefill kernel sums a chunk's probabilities unweighted: decayed chunks take the torch path.
-        if use_triton(query.device) and (chunk == 1 or decay == 1.0):
+        if use_triton(query.device, self.settings.kernels) and (chunk == 1 or decay == 1.0):
             return self._attend_fused(
                 query, key_positions, first_query_position, cos_table, sin_table, scaling
             )
@@ -159,8 +161,8 @@ class H2OLayer(CacheLayerMixin):
             store.allowed(chunk),
             cos_table[query_positions],
             sin_table[query_positions],
-            cos_table[key_positions],
-            sin_table[key_positions],
+            rows(cos_table, key_positions),
+            rows(sin_table, key_positions),
             scaling,
             query_weights,
         )
@@ -176,6 +178,7 @@ class H2OLayer(CacheLayerMixin):
             output, increments, last_probs = prefill_attention(
                 query, store.key_states(), store.value_states(), store.valid, store.token_index, key_positions,
                 store.tokens_seen - chunk, first_query_position, cos_table, sin_table, scaling,
+                kernels=self.settings.kernels,
             )  # fmt: skip
             store.accumulate(increments, last_probs, chunk)
             store.evict(self.policy)
@@ -189,6 +192,7 @@ class H2OLayer(CacheLayerMixin):
             query[:, 0], store.key_states(), store.value_states(), store.valid, key_positions, store.rank,
             store.token_index,
             first_query_position, cos_table, sin_table, scaling, store.scores, recent_rank,
+            kernels=self.settings.kernels,
         )  # fmt: skip
         store.accumulate(increments, increments, chunk, scores_added=True)
         if heavy_hitter:
@@ -343,6 +347,7 @@ class H2OCache(Cache):
         # Attention reads the kept entries, the recall slots and the chunk: positions reach their sum.
         check_rolling_window(settings, budget + policy.recall_slots, span, shape.context)
         param = next(model.parameters())
+        check_kernels(settings.kernels, param.device)
         dtype = compute_dtype(model)
         rope = Rope(model.model.rotary_emb, shape.head_dim)
         layer_class = RecallLayer if policy.recalls else H2OLayer
@@ -436,6 +441,19 @@ def check_rolling_window(settings: CacheSettings, budget: int, span: int | None,
             f"--budget {budget} + --chunk {settings.chunk} = {budget + settings.chunk} positions pass the "
             f"model's context window ({context}); use --chunk {max(1, context - budget)} or less, "
             f"or --budget {max(2, context - settings.chunk)} or less"
+        )
+
+
+def check_kernels(kernels: str, device: torch.device) -> None:
+    """Refuse `--kernels triton` (or `$H2O_KERNELS`) where Triton cannot run, and an unknown `$H2O_KERNELS`."""
+    try:
+        choice = kernels_choice(kernels)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if choice == "triton" and not triton_possible(device):
+        raise UsageError(
+            f"--kernels triton needs a CUDA device and the triton package (device: {device}); "
+            "use --kernels torch or auto"
         )
 
 

@@ -19,6 +19,7 @@ from h2o_cli.policies.recall import check_recall_options
 POLICIES = policy_names()  # the built-in policies; `policy_names()` also sees policies registered later
 POSITIONS = ("rolling", "original")
 KV_BITS = (None, 16, 8)
+KERNELS = ("auto", "torch", "triton")  # h2o_kernels.dispatch.KERNELS (a test checks they agree)
 
 
 def budget_value(value: str | float) -> int | float:
@@ -83,6 +84,9 @@ class CacheSettings:
     recall_ratio: float = 0.5  # recall: share of the budget refilled from the archive at every step
     page_size: int = 8  # recall: tokens per archive page (one key summary per page and KV head)
     archive_max: int = 16384  # recall: tokens the archive holds; older pages are dropped for good
+    kernels: str = (
+        "auto"  # attention: torch, triton (CUDA), auto (triton on CUDA when installed; $H2O_KERNELS)
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", budget_value(self.budget))
@@ -91,6 +95,8 @@ class CacheSettings:
                 f"--kv-bits {self.kv_bits} is not supported; choose 16 or 8 (or omit for the model dtype)"
             )
         policy_class(self.policy)
+        if self.kernels not in KERNELS:
+            raise UsageError(f"--kernels {self.kernels!r} is unknown; choose {', '.join(KERNELS)}")
         if self.positions not in POSITIONS:
             raise UsageError(f"--positions {self.positions!r} is unknown; choose rolling or original")
         if self.chunk < 1:

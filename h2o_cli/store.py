@@ -109,11 +109,15 @@ class LayerStore:
             free = self.valid.to(torch.uint8).argmin(dim=1, keepdim=True)  # first free slot of each head
         else:
             free = torch.argsort(self.valid.to(torch.uint8), dim=1, stable=True)[:, :chunk]
-        offsets = torch.arange(chunk, device=keys.device).expand(self.n_kv_heads, chunk)
         index = free.unsqueeze(-1).expand(-1, -1, self.head_dim)
         self._write_states(index, free, keys, values)
-        self.token_index.scatter_(1, free, offsets + self.tokens_seen)
-        self.rank.scatter_(1, free, offsets + self.length)
+        if chunk == 1:  # decode: scalar scatters, no offsets tensor to build
+            self.token_index.scatter_(1, free, self.tokens_seen)
+            self.rank.scatter_(1, free, self.length)
+        else:
+            offsets = torch.arange(chunk, device=keys.device).expand(self.n_kv_heads, chunk)
+            self.token_index.scatter_(1, free, offsets + self.tokens_seen)
+            self.rank.scatter_(1, free, offsets + self.length)
         self.scores.scatter_(1, free, 0.0)
         self.seen.scatter_(1, free, 0.0)
         self.valid.scatter_(1, free, True)

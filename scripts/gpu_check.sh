@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# GPU check (<= 10 min on one GPU): Triton kernel tests for real, then fused-vs-SDPA decode/prefill timing.
-# Usage: bash scripts/gpu_check.sh   (needs torch with CUDA and `pip install triton==3.9.0`)
+# GPU check (<= 10 min on one GPU): Triton kernel tests for real, the torch fallback, fused-vs-SDPA kernel
+# timing, then `h2o bench --only speed,stream` (plain transformers vs h2o 10% at 1K/4K/8K) on the torch path
+# and on the Triton path.
+# Usage: bash scripts/gpu_check.sh   (needs torch with CUDA and `pip install triton==3.9.0`; the bench part also
+# needs the model (H2O_GPU_MODEL, default smollm2-135m, converted under $H2O_HOME) and $H2O_DATA's book)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:$PWD/kernels" TRITON_INTERPRET=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-timeout 300 python -m pytest tests/test_kernels.py -q -o addopts="" -p no:cacheprovider
+timeout 300 python -m pytest tests/test_kernels.py tests/test_kernel_fallback.py -q -o addopts="" -p no:cacheprovider
 timeout 240 python - <<'PY'
 import torch
 import torch.nn.functional as F
@@ -43,3 +46,18 @@ for n_heads, n_kv, d in [(9, 3, 64), (32, 8, 128)]:
     sd = timed(lambda: F.scaled_dot_product_attention(qq, kk[:, :, :slots], vv[:, :, :slots]), n=10)
     print(f"prefill chunk {chunk} over {slots}: fused two-pass {pf:.3f} ms  SDPA {sd:.3f} ms")
 PY
+
+# The same comparison as `h2o bench` on the CPU, once per kernel path (plain transformers is the same in both).
+MODEL="${H2O_GPU_MODEL:-smollm2-135m}"
+BOOK="${H2O_DATA:-../shared/data}/gutenberg_books/war_and_peace_pg2600.txt"
+if [ ! -f "$BOOK" ]; then
+  echo "bench skipped: $BOOK not found (set H2O_DATA)"
+  exit 0
+fi
+for kernels in torch triton; do
+  echo "== h2o bench, --kernels $kernels =="
+  timeout 240 python -c "from h2o_cli.cli.app import main; main()" bench --only speed,stream --rounds 2 \
+    --device cuda --kernels "$kernels" --threads 0 --model "$MODEL" --json \
+    | python -c "import json, sys; r = json.load(sys.stdin); print(json.dumps({k: r[k] for k in ('speed', 'stream', 'bandwidth')}, indent=1))" \
+    || echo "h2o bench --kernels $kernels failed (is $MODEL converted under \$H2O_HOME?)"
+done

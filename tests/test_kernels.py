@@ -204,8 +204,8 @@ def test_cache_on_kernels_matches_reference_path(tiny_pair, monkeypatch, overrid
         return torch.cat(logits), [(s.token_index.clone(), s.scores.clone()) for s in cache.stores]
 
     reference_logits, reference_state = run()
-    monkeypatch.setattr(cache_module, "use_triton", lambda device: True)
-    monkeypatch.setattr(dispatch, "use_triton", lambda device: True)
+    monkeypatch.setattr(cache_module, "use_triton", lambda *args: True)
+    monkeypatch.setattr(dispatch, "use_triton", lambda *args: True)
     kernel_logits, kernel_state = run()
     torch.testing.assert_close(kernel_logits, reference_logits, rtol=1e-4, atol=1e-4)
     for (tokens, scores), (ref_tokens, ref_scores) in zip(kernel_state, reference_state, strict=True):
@@ -236,8 +236,8 @@ def test_cache_on_kernels_splits_a_long_call_like_the_reference_path(tiny_pair, 
         return torch.cat(logits), [s.token_index.clone() for s in cache.stores]
 
     reference_logits, reference_tokens = run()
-    monkeypatch.setattr(cache_module, "use_triton", lambda device: True)
-    monkeypatch.setattr(dispatch, "use_triton", lambda device: True)
+    monkeypatch.setattr(cache_module, "use_triton", lambda *args: True)
+    monkeypatch.setattr(dispatch, "use_triton", lambda *args: True)
     kernel_logits, kernel_tokens = run()
     torch.testing.assert_close(kernel_logits, reference_logits, rtol=1e-4, atol=1e-4)
     for tokens, ref_tokens in zip(kernel_tokens, reference_tokens, strict=True):

@@ -26,6 +26,7 @@ Examples:
         "recall_ratio",
         "score_decay",
         "h2o_sinks",
+        "kernels",
     ),
     budget=opt.DEFAULTS["budget"],
     chunk=opt.DEFAULTS["chunk"],

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from h2o_cli.config import POSITIONS, CacheSettings
+from h2o_cli.config import KERNELS, POSITIONS, CacheSettings
 from h2o_cli.eval.data import DATA_ENV
 from h2o_cli.models import DEFAULT_MODEL, QUANTS
 from h2o_cli.policies import policy_names
@@ -151,6 +151,15 @@ PageSize = Annotated[int, typer.Option("--page-size", help="recall: tokens per a
 ArchiveMax = Annotated[
     int, typer.Option("--archive-max", help="recall: tokens the archive keeps (older pages are dropped).")
 ]
+Kernels = Annotated[
+    str,
+    typer.Option(
+        "--kernels",
+        help="Attention code: torch, triton (CUDA) or auto (triton on CUDA when installed, else torch; "
+        "$H2O_KERNELS). A Triton failure falls back to torch with one warning.",
+        callback=_choice("kernels", KERNELS),
+    ),
+]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 DataDir = Annotated[
     Path | None,
@@ -185,6 +194,7 @@ CACHE_OPTIONS = {
     "recall_ratio": RecallRatio,
     "page_size": PageSize,
     "archive_max": ArchiveMax,
+    "kernels": Kernels,
 }
 
 

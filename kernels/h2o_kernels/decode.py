@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from h2o_kernels.reference import rotate
+from h2o_kernels.reference import rotate, rows
 
 NO_CANDIDATE = -1
 
@@ -41,7 +41,7 @@ def decode_attention(
     group = n_heads // n_kv_heads
     positions = key_positions.clamp_min(0)
     q = rotate(query, cos_table[query_position], sin_table[query_position]).view(n_kv_heads, group, head_dim)
-    k = rotate(keys, cos_table[positions], sin_table[positions])
+    k = rotate(keys, rows(cos_table, positions), rows(sin_table, positions))
     logits = torch.bmm(q.float(), k.float().transpose(1, 2)) * scaling  # [n_kv, group, slots]
     logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
     probs = torch.softmax(logits, dim=-1)

@@ -1,19 +1,29 @@
-"""Which implementation runs: the Triton kernels on CUDA when triton imports, the pure-torch references otherwise."""
+"""Which implementation runs: the Triton kernels or the pure-torch references (same signatures, same results).
+
+`kernels` (the cache setting `--kernels`, else `$H2O_KERNELS`) is `torch`, `triton` or `auto` (Triton on a
+CUDA device when triton imports). The Triton path has never run on every GPU it may meet, so it must not be
+what a first run depends on: a kernel that fails to compile or launch is reported once (one warning line,
+logger `h2o_kernels`) and the torch path runs instead, for that call and the rest of the process.
+"""
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
 from h2o_kernels import decode, prefill
 
+KERNELS = ("auto", "torch", "triton")
+ENV = "H2O_KERNELS"
+logger = logging.getLogger("h2o_kernels")
+_failure: str | None = None  # why the Triton path was given up in this process, once it was
+
 
 @functools.cache
-def triton_available() -> bool:
-    if os.environ.get("H2O_KERNELS", "auto") == "reference":
-        return False
+def triton_importable() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -21,24 +31,67 @@ def triton_available() -> bool:
     return True
 
 
-def use_triton(device: torch.device) -> bool:
-    """True on a CUDA device with triton installed (H2O_KERNELS=reference forces the torch path)."""
-    return device.type == "cuda" and triton_available()
+def kernels_choice(kernels: str = "auto") -> str:
+    """`kernels` with `auto` replaced by `$H2O_KERNELS` when set (`reference` is an old name for `torch`)."""
+    if kernels == "auto":
+        kernels = os.environ.get(ENV, "auto").strip().lower() or "auto"
+        kernels = "torch" if kernels == "reference" else kernels
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {kernels!r} (from ${ENV}?)")
+    return kernels
 
 
-def decode_attention(*args, **kwargs):
-    """`h2o_kernels.decode.decode_attention`, on the Triton kernel when `use_triton` says so."""
-    if use_triton(args[0].device):
-        from h2o_kernels import triton_decode
-
-        return triton_decode.decode_attention(*args, **kwargs)
-    return decode.decode_attention(*args, **kwargs)
+def triton_possible(device: torch.device) -> bool:
+    """Whether the Triton kernels can be tried on `device`: CUDA, with triton installed."""
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return device_type == "cuda" and triton_importable()
 
 
-def prefill_attention(*args, **kwargs):
-    """`h2o_kernels.prefill.prefill_attention`, on the Triton kernel when `use_triton` says so."""
-    if use_triton(args[0].device):
-        from h2o_kernels import triton_prefill
+def use_triton(device: torch.device, kernels: str = "auto") -> bool:
+    """True when the Triton kernels run on `device` for the setting `kernels` (see the module docstring);
+    False for good once a Triton kernel has failed in this process."""
+    if _failure is not None or not triton_possible(device):  # the CPU's answer, first and cheap
+        return False
+    return kernels_choice(kernels) != "torch"
 
-        return triton_prefill.prefill_attention(*args, **kwargs)
-    return prefill.prefill_attention(*args, **kwargs)
+
+def fall_back(error: BaseException) -> None:
+    """Give up the Triton path for this process; the first failure is logged as one warning line."""
+    global _failure
+    if _failure is None:
+        _failure = f"{type(error).__name__}: {error}".splitlines()[0]
+        logger.warning("Triton kernel failed (%s); using the torch path from now on", _failure)
+
+
+def _triton_decode(*args):
+    from h2o_kernels import triton_decode  # triton is optional: imported on the first CUDA call
+
+    return triton_decode.decode_attention(*args)
+
+
+def _triton_prefill(*args):
+    from h2o_kernels import triton_prefill
+
+    return triton_prefill.prefill_attention(*args)
+
+
+def decode_attention(*args, kernels: str = "auto"):
+    """`h2o_kernels.decode.decode_attention` (same arguments), on the Triton kernel when `use_triton` says
+    so. A Triton failure is raised before any state changes (compile or launch), so the torch path redoes
+    the whole call."""
+    if use_triton(args[0].device, kernels):
+        try:
+            return _triton_decode(*args)
+        except Exception as error:  # compile error, missing driver/ptxas, out of resources, launch error
+            fall_back(error)
+    return decode.decode_attention(*args)
+
+
+def prefill_attention(*args, kernels: str = "auto"):
+    """`h2o_kernels.prefill.prefill_attention` (same arguments), like `decode_attention`."""
+    if use_triton(args[0].device, kernels):
+        try:
+            return _triton_prefill(*args)
+        except Exception as error:
+            fall_back(error)
+    return prefill.prefill_attention(*args)

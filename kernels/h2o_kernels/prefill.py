@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from h2o_kernels.reference import slot_attention
+from h2o_kernels.reference import rows, slot_attention
 
 
 def prefill_attention(
@@ -40,7 +40,7 @@ def prefill_attention(
         allowed,
         cos_table[query_positions],
         sin_table[query_positions],
-        cos_table[positions],
-        sin_table[positions],
+        rows(cos_table, positions),
+        rows(sin_table, positions),
         scaling,
     )

@@ -1,0 +1,135 @@
+"""Where a decode step's time goes: torch.profiler over decode steps of the embedded model, h2o vs plain.
+
+Reads `--context` tokens of War and Peace (chunks of 256), then profiles `--steps` greedy decode steps
+(after `--warmup` unprofiled ones) and splits the time into: the cache and attention code (`H2OLayer.update`
++ `attend`, or sdpa + `DynamicCache.update` for plain transformers), the model's linear layers (the
+output projection apart), and the rest (norms, RoPE of q/k, MLP activation, residuals, embedding, Python).
+
+    python scripts/profile_decode.py --context 4096 --budget 0.1 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+BOOK = Path("gutenberg_books/war_and_peace_pg2600.txt")
+
+
+def labelled(owner, name: str, label: str) -> None:
+    """Wrap `owner.name` in a profiler range called `label` (the script's own patch; nothing in h2o_cli)."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        with record_function(label):
+            return inner(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+
+
+def prefill(model, cache, ids: list[int], chunk: int) -> int:
+    token = None
+    with torch.inference_mode():
+        for start in range(0, len(ids), chunk):
+            piece = torch.tensor([ids[start : start + chunk]])
+            token = int(
+                model(input_ids=piece, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax()
+            )
+    return token
+
+
+def decode(model, cache, token: int, steps: int) -> int:
+    with torch.inference_mode():
+        for _ in range(steps):
+            with record_function("decode_step"):
+                logits = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits
+                token = int(logits[0, -1].argmax())
+    return token
+
+
+def shares(prof, steps: int) -> dict[str, float]:
+    """ms per step of each part, from the profiler's ranges and ops (CPU totals, children included)."""
+    events = prof.key_averages()
+    total = {e.key: e.cpu_time_total / 1e3 / steps for e in events}
+    step = total.get("decode_step", 0.0)
+    cache = total.get("cache:update", 0.0) + total.get("cache:attend", 0.0)
+    linear = total.get("aten::linear", 0.0)
+    head = total.get("lm_head", 0.0)
+    return {"step": step, "cache and attention": cache, "linears (30 layers)": linear - head,
+            "output projection": head, "rest": step - cache - linear}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--budget", default="0.1", help="fraction of --context, or a token count")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=0, help="also print the profiler's top N ops")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import DynamicCache
+
+    from h2o_cli.cache import H2OCache, H2OLayer
+    from h2o_cli.config import CacheSettings
+    from h2o_cli.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32")
+    book = Path(os.environ["H2O_DATA"]) / BOOK
+    ids = tokenizer(book.read_text(encoding="utf-8")[:200_000])["input_ids"][: args.context]
+    fraction = float(args.budget) if float(args.budget) <= 1 else None
+    budget = max(2, round(args.context * fraction)) if fraction else int(args.budget)
+    labelled(H2OLayer, "update", "cache:update")
+    labelled(H2OLayer, "attend", "cache:attend")
+    labelled(DynamicCache, "update", "cache:update")
+    head = model.lm_head
+    head_forward = head.forward
+    head.forward = lambda x: _ranged("lm_head", head_forward, x)
+    from transformers import AttentionInterface
+
+    sdpa = AttentionInterface._global_mapping["sdpa"]
+
+    def ranged_sdpa(*a, **k):  # plain transformers' attention function, repeat_kv and all
+        with record_function("cache:attend"):
+            return sdpa(*a, **k)
+
+    print(f"threads {args.threads}, context {args.context}, h2o budget {budget}, chunk {args.chunk}")
+    for name in ("h2o", "plain"):
+        if name == "h2o":
+            cache = H2OCache(model, CacheSettings(budget=budget, chunk=args.chunk))
+        else:
+            model.set_attn_implementation("sdpa")
+            cache = DynamicCache(config=model.config)
+        if name == "plain":
+            AttentionInterface._global_mapping["sdpa"] = ranged_sdpa
+        token = prefill(model, cache, ids, args.chunk)
+        token = decode(model, cache, token, args.warmup)
+        started = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            decode(model, cache, token, args.steps)
+        elapsed = (time.perf_counter() - started) / args.steps * 1e3
+        AttentionInterface._global_mapping["sdpa"] = sdpa
+        parts = shares(prof, args.steps)
+        print(f"\n{name}: {elapsed:.1f} ms/step under the profiler")
+        print("| part | ms/step | share |\n|---|---|---|")
+        for part, ms in parts.items():
+            print(f"| {part} | {ms:.2f} | {ms / parts['step']:.0%} |")
+        if args.rows:
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+def _ranged(label: str, function, *args):
+    with record_function(label):
+        return function(*args)
+
+
+if __name__ == "__main__":
+    main()
