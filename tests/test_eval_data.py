@@ -93,6 +93,7 @@ def test_wrong_data_file_is_one_line(loaded_eval, monkeypatch, capsys, task, fil
     assert words in lines[-1] and not any("Traceback" in line for line in lines)
 
 
+@pytest.mark.model  # loads the embedded model in the subprocess (the hook only sees the `smollm` fixture)
 def test_lm_eval_command_line_reaches_the_h2o_model(tmp_path):
     """Issue 9.12: `lm_eval --model h2o` (lm-eval's own CLI) could not find the model. `h2o lm-eval` hands
     every argument to that CLI with the model registered; run as a user would, on a local task."""

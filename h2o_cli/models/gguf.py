@@ -4,16 +4,37 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+
+@contextmanager
+def _no_tqdm():
+    """transformers' GGUF reader draws a plain tqdm bar that its progress-bar switch does not reach (and
+    tqdm reads TQDM_DISABLE only when imported): stderr carries our status and one-line errors only, so that
+    module's bar is built disabled for the length of one conversion."""
+    from functools import partial
+
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    bar = reader.tqdm
+    reader.tqdm = partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        reader.tqdm = bar
 
 
 def convert_gguf(gguf: Path, target: Path) -> None:
     """Dequantise a GGUF file once and save float safetensors + tokenizer in `target`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    with _no_tqdm():
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config = loaded.config
     # A GGUF-loaded model refuses save_pretrained; a fresh model of the same class with its weights does not.
