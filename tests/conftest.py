@@ -37,22 +37,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_data)
 
 
+# The tiny random-weight shape every family's unit tests use (GQA: 6 query heads over 2 KV heads).
+TINY_SIZES = dict(
+    vocab_size=128,
+    hidden_size=96,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
+
 def tiny_config(**overrides):
     from transformers import LlamaConfig
 
-    values = dict(
-        vocab_size=128,
-        hidden_size=96,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-    )
-    values.update(overrides)
-    return LlamaConfig(**values)
+    return LlamaConfig(**{**TINY_SIZES, "rope_theta": 10000.0, **overrides})
+
+
+def feed_chunk(layer, q, k, v, start: int) -> torch.Tensor:
+    """One chunk to a cache layer as the model hands it over (q [n_heads, c, d] and k [n_kv, c, d] rotated at
+    their original positions `start ..`). Returns the attention output [n_heads, c, d]."""
+    from h2o_cli.positions import rotate
+
+    positions = torch.arange(start, start + k.shape[1])
+    cos, sin = layer.rope.cos_sin(positions, k.dtype)
+    layer.update(rotate(k, cos, sin)[None], v[None], kwargs={"position_ids": positions[None]})
+    return layer.attend(rotate(q, cos, sin)[None], q.shape[-1] ** -0.5)[0].transpose(0, 1)
 
 
 @pytest.fixture

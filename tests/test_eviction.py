@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import feed_chunk, tiny_config
 from naive import NaiveHeadState, inv_freq_of, naive_attend_chunk
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from h2o_cli.cache import H2OLayer
 from h2o_cli.config import CacheSettings
-from h2o_cli.positions import Rope, rotate
+from h2o_cli.positions import Rope
 from h2o_cli.store import LayerStore
 
 N_HEADS, N_KV, HEAD_DIM = 6, 2, 16
@@ -42,12 +42,6 @@ def make_layer(settings: CacheSettings) -> tuple[H2OLayer, torch.Tensor]:
     )
 
 
-def model_rotation(x: torch.Tensor, positions: torch.Tensor, layer: H2OLayer) -> torch.Tensor:
-    """What the model hands the cache: x rotated at its original positions."""
-    cos, sin = layer.rope.cos_sin(positions, x.dtype)
-    return rotate(x, cos, sin)
-
-
 @pytest.mark.parametrize("overrides", SETTINGS, ids=lambda o: "-".join(str(v) for v in o.values()))
 @pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6]], ids=["decode", "chunked"])
 def test_layer_matches_naive_simulation(overrides, chunks):
@@ -61,11 +55,7 @@ def test_layer_matches_naive_simulation(overrides, chunks):
         q = torch.randn(N_HEADS, c, HEAD_DIM, dtype=torch.float64) * 2
         k = torch.randn(N_KV, c, HEAD_DIM, dtype=torch.float64) * 2
         v = torch.randn(N_KV, c, HEAD_DIM, dtype=torch.float64)
-        positions = torch.arange(start, start + c)
-        layer.update(
-            model_rotation(k, positions, layer)[None], v[None], kwargs={"position_ids": positions[None]}
-        )
-        got = layer.attend(model_rotation(q, positions, layer)[None], HEAD_DIM**-0.5)[0].transpose(0, 1)
+        got = feed_chunk(layer, q, k, v, start)
         want = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, HEAD_DIM**-0.5)
         # The model's rotary tables are float32 (cos/sin error ~1e-7); everything else is float64.
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -147,11 +137,7 @@ def test_calls_longer_than_the_spare_equal_the_naive_reference_in_sub_chunks(ove
         q = torch.randn(N_HEADS, c, HEAD_DIM, dtype=torch.float64) * 2
         k = torch.randn(N_KV, c, HEAD_DIM, dtype=torch.float64) * 2
         v = torch.randn(N_KV, c, HEAD_DIM, dtype=torch.float64)
-        positions = torch.arange(start, start + c)
-        layer.update(
-            model_rotation(k, positions, layer)[None], v[None], kwargs={"position_ids": positions[None]}
-        )
-        got = layer.attend(model_rotation(q, positions, layer)[None], HEAD_DIM**-0.5)[0].transpose(0, 1)
+        got = feed_chunk(layer, q, k, v, start)
         wants, done = [], 0
         while done < c:
             size = min(c - done, store.slots - len(heads[0].alive_indices()))

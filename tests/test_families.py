@@ -7,22 +7,14 @@ import copy
 
 import pytest
 import torch
+from conftest import TINY_SIZES
 from naive import naive_model_nll
 
 from h2o_cli.cache import H2OCache
 from h2o_cli.config import CacheSettings
 from h2o_cli.models.families import SUPPORTED_FAMILIES
 
-SIZES = dict(
-    vocab_size=128,
-    hidden_size=96,
-    intermediate_size=192,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-)
+SIZES = TINY_SIZES
 
 
 def family_pair(family: str):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import feed_chunk, tiny_config
 from naive import NaiveHeadState, inv_freq_of, naive_attend_chunk
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -12,7 +12,7 @@ from h2o_cli.archive import PageArchive
 from h2o_cli.cache import H2OCache, RecallLayer
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
-from h2o_cli.positions import Rope, rotate
+from h2o_cli.positions import Rope
 from h2o_cli.store import LayerStore
 
 N_HEADS, N_KV, HEAD_DIM = 6, 2, 16
@@ -29,14 +29,6 @@ def make_recall_layer(settings: CacheSettings) -> tuple[RecallLayer, torch.Tenso
     )
     layer.add_archive(settings.archive_max, torch.float64, torch.device("cpu"))
     return layer, inv_freq_of(config, HEAD_DIM)
-
-
-def feed(layer: RecallLayer, q, k, v, start: int) -> torch.Tensor:
-    """One chunk as the model hands it over (q, k rotated at their original positions); the output."""
-    positions = torch.arange(start, start + k.shape[1])
-    cos, sin = layer.rope.cos_sin(positions, k.dtype)
-    layer.update(rotate(k, cos, sin)[None], v[None], kwargs={"position_ids": positions[None]})
-    return layer.attend(rotate(q, cos, sin)[None], HEAD_DIM**-0.5)[0].transpose(0, 1)
 
 
 @pytest.mark.parametrize("positions", ["rolling", "original"])
@@ -61,7 +53,7 @@ def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
         q = torch.randn(N_HEADS, c, HEAD_DIM, dtype=torch.float64) * 2
         k = torch.randn(N_KV, c, HEAD_DIM, dtype=torch.float64) * 2
         v = torch.randn(N_KV, c, HEAD_DIM, dtype=torch.float64)
-        got = feed(layer, q, k, v, start)
+        got = feed_chunk(layer, q, k, v, start)
         want = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, HEAD_DIM**-0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         start += c
