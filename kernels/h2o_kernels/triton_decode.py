@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-INT64_MAX = 2**63 - 1
+INT64_MAX = tl.constexpr(2**63 - 1)  # a Triton global must be a constexpr (real compiler; the interpreter allows any)
 
 
 @triton.jit
