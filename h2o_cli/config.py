@@ -82,10 +82,10 @@ class CacheSettings:
     chunk: int = 256
     kv_bits: int | None = None  # None: K/V in the model's dtype; 16: fp16/bf16; 8: int8 + per-token scales
     recall_ratio: float = 0.5  # recall: share of the budget refilled from the archive at every step
-    page_size: int = 8  # recall: tokens per archive page (one key summary per page and KV head)
+    page_size: int = 4  # recall: tokens per archive page (one key summary per page and KV head)
     archive_max: int = 16384  # recall: tokens the archive holds; older pages are dropped for good
     kernels: str = (
-        "auto"  # attention: torch, triton (CUDA), auto (triton on CUDA when installed; $H2O_KERNELS)
+        "auto"  # attention: torch, triton (CUDA, opt-in), auto (torch for now; $H2O_KERNELS)
     )
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ import torch
 from h2o_kernels import dispatch
 from h2o_kernels import prefill as prefill_ref
 
+from h2o_cli import cache as cache_module
 from h2o_cli import config
 from h2o_cli.cache import H2OCache
 from h2o_cli.config import CacheSettings
@@ -44,6 +45,7 @@ def fresh_dispatch(monkeypatch):
     """A process where no Triton kernel has failed yet, and where the CPU counts as a Triton device."""
     monkeypatch.setattr(dispatch, "_failure", None)
     monkeypatch.setattr(dispatch, "triton_possible", lambda device: True)
+    monkeypatch.setattr(cache_module, "triton_possible", lambda device: True)  # `--kernels triton` accepted
     monkeypatch.delenv(dispatch.ENV, raising=False)
     return monkeypatch
 
@@ -56,7 +58,7 @@ def test_failing_triton_kernel_falls_back_to_the_torch_path_with_one_warning(
     the kept tokens and the scores equal the torch path's, and one warning line is logged."""
     _, model = tiny_pair
     ids = torch.randint(0, model.config.vocab_size, (1, 36), generator=torch.Generator().manual_seed(0))
-    settings = CacheSettings(budget=16, chunk=8)
+    settings = CacheSettings(budget=16, chunk=8, kernels="triton")
     torch_logits, torch_state = run(model, CacheSettings(budget=16, chunk=8, kernels="torch"), ids)
 
     fresh_dispatch.setattr(dispatch, "_triton_decode", broken)
@@ -74,7 +76,7 @@ def test_failing_triton_kernel_falls_back_to_the_torch_path_with_one_warning(
     assert len(warnings) == 1
     message = warnings[0].getMessage()
     assert "\n" not in message and "simulated: ptxas" in message and "torch path" in message
-    assert not dispatch.use_triton(torch.device("cpu"), "auto")  # given up for the rest of the process
+    assert not dispatch.use_triton(torch.device("cpu"), "triton")  # given up for the rest of the process
 
 
 def test_kernels_torch_never_calls_a_triton_kernel(tiny_pair, fresh_dispatch):
@@ -91,6 +93,18 @@ def test_kernels_torch_never_calls_a_triton_kernel(tiny_pair, fresh_dispatch):
     fresh_dispatch.setenv(dispatch.ENV, "triton")
     assert dispatch.use_triton(torch.device("cpu"), "auto")
     assert not dispatch.use_triton(torch.device("cpu"), "torch")  # the explicit setting wins over the env
+
+
+def test_auto_is_the_torch_path_even_where_triton_could_run(tiny_pair, fresh_dispatch):
+    """`auto` without $H2O_KERNELS never calls a Triton kernel (slower than torch on an H200: dispatch.py)."""
+    _, model = tiny_pair
+    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
+    calls = []
+    fresh_dispatch.setattr(dispatch, "_triton_decode", lambda *args: calls.append("decode"))
+    fresh_dispatch.setattr(dispatch, "_triton_prefill", lambda *args: calls.append("prefill"))
+    run(model, CacheSettings(budget=16, chunk=8), ids)
+    assert calls == [] and not dispatch.use_triton(torch.device("cpu"), "auto")
+    assert dispatch.use_triton(torch.device("cpu"), "triton")
 
 
 def test_kernels_triton_without_cuda_is_a_usage_error(tiny_pair, monkeypatch):
@@ -125,7 +139,7 @@ def test_fallback_warning_is_one_line_on_stderr():
                 torch.zeros(n_kv, slots, dtype=torch.long), torch.zeros(n_kv, slots, dtype=torch.long), 0,
                 torch.ones(2, d), torch.zeros(2, d), 0.5, torch.zeros(n_kv, slots), 0)
         for _ in range(3):
-            dispatch.decode_attention(*args)
+            dispatch.decode_attention(*args, kernels="triton")
         print("ok")
         """
     )

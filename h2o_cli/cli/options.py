@@ -155,7 +155,7 @@ Kernels = Annotated[
     str,
     typer.Option(
         "--kernels",
-        help="Attention code: torch, triton (CUDA) or auto (triton on CUDA when installed, else torch; "
+        help="Attention code: torch, triton (CUDA kernels, opt-in) or auto (torch for now: the kernels measured slower; "
         "$H2O_KERNELS). A Triton failure falls back to torch with one warning.",
         callback=_choice("kernels", KERNELS),
     ),

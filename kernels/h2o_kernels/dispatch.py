@@ -1,8 +1,10 @@
 """Which implementation runs: the Triton kernels or the pure-torch references (same signatures, same results).
 
-`kernels` (the cache setting `--kernels`, else `$H2O_KERNELS`) is `torch`, `triton` or `auto` (Triton on a
-CUDA device when triton imports). The Triton path has never run on every GPU it may meet, so it must not be
-what a first run depends on: a kernel that fails to compile or launch is reported once (one warning line,
+`kernels` (the cache setting `--kernels`, else `$H2O_KERNELS`) is `torch`, `triton` or `auto`. `auto` is the
+torch path everywhere for now: on an H200 (docs/benchmarks.md, "Triton kernels on a GPU") the fused decode
+kernel beat the torch reference at 1,024 slots but lost from 4,096 on, and the two-pass prefill kernel was
+hundreds of times slower than SDPA (each launches one program per KV head), so the kernels are opt-in
+(`--kernels triton`) until they split the slot axis. The Triton path must not be what a run depends on: a kernel that fails to compile or launch is reported once (one warning line,
 logger `h2o_kernels`) and the torch path runs instead, for that call and the rest of the process.
 """
 
@@ -52,7 +54,7 @@ def use_triton(device: torch.device, kernels: str = "auto") -> bool:
     False for good once a Triton kernel has failed in this process."""
     if _failure is not None or not triton_possible(device):  # the CPU's answer, first and cheap
         return False
-    return kernels_choice(kernels) != "torch"
+    return kernels_choice(kernels) == "triton"
 
 
 def fall_back(error: BaseException) -> None:
