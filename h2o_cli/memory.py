@@ -164,7 +164,7 @@ def memory_table(
     kv_bits: int | None = None,
     dtype_bytes: int = 4,
     contexts: tuple[int, ...] = CONTEXTS,
-    page_size: int = 8,
+    page_size: int = 4,
     archive_max: int = 16384,
 ) -> dict:
     """Weights, KV cache (full vs H2O, per head and total) and activation peaks for each context length;

@@ -146,8 +146,8 @@ def test_memory_cli_works_offline_for_llama_7b(monkeypatch, tmp_path):
     assert table["weights_bytes"] == 2 * 6_738_415_616
     assert table["rows"][0]["context"] == 4096 and table["rows"][-1]["context"] == 2**20
     # recall's archive, by hand: 32 layers x (K and V of 32 heads x 128 fp16 + an int64 index + fp32 min/max
-    # of 32 x 128 per 8-token page).
-    per_token = 32 * (2 * 32 * 128 * 2 + 8 + 2 * 32 * 128 * 4 / 8)
+    # of 32 x 128 per 4-token page, the default page).
+    per_token = 32 * (2 * 32 * 128 * 2 + 8 + 2 * 32 * 128 * 4 / 4)
     assert table["recall_archive_bytes_per_token"] == per_token
     assert table["recall_archive_bytes"] == per_token * 16384
 

@@ -30,7 +30,7 @@ class RecallPolicy(HeavyHitterPolicy):
     recalls: ClassVar[bool] = True
 
     recall_ratio: float = 0.5
-    page_size: int = 8
+    page_size: int = 4
     archive_max: int = 16384
 
     def __post_init__(self) -> None:
