@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+import time
 import typing
 from pathlib import Path
 
@@ -127,30 +128,37 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=["h2o"], help="policy[:field=value,...] per run")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--fig", type=Path, required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--json", type=Path, required=True, help="written after every run (a cut run keeps them)")
+    parser.add_argument("--fig", type=Path, default=None)
     args = parser.parse_args()
     book = args.book or Path(os.environ.get("H2O_DATA", "")) / BOOK
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, device="cpu", dtype="float32")
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     runs = {}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     for spec in args.runs:
         print(f"{spec}:", file=sys.stderr, flush=True)
         settings = parse_run(spec, args.budget, args.chunk)
+        started = time.perf_counter()
         runs[spec] = stream_run(model, tokenizer, book, settings, args.tokens, args.every)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    report = {
-        "book": book.name,
-        "model": args.model,
-        "tokens": args.tokens,
-        "budget": args.budget,
-        "chunk": args.chunk,
-        "threads": args.threads,
-        "runs": runs,
-    }
-    args.json.write_text(json.dumps(report, indent=1) + "\n")
-    plot(runs, args.fig, f"{book.name}, budget {args.budget}, chunk {args.chunk}, {args.model}")
-    print(f"wrote {args.json} and {args.fig}", file=sys.stderr)
+        runs[spec][-1]["seconds"] = round(time.perf_counter() - started, 1)
+        report = {
+            "book": book.name,
+            "model": args.model,
+            "tokens": args.tokens,
+            "budget": args.budget,
+            "chunk": args.chunk,
+            "threads": args.threads,
+            "device": str(model.device),
+            "dtype": str(model.dtype),
+            "runs": runs,
+        }
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    if args.fig:
+        plot(runs, args.fig, f"{book.name}, budget {args.budget}, chunk {args.chunk}, {args.model}")
+    print(f"wrote {args.json}" + (f" and {args.fig}" if args.fig else ""), file=sys.stderr)
 
 
 if __name__ == "__main__":

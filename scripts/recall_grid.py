@@ -1,0 +1,213 @@
+"""Passkey retrieval after a long text (issue 11): length x depth x seed x budget x policy, one JSON line per run.
+
+Each haystack is Paul Graham essays (the needle task's haystack) read from an offset chosen by the seed, cut so
+the whole prompt is `--lengths` tokens, with the passkey sentence inserted at `depth` % (at a sentence end).
+The question is asked **after** the text, exactly as `h2o stream FILE --prompt Q` asks it
+(`prompting.read_then_answer` -> `streaming.prefill` -> greedy `generation.generate_ids`). A run is correct
+when the answer contains the passkey's digits. Budgets are fractions of the text's tokens; `full` runs once per
+haystack and only while the prompt fits the model's window (past it, original positions would exceed it).
+
+    python scripts/recall_grid.py --lengths 1536,4096 --depths 10 --seeds 3 --budgets 0.05,0.1,0.2 \
+        --policies full,h2o,sink,local,recall --out docs/results/recall_grid.jsonl
+    python scripts/recall_grid.py --summary docs/results/recall_grid.jsonl     # the tables, from the lines
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import typing
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+QUESTION = "What is the pass key? Answer with the number only."
+MAX_NEW_TOKENS = 12
+
+
+def parse_policy(spec: str) -> tuple[str, dict]:
+    """`recall:recall_ratio=0.25,page_size=16` -> ("recall", {...}) typed like `CacheSettings`' fields."""
+    from h2o_cli.config import CacheSettings
+
+    name, _, rest = spec.partition(":")
+    types = typing.get_type_hints(CacheSettings)
+    values: dict = {}
+    for pair in filter(None, rest.split(",")):
+        field, _, value = pair.partition("=")
+        kind = types[field]
+        values[field] = float(value) if kind is float else int(value) if kind is int else value
+    return name, values
+
+
+def haystacks(tokenizer, essays: str, length: int, depths: list[int], seed: int):
+    """(depth, passkey, text) for one seed: `length` prompt tokens in all, the passkey at each depth."""
+    from h2o_cli.prompting import document_frame
+
+    rng = random.Random(seed)
+    key = str(rng.randint(10000, 99999))
+    needle = NEEDLE.format(key=key)
+    before, after = document_frame(tokenizer, QUESTION)
+    overhead = len(tokenizer(before + needle + after)["input_ids"])
+    ids = tokenizer(essays, add_special_tokens=False)["input_ids"]
+    room = length - overhead
+    start = rng.randrange(0, max(1, len(ids) - room))
+    context = tokenizer.decode(ids[start : start + room])
+    for depth in depths:
+        cut = int(len(context) * depth / 100)
+        period = context.rfind(".", 0, cut)
+        cut = period + 1 if period >= 0 else cut
+        yield depth, key, context[:cut] + needle + context[cut:]
+
+
+def answer(model, tokenizer, settings, text: str) -> tuple[str, int, float]:
+    """What `h2o stream --prompt QUESTION` answers after `text`: (answer, prompt tokens, seconds)."""
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.generation import Sampling, TextStreamer, generate_ids
+    from h2o_cli.prompting import read_then_answer
+    from h2o_cli.streaming import prefill
+
+    started = time.perf_counter()
+    pieces = list(read_then_answer(tokenizer, [tokenizer(text, add_special_tokens=False)["input_ids"]], QUESTION))
+    span = sum(map(len, pieces)) + MAX_NEW_TOKENS
+    cache = H2OCache(model, settings, span=span)
+    logits, stats = prefill(model, cache, pieces, settings.chunk)
+    stats.reraise()
+    streamer = TextStreamer(tokenizer)
+    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for token in generate_ids(model, cache, logits, Sampling(max_new_tokens=MAX_NEW_TOKENS), stop):
+        streamer.push(token)
+    return streamer.printed, stats.tokens, time.perf_counter() - started
+
+
+def answer_in_chat(spec: str, budget_tokens: int, chunk: int, text: str, threads: int) -> tuple[str, int, float]:
+    """The same question through `h2o chat` (one-shot: the text and the question as one piped message)."""
+    import subprocess
+
+    name, extra = parse_policy(spec)
+    flags = [f"--{field.replace('_', '-')}={value}" for field, value in extra.items()]
+    command = [sys.executable, "-c", "from h2o_cli.cli.app import main; main()", "chat", "--no-panel", "--json",
+               "--policy", name, "--budget", str(budget_tokens), "--chunk", str(chunk), "--threads", str(threads),
+               "--max-new-tokens", str(MAX_NEW_TOKENS), *flags]  # fmt: skip
+    started = time.perf_counter()
+    done = subprocess.run(command, input=text + "\n\n" + QUESTION, capture_output=True, text=True)
+    if done.returncode != 0:
+        return f"ERROR: {done.stderr.strip()[-200:]}", 0, 0.0
+    report = json.loads(done.stdout)
+    return report["answer"], report.get("last_prompt_tokens", 0), time.perf_counter() - started
+
+
+def run(args) -> None:
+    from h2o_cli.config import CacheSettings
+    from h2o_cli.eval.data import load_essays
+    from h2o_cli.models import load_model
+    from h2o_cli.models.families import context_window
+    from h2o_cli.policies import policy_class
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    window = context_window(model)
+    essays = load_essays(args.essays)
+    depths = args.depth_list or [round(100 * (i + 0.5) / args.depths) for i in range(args.depths)]
+    done = set()
+    if args.out.exists():  # resume: skip the runs already written
+        for line in args.out.read_text().splitlines():
+            row = json.loads(line)
+            done.add((row["length"], row["seed"], row["depth"], row["policy_spec"], row["budget"]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as out:
+        for length in args.lengths:
+            for seed in range(args.seed_from, args.seed_from + args.seeds):
+                for depth, key, text in haystacks(tokenizer, essays, length, depths, seed):
+                    text_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+                    for spec in args.policies:
+                        name, extra = parse_policy(spec)
+                        evicts = policy_class(name).evicts
+                        if not evicts and length > window:
+                            continue  # full attention past the window: positions the model never saw
+                        for budget in args.budgets if evicts else [1.0]:
+                            if (length, seed, depth, spec, budget) in done:
+                                continue
+                            tokens = max(2, round(budget * text_tokens)) if evicts else length + MAX_NEW_TOKENS
+                            settings = CacheSettings(budget=tokens, policy=name, chunk=args.chunk, **extra)
+                            try:
+                                if args.via == "chat":
+                                    said, read, seconds = answer_in_chat(spec, tokens, args.chunk, text, args.threads)
+                                else:
+                                    said, read, seconds = answer(model, tokenizer, settings, text)
+                            except Exception as error:  # a cell that cannot run is recorded, not fatal
+                                said, read, seconds = f"ERROR: {error}", 0, 0.0
+                            row = {
+                                "length": length, "seed": seed, "depth": depth, "policy_spec": spec,
+                                "policy": name, "budget": budget, "budget_tokens": tokens,
+                                "text_tokens": text_tokens, "prompt_tokens": read, "key": key,
+                                "answer": said, "correct": key in said, "seconds": round(seconds, 3),
+                                "device": str(model.device), "chunk": args.chunk, "via": args.via,
+                            }  # fmt: skip
+                            out.write(json.dumps(row) + "\n")
+                            out.flush()
+                            print(f"{length} s{seed} d{depth:>2} {spec:<10} {budget:<5} {row['correct']!s:<5} "
+                                  f"{seconds:6.2f}s {said!r}", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def summary(paths: list[Path]) -> str:
+    """Markdown tables: per length, the share correct per (policy, budget), with the number of runs."""
+    rows = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
+    cells: dict = defaultdict(list)
+    for row in rows:
+        cells[(row["length"], row["policy_spec"], row["budget"])].append(row["correct"])
+    lines = []
+    for length in sorted({row["length"] for row in rows}):
+        specs = list(dict.fromkeys(row["policy_spec"] for row in rows if row["length"] == length))
+        budgets = sorted({row["budget"] for row in rows if row["length"] == length and row["budget"] < 1})
+        runs = {len(v) for (n, _, _), v in cells.items() if n == length}
+        lines += [f"\n**{length:,}-token prompts** (runs per cell: {', '.join(map(str, sorted(runs)))})\n",
+                  "| policy | " + " | ".join(f"{b:.0%} of text" for b in budgets) + " | full cache |",
+                  "|---|" + "---|" * (len(budgets) + 1)]  # fmt: skip
+        for spec in specs:
+            def share(budget):
+                hits = cells.get((length, spec, budget))
+                return f"{sum(hits)}/{len(hits)}" if hits else "–"
+            if (length, spec, 1.0) in cells:
+                lines.append(f"| {spec} | " + " | ".join("–" for _ in budgets) + f" | {share(1.0)} |")
+            else:
+                lines.append(f"| {spec} | " + " | ".join(share(b) for b in budgets) + " | – |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1536])
+    parser.add_argument("--depths", type=int, default=10, help="depths (evenly spread, 5%%..95%% for 10)")
+    parser.add_argument("--seeds", type=int, default=3, help="haystacks (offset and passkey) per depth")
+    parser.add_argument("--seed-from", type=int, default=0, help="first seed (to split a grid over processes)")
+    parser.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.05, 0.1, 0.2])
+    parser.add_argument("--policies", type=lambda s: s.split(";") if ";" in s else s.split(","),
+                        default=["full", "h2o", "sink", "local", "recall"],
+                        help="policy[:field=value,...], comma-separated (';' if a spec has commas)")  # fmt: skip
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--essays", default=None, help="PaulGrahamEssays folder (default: under $H2O_DATA)")
+    parser.add_argument("--via", choices=("stream", "chat"), default="stream",
+                        help="ask as `h2o stream --prompt` does (in process), or through `h2o chat` (a subprocess)")
+    parser.add_argument("--depth-list", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                        help="these depths (%%) instead of --depths evenly spread")
+    parser.add_argument("--out", type=Path, help="JSON lines, appended (an interrupted grid resumes)")
+    parser.add_argument("--summary", type=Path, nargs="+", help="print the tables of these JSON-lines files")
+    args = parser.parse_args()
+    if args.summary:
+        print(summary(args.summary))
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
