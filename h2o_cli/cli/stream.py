@@ -77,6 +77,8 @@ def stream(
 
     With --ppl, report its perplexity; otherwise read it and then generate (answer --prompt, or continue
     the text). The perplexity line or the generated text goes to stdout; progress and figures to stderr.
+    For perplexity over long running text `--policy sink` measured lower than `h2o` (docs/results.md §9);
+    to ask about the text afterwards, `--policy recall` keeps what `h2o` forgets (§10).
     """
     from h2o_cli.cache import H2OCache
     from h2o_cli.generation import Sampling
