@@ -26,6 +26,33 @@ def page_bound(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> to
     return torch.bmm(positive, high.transpose(1, 2)) + torch.bmm(negative, low.transpose(1, 2))
 
 
+def best_page_bound(query: torch.Tensor, summary: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """`page_bound(...).amax(dim=1)` — each page's bound under the best of the `m` queries — computed as one
+    matmul per block of queries: `summary` [n_kv_heads, pages, 2 * head_dim] holds `[high, low]` side by side,
+    so `[high, low] . [q+, q-]` is the bound, and a block's [pages, block] result is folded into a running max
+    (no [m, pages] tensor for a chunk of hundreds of queries). Returns [n_kv_heads, pages]."""
+    signed = torch.cat([query.clamp_min(0), query.clamp_max(0)], dim=2)  # [n_kv, m, 2d]
+    best = None
+    for start in range(0, signed.shape[1], block):
+        bounds = torch.bmm(summary, signed[:, start : start + block].transpose(1, 2)).amax(dim=2)
+        best = bounds if best is None else torch.maximum(best, bounds)
+    return best
+
+
+def rank_key(bound: torch.Tensor, page_start: torch.Tensor) -> torch.Tensor:
+    """One float64 key per (KV head, page) whose descending order is "larger bound first, then the older
+    page": the float32 bound plus a tie-break under a quarter of its float32 spacing (ulp), larger for older
+    pages. Distinct float32 bounds stay in their order (the tie-break never reaches half an ulp) and equal ones
+    are ordered by age, so one `topk` replaces a sort by age and a stable sort by bound.
+
+    bound: [n_kv_heads, pages] float32 (-inf for pages that cannot be chosen); page_start: [pages] token index
+    of each page's first token (smaller = older)."""
+    ulp = (torch.nextafter(bound, torch.full_like(bound, float("inf"))) - bound).double()
+    span = float(page_start.max() - page_start.min()) + 1.0
+    youth = (page_start - page_start.min()).double() / span  # [0, 1): 0 for the oldest page
+    return bound.double() + torch.nan_to_num(ulp * 0.25 * (1.0 - youth), nan=0.0, posinf=0.0)
+
+
 class PageArchive:
     """One layer's archive: K/V `[n_kv_heads, capacity, head_dim]` in a ring, summaries per (page, KV head).
 
@@ -49,15 +76,14 @@ class PageArchive:
         self.keys = torch.empty(n_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.empty(n_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.token_index = torch.full((capacity,), NOTHING, dtype=torch.int64, device=device)
-        self.low = torch.zeros(n_kv_heads, self.pages, head_dim, dtype=torch.float32, device=device)
-        self.high = torch.zeros(n_kv_heads, self.pages, head_dim, dtype=torch.float32, device=device)
+        # Per page: [high, low] side by side (one matmul scores both); `high` and `low` are views of it.
+        self.summary = torch.zeros(n_kv_heads, self.pages, 2 * head_dim, dtype=torch.float32, device=device)
+        self.high, self.low = self.summary[..., :head_dim], self.summary[..., head_dim:]
         self.tokens = 0  # tokens written so far (the next token's index)
 
     def nbytes(self) -> int:
         """Bytes preallocated for K/V, token index and summaries (the K/V part is backed as it is written)."""
-        return sum(
-            tensor.nbytes for tensor in (self.keys, self.values, self.token_index, self.low, self.high)
-        )
+        return sum(tensor.nbytes for tensor in (self.keys, self.values, self.token_index, self.summary))
 
     def token_bytes(self) -> int:
         """Archive bytes per token (K and V of every KV head)."""
@@ -144,22 +170,21 @@ class PageArchive:
         in_resident = hits.scatter_add_(1, resident_slots, marks.int()) > 0
         candidate = archived.unsqueeze(0) & ~in_resident  # [n_kv, capacity]
         has_candidate = candidate.view(n_kv, self.pages, self.page_size).any(dim=2)
-        bound = page_bound(query.float(), self.low, self.high).amax(dim=1)  # [n_kv, pages]
+        bound = best_page_bound(query.float(), self.summary)  # [n_kv, pages]
         bound = bound.masked_fill(~has_candidate, float("-inf"))
-        # Rank pages: by age first, then a stable sort by bound (descending) keeps the older of equal bounds first.
+        # Every page with a candidate holds at least one, so the first `slots` pages in rank order suffice.
         page_start = self.token_index.view(self.pages, self.page_size)[:, 0]
-        by_age = torch.argsort(page_start).expand(n_kv, -1)
-        order = by_age.gather(1, torch.argsort(bound.gather(1, by_age), dim=1, descending=True, stable=True))
-        page_rank = torch.empty_like(order).scatter_(
-            1, order, torch.arange(self.pages, device=device).expand_as(order)
-        )
-        # Each slot's place in the reading order: its page's rank, then its offset (= token age) in the page.
-        offset = torch.arange(self.capacity, device=device) % self.page_size
-        place = page_rank.repeat_interleave(self.page_size, dim=1) * self.page_size + offset
-        place = place.masked_fill(~candidate, torch.iinfo(torch.int64).max)
-        count = min(slots, self.capacity)
-        chosen = torch.topk(place, count, dim=1, largest=False, sorted=True).indices
-        valid = candidate.gather(1, chosen)
+        top = min(slots, self.pages)
+        pages = torch.topk(rank_key(bound, page_start), top, dim=1, sorted=True).indices  # [n_kv, top]
+        # Their slots in reading order (page rank, then offset = token age in the page); take the candidates.
+        offset = torch.arange(self.page_size, device=device)
+        in_order = (pages.unsqueeze(-1) * self.page_size + offset).flatten(1)  # [n_kv, top * page_size]
+        usable = candidate.gather(1, in_order)
+        place = torch.arange(in_order.shape[1], device=device).expand_as(in_order)
+        place = place.masked_fill(~usable, torch.iinfo(torch.int64).max)
+        count = min(slots, in_order.shape[1])
+        picked = torch.topk(place, count, dim=1, largest=False, sorted=True).indices
+        chosen, valid = in_order.gather(1, picked), usable.gather(1, picked)
         if count < slots:
             pad = torch.zeros(n_kv, slots - count, dtype=chosen.dtype, device=device)
             chosen, valid = torch.cat([chosen, pad], 1), torch.cat([valid, pad.bool()], 1)

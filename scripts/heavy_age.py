@@ -130,7 +130,9 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--json", type=Path, required=True, help="written after every run (a cut run keeps them)")
+    parser.add_argument(
+        "--json", type=Path, required=True, help="written after every run (a cut run keeps them)"
+    )
     parser.add_argument("--fig", type=Path, default=None)
     args = parser.parse_args()
     book = args.book or Path(os.environ.get("H2O_DATA", "")) / BOOK

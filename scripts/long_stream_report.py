@@ -100,8 +100,12 @@ def figures(books: dict[str, dict[int, dict]], figs: Path) -> list[Path]:
             for spec, run in by_budget.get(budget, {"runs": {}})["runs"].items():
                 if spec == "local":
                     continue  # twice the others' PPL: it would flatten every other line
-                ax.plot([s["tokens"] for s in run], [s["window_ppl"] for s in run], marker=".", label=label(spec))
-            ax.set(title=f"{book}, budget {budget}", xlabel="tokens read", ylabel="PPL of the last 10K tokens")
+                ax.plot(
+                    [s["tokens"] for s in run], [s["window_ppl"] for s in run], marker=".", label=label(spec)
+                )
+            ax.set(
+                title=f"{book}, budget {budget}", xlabel="tokens read", ylabel="PPL of the last 10K tokens"
+            )
             if row == 0 and col == 0:
                 ax.legend(fontsize=7)
     figure.tight_layout()
@@ -114,7 +118,9 @@ def figures(books: dict[str, dict[int, dict]], figs: Path) -> list[Path]:
         for spec, run in by_budget[budgets[0]]["runs"].items():
             if run[-1].get("heavy_mean_age") is None or spec == "sink":
                 continue
-            ax.plot([s["tokens"] for s in run], [s["heavy_mean_age"] for s in run], marker=".", label=label(spec))
+            ax.plot(
+                [s["tokens"] for s in run], [s["heavy_mean_age"] for s in run], marker=".", label=label(spec)
+            )
         tokens = [s["tokens"] for s in next(iter(by_budget[budgets[0]]["runs"].values()))]
         ax.plot(tokens, [t - 1 for t in tokens], "k:", lw=1, label="age of token 0")
         ax.set(title=f"{book}, budget {budgets[0]}", xlabel="tokens read", ylabel="mean age of heavy entries")

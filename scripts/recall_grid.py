@@ -72,7 +72,9 @@ def answer(model, tokenizer, settings, text: str) -> tuple[str, int, float]:
     from h2o_cli.streaming import prefill
 
     started = time.perf_counter()
-    pieces = list(read_then_answer(tokenizer, [tokenizer(text, add_special_tokens=False)["input_ids"]], QUESTION))
+    pieces = list(
+        read_then_answer(tokenizer, [tokenizer(text, add_special_tokens=False)["input_ids"]], QUESTION)
+    )
     span = sum(map(len, pieces)) + MAX_NEW_TOKENS
     cache = H2OCache(model, settings, span=span)
     logits, stats = prefill(model, cache, pieces, settings.chunk)
@@ -84,7 +86,9 @@ def answer(model, tokenizer, settings, text: str) -> tuple[str, int, float]:
     return streamer.printed, stats.tokens, time.perf_counter() - started
 
 
-def answer_in_chat(spec: str, budget_tokens: int, chunk: int, text: str, threads: int) -> tuple[str, int, float]:
+def answer_in_chat(
+    spec: str, budget_tokens: int, chunk: int, text: str, threads: int
+) -> tuple[str, int, float]:
     """The same question through `h2o chat` (one-shot: the text and the question as one piped message)."""
     import subprocess
 
@@ -133,11 +137,15 @@ def run(args) -> None:
                         for budget in args.budgets if evicts else [1.0]:
                             if (length, seed, depth, spec, budget) in done:
                                 continue
-                            tokens = max(2, round(budget * text_tokens)) if evicts else length + MAX_NEW_TOKENS
+                            tokens = (
+                                max(2, round(budget * text_tokens)) if evicts else length + MAX_NEW_TOKENS
+                            )
                             settings = CacheSettings(budget=tokens, policy=name, chunk=args.chunk, **extra)
                             try:
                                 if args.via == "chat":
-                                    said, read, seconds = answer_in_chat(spec, tokens, args.chunk, text, args.threads)
+                                    said, read, seconds = answer_in_chat(
+                                        spec, tokens, args.chunk, text, args.threads
+                                    )
                                 else:
                                     said, read, seconds = answer(model, tokenizer, settings, text)
                             except Exception as error:  # a cell that cannot run is recorded, not fatal
@@ -155,6 +163,10 @@ def run(args) -> None:
                                   f"{seconds:6.2f}s {said!r}", file=sys.stderr, flush=True)  # fmt: skip
 
 
+def share(hits: list[bool] | None) -> str:
+    return f"{sum(hits)}/{len(hits)}" if hits else "–"
+
+
 def summary(paths: list[Path]) -> str:
     """Markdown tables: per length, the share correct per (policy, budget), with the number of runs."""
     rows = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
@@ -170,13 +182,11 @@ def summary(paths: list[Path]) -> str:
                   "| policy | " + " | ".join(f"{b:.0%} of text" for b in budgets) + " | full cache |",
                   "|---|" + "---|" * (len(budgets) + 1)]  # fmt: skip
         for spec in specs:
-            def share(budget):
-                hits = cells.get((length, spec, budget))
-                return f"{sum(hits)}/{len(hits)}" if hits else "–"
+            shares = {b: share(cells.get((length, spec, b))) for b in [*budgets, 1.0]}
             if (length, spec, 1.0) in cells:
-                lines.append(f"| {spec} | " + " | ".join("–" for _ in budgets) + f" | {share(1.0)} |")
+                lines.append(f"| {spec} | " + " | ".join("–" for _ in budgets) + f" | {shares[1.0]} |")
             else:
-                lines.append(f"| {spec} | " + " | ".join(share(b) for b in budgets) + " | – |")
+                lines.append(f"| {spec} | " + " | ".join(shares[b] for b in budgets) + " | – |")
     return "\n".join(lines)
 
 
@@ -185,9 +195,13 @@ def main() -> None:
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1536])
     parser.add_argument("--depths", type=int, default=10, help="depths (evenly spread, 5%%..95%% for 10)")
     parser.add_argument("--seeds", type=int, default=3, help="haystacks (offset and passkey) per depth")
-    parser.add_argument("--seed-from", type=int, default=0, help="first seed (to split a grid over processes)")
-    parser.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.05, 0.1, 0.2])
-    parser.add_argument("--policies", type=lambda s: s.split(";") if ";" in s else s.split(","),
+    parser.add_argument(
+        "--seed-from", type=int, default=0, help="first seed (to split a grid over processes)"
+    )
+    parser.add_argument(
+        "--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.05, 0.1, 0.2]
+    )
+    parser.add_argument("--policies", type=lambda s: [spec for spec in s.split(";" if ";" in s else ",") if spec],
                         default=["full", "h2o", "sink", "local", "recall"],
                         help="policy[:field=value,...], comma-separated (';' if a spec has commas)")  # fmt: skip
     parser.add_argument("--chunk", type=int, default=256)
@@ -196,10 +210,18 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--essays", default=None, help="PaulGrahamEssays folder (default: under $H2O_DATA)")
-    parser.add_argument("--via", choices=("stream", "chat"), default="stream",
-                        help="ask as `h2o stream --prompt` does (in process), or through `h2o chat` (a subprocess)")
-    parser.add_argument("--depth-list", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                        help="these depths (%%) instead of --depths evenly spread")
+    parser.add_argument(
+        "--via",
+        choices=("stream", "chat"),
+        default="stream",
+        help="ask as `h2o stream --prompt` does (in process), or through `h2o chat` (a subprocess)",
+    )
+    parser.add_argument(
+        "--depth-list",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="these depths (%%) instead of --depths evenly spread",
+    )
     parser.add_argument("--out", type=Path, help="JSON lines, appended (an interrupted grid resumes)")
     parser.add_argument("--summary", type=Path, nargs="+", help="print the tables of these JSON-lines files")
     args = parser.parse_args()

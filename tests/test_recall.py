@@ -258,3 +258,16 @@ def test_eval_scorer_rewinds_the_archive_between_continuations(tiny_pair):
     both = continuation_scores(model, H2OCache(model, settings, span=50), context, continuations, 2)
     alone = continuation_scores(model, H2OCache(model, settings, span=50), context, continuations[1:], 2)
     assert both[1][0] == pytest.approx(alone[0][0], rel=1e-6, abs=1e-6)
+
+
+def test_rank_key_orders_by_bound_then_age_without_crossing_adjacent_floats():
+    """The one-`topk` page order: larger bound first; equal bounds older page first; adjacent float32 bounds
+    keep their order whatever the pages' ages (the tie-break stays under half an ulp)."""
+    from h2o_cli.archive import rank_key
+
+    one = torch.tensor(1.0)
+    above = torch.nextafter(one, torch.tensor(2.0))
+    bound = torch.stack([one, above, one, torch.tensor(float("-inf")), torch.tensor(0.0), -above])[None]
+    page_start = torch.tensor([5, 900, 2, 1, 0, 3])  # page 1 is the youngest, yet its bound is larger
+    order = torch.argsort(rank_key(bound, page_start), dim=1, descending=True)[0].tolist()
+    assert order == [1, 2, 0, 4, 5, 3]
