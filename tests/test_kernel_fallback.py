@@ -79,32 +79,31 @@ def test_failing_triton_kernel_falls_back_to_the_torch_path_with_one_warning(
     assert not dispatch.use_triton(torch.device("cpu"), "triton")  # given up for the rest of the process
 
 
-def test_kernels_torch_never_calls_a_triton_kernel(tiny_pair, fresh_dispatch):
-    """`--kernels torch` (and $H2O_KERNELS=torch under `auto`) keep a Triton-capable device on the torch path."""
+@pytest.mark.parametrize(
+    ("kernels", "env"),
+    [("torch", None), ("auto", "torch"), ("auto", None)],
+    ids=["torch", "env-torch", "auto"],
+)
+def test_these_settings_never_call_a_triton_kernel(tiny_pair, fresh_dispatch, kernels, env):
+    """`--kernels torch`, $H2O_KERNELS=torch under `auto`, and plain `auto` (the torch path: the kernels were
+    slower than it on an H200, dispatch.py) keep a Triton-capable device on the torch path."""
     _, model = tiny_pair
     ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
     calls = []
     fresh_dispatch.setattr(dispatch, "_triton_decode", lambda *args: calls.append("decode"))
     fresh_dispatch.setattr(dispatch, "_triton_prefill", lambda *args: calls.append("prefill"))
-    run(model, CacheSettings(budget=16, chunk=8, kernels="torch"), ids)
-    fresh_dispatch.setenv(dispatch.ENV, "torch")
-    run(model, CacheSettings(budget=16, chunk=8), ids)
+    if env is not None:
+        fresh_dispatch.setenv(dispatch.ENV, env)
+    run(model, CacheSettings(budget=16, chunk=8, kernels=kernels), ids)
     assert calls == [] and dispatch._failure is None
+
+
+def test_the_setting_wins_over_the_environment(fresh_dispatch):
+    cpu = torch.device("cpu")  # counts as a Triton device here (fresh_dispatch)
+    assert not dispatch.use_triton(cpu, "auto") and dispatch.use_triton(cpu, "triton")
     fresh_dispatch.setenv(dispatch.ENV, "triton")
-    assert dispatch.use_triton(torch.device("cpu"), "auto")
-    assert not dispatch.use_triton(torch.device("cpu"), "torch")  # the explicit setting wins over the env
-
-
-def test_auto_is_the_torch_path_even_where_triton_could_run(tiny_pair, fresh_dispatch):
-    """`auto` without $H2O_KERNELS never calls a Triton kernel (slower than torch on an H200: dispatch.py)."""
-    _, model = tiny_pair
-    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
-    calls = []
-    fresh_dispatch.setattr(dispatch, "_triton_decode", lambda *args: calls.append("decode"))
-    fresh_dispatch.setattr(dispatch, "_triton_prefill", lambda *args: calls.append("prefill"))
-    run(model, CacheSettings(budget=16, chunk=8), ids)
-    assert calls == [] and not dispatch.use_triton(torch.device("cpu"), "auto")
-    assert dispatch.use_triton(torch.device("cpu"), "triton")
+    assert dispatch.use_triton(cpu, "auto")  # $H2O_KERNELS fills in `auto` only
+    assert not dispatch.use_triton(cpu, "torch")
 
 
 def test_kernels_triton_without_cuda_is_a_usage_error(tiny_pair, monkeypatch):
