@@ -90,6 +90,37 @@ def test_scripted_session_with_slash_commands(loaded, home):
     assert "## user" in (home / "chat.md").read_text()
 
 
+def test_recall_chat_panel_shows_recalled_tokens_and_the_archive_reach(loaded, home):
+    """`h2o chat --policy recall`: /panel draws the recall mark and says how far back the archive reaches."""
+    story = " ".join(f"Item {n} is a {color} box." for n, color in enumerate(["red", "blue", "green"] * 12))
+    script = "\n".join([story, "/panel", "/panel layer 2", "/panel", "/exit"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "chat",
+            "-i",
+            "--policy",
+            "recall",
+            "--budget",
+            "64",
+            "--page-size",
+            "4",
+            "-n",
+            "3",
+            "--threads",
+            "1",
+        ],
+        input=script + "\n",
+    )
+    assert result.exit_code == 0, result.output
+    output = result.output
+    assert "budget 64 (16 heavy + 16 recent + 32 recalled)" in output
+    assert "per KV head last step · [ reaches token 0 (" in output
+    assert "◆ recalled last step" in output and "L2  h0" in output and "recalled: " in output
+    rows = [line for line in output.splitlines() if line.startswith("L")]
+    assert rows and all("◆" in row for row in rows)  # every head recalled something in the last step
+
+
 def test_ctrl_c_stops_the_answer_not_the_session(loaded, home, monkeypatch):
     from h2o_cli.chat import session as session_module
 

@@ -16,6 +16,9 @@ class CacheSnapshot:
 
     `token_index`, `heavy`, `scores`: `[n_layers, n_kv_heads, slots]` (token_index -1 = empty slot; `heavy`
     is False there). Recent = rank >= length - recent slots; everything else kept is a heavy hitter.
+    With a recalling policy (`recall`), `recalled` `[n_layers, n_kv_heads, recall_slots]` holds the token
+    indices each KV head read back from the archive in the last step (-1 = empty slot), and `archive_oldest`
+    the oldest token still archived (how far back recall reaches); both None otherwise.
     """
 
     token_index: torch.Tensor
@@ -32,6 +35,8 @@ class CacheSnapshot:
     cache_bytes: int
     full_kv_bytes: int
     heavy_summary: dict = field(default_factory=dict)  # `HeavySlotStats.summary()`: ages, sinks, attention
+    recalled: torch.Tensor | None = None
+    archive_oldest: int | None = None
 
     @property
     def n_layers(self) -> int:
@@ -76,6 +81,28 @@ class CacheSnapshot:
         recent = torch.bincount(flat, weights=(valid & ~self.heavy).flatten().float(), minlength=size)
         return heavy.view(layers, heads, width).long(), recent.view(layers, heads, width).long()
 
+    @property
+    def recall_slots(self) -> int:
+        """Recall slots per KV head (0 without a recalling policy)."""
+        return 0 if self.recalled is None else self.recalled.shape[-1]
+
+    def recalled_per_head(self) -> torch.Tensor:
+        """Tokens each KV head recalled in the last step, `[n_layers, n_kv_heads]` (zeros without recall)."""
+        if self.recalled is None:
+            return torch.zeros(self.token_index.shape[:2], dtype=torch.long)
+        return (self.recalled >= 0).sum(dim=-1)
+
+    def recall_strips(self, width: int) -> torch.Tensor:
+        """Recalled tokens per timeline cell of every head, `[n_layers, n_kv_heads, width]` (as `strips`)."""
+        layers, heads, _ = self.token_index.shape
+        if self.recalled is None or self.recalled.shape[-1] == 0:
+            return torch.zeros(layers, heads, width, dtype=torch.long)
+        present = self.recalled >= 0
+        cell = (self.recalled.clamp_min(0) * width // max(self.tokens_seen, 1)).clamp_max(width - 1)
+        flat = (torch.arange(layers * heads).view(layers, heads, 1) * width + cell).flatten()
+        counts = torch.bincount(flat, weights=present.flatten().float(), minlength=layers * heads * width)
+        return counts.view(layers, heads, width).long()
+
     def holds_tokens(self, width: int) -> list[bool]:
         """Which of `width` timeline cells cover at least one token index (fewer tokens than cells leave gaps)."""
         if self.tokens_seen >= width:
@@ -105,6 +132,10 @@ def take_snapshot(cache: H2OCache) -> CacheSnapshot:
     scores = torch.stack([s.scores for s in stores]).float().cpu()
     recent = store.budget - cache.policy.heavy_slots
     heavy = valid & (rank < store.length - recent)
+    recalled, archive_oldest = None, None
+    if cache.policy.recalls:  # RecallLayer: the last step's recall slots, and the archive's reach
+        recalled = torch.stack([layer.recall_index for layer in cache.layers]).cpu()
+        archive_oldest = int(cache.layers[0].archive.oldest)
     return CacheSnapshot(
         token_index=torch.where(valid, token_index, -1),
         heavy=heavy,
@@ -120,4 +151,6 @@ def take_snapshot(cache: H2OCache) -> CacheSnapshot:
         cache_bytes=cache.nbytes(),
         full_kv_bytes=full_kv_bytes(cache, store.tokens_seen),
         heavy_summary=heavy_slot_stats(cache).summary(),
+        recalled=recalled,
+        archive_oldest=archive_oldest,
     )

@@ -18,6 +18,9 @@ from h2o_cli.cli.common import size
 HEAVY_SHADES = "▁▃▅▇"
 LABEL_WIDTH = 8  # "L12 h2  "
 TAIL_WIDTH = 26  # " 64/96  32 heavy  48 KiB"
+RECALL_TAIL_WIDTH = 6  # "   32r": tokens the head recalled in the last step (recalling policies only)
+RECALL_MARK = "◆"
+REACH_MARK = "["
 
 
 def _shown(text: str, limit: int = 12) -> str:
@@ -33,14 +36,21 @@ class PanelView:
 
 
 def strip_text(
-    cells: list[tuple[int, int]], tokens_per_cell: float, holds_tokens: list[bool] | None = None
+    cells: list[tuple[int, int]],
+    tokens_per_cell: float,
+    holds_tokens: list[bool] | None = None,
+    recalled: list[int] | None = None,
 ) -> Text:
     """One KV head's timeline: green ▒ = recent window, yellow/red blocks = heavy hitters (taller = more),
-    dim · = evicted, blank = a cell that covers no token (a conversation shorter than the strip)."""
+    magenta ◆ = tokens recalled from the archive in the last step (`recalled`: count per cell; it wins over
+    the other marks of its cell), dim · = evicted, blank = a cell that covers no token (a conversation
+    shorter than the strip)."""
     text = Text()
     for number, (heavy, recent) in enumerate(cells):
         if holds_tokens is not None and not holds_tokens[number]:
             text.append(" ")
+        elif recalled is not None and recalled[number]:
+            text.append(RECALL_MARK, style="bold magenta")
         elif recent:
             text.append("▒", style="green")
         elif heavy:
@@ -52,13 +62,21 @@ def strip_text(
     return text
 
 
-def turn_ruler(turn_starts: list[tuple[str, int]], tokens_seen: int, width: int) -> Text:
-    """A line under the strips' axis: `u`/`a` where each user / assistant turn starts."""
+def turn_ruler(
+    turn_starts: list[tuple[str, int]], tokens_seen: int, width: int, archive_oldest: int | None = None
+) -> Text:
+    """A line under the strips' axis: `u`/`a` where each user / assistant turn starts. With an archive
+    (`archive_oldest`: its oldest token), `[` marks how far back recall reaches and the cells before it,
+    gone for good, are dim `╌`; the reach mark wins over a turn start in the same cell."""
     cells = ["─"] * width
     for role, start in turn_starts:
         if tokens_seen:
             cells[min(start * width // tokens_seen, width - 1)] = role[0]
-    return Text("".join(cells), style="cyan")
+    if archive_oldest is None or not tokens_seen:
+        return Text("".join(cells), style="cyan")
+    reach = min(archive_oldest * width // tokens_seen, width - 1)
+    gone = "".join("╌" if cell == "─" else cell for cell in cells[:reach])
+    return Text.assemble((gone, "dim"), (REACH_MARK, "bold magenta"), ("".join(cells[reach + 1 :]), "cyan"))
 
 
 def heavy_slots_line(summary: dict) -> Text | None:
@@ -74,6 +92,38 @@ def heavy_slots_line(summary: dict) -> Text | None:
     )
 
 
+def token_runs(tokens) -> list[tuple[int, int]]:
+    """Sorted token indices as runs of consecutive ones: [3, 4, 5, 9] -> [(3, 5), (9, 9)]."""
+    runs: list[tuple[int, int]] = []
+    for token in sorted(tokens):
+        if runs and token == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], token)
+        else:
+            runs.append((token, token))
+    return runs
+
+
+def recalled_run(first: int, last: int, decode) -> str:
+    """`first–last` (or `first`) and the run's first words, for `/panel layer N`."""
+    text = "".join(decode(token) for token in range(first, min(last, first + 5) + 1))
+    return f"{first}–{last} {_shown(text)}" if last > first else f"{first} {_shown(text)}"
+
+
+def recall_line(snapshot: CacheSnapshot) -> Text | None:
+    """Recalled tokens in the last step and the archive's reach, in one line; None without recall."""
+    if snapshot.recalled is None:
+        return None
+    per_head = float(snapshot.recalled_per_head().double().mean())
+    oldest = snapshot.archive_oldest or 0
+    return Text.assemble(
+        ("recall: ", "bold"),
+        (RECALL_MARK, "bold magenta"),
+        f" {per_head:,.1f}/{snapshot.recall_slots} per KV head last step · ",
+        (REACH_MARK, "bold magenta"),
+        f" reaches token {oldest:,} ({max(snapshot.tokens_seen - oldest, 0):,} archived)",
+    )
+
+
 def render_panel(
     snapshot: CacheSnapshot,
     view: PanelView,
@@ -84,14 +134,19 @@ def render_panel(
     tokens_per_s: float = 0.0,
 ) -> Group:
     """The panel as lines of text, at most `height` lines and `width` columns."""
-    strip_width = max(10, width - LABEL_WIDTH - TAIL_WIDTH - 2)
+    recalls = snapshot.recalled is not None
+    strip_width = max(10, width - LABEL_WIDTH - TAIL_WIDTH - (RECALL_TAIL_WIDTH if recalls else 0) - 2)
     tokens_per_cell = snapshot.tokens_seen / strip_width if snapshot.tokens_seen else 1.0
     lines: list[Text] = []
     heavy_slots = max(snapshot.budget - snapshot.recent, 0)
     share = snapshot.cache_bytes / snapshot.full_kv_bytes if snapshot.full_kv_bytes else 0.0
+    recall_slots = snapshot.recall_slots
+    split = f"{heavy_slots} heavy + {snapshot.recent} recent" + (
+        f" + {recall_slots} recalled" if recalls else ""
+    )
     header = Text.assemble(
         ("h2o cache ", "bold"),
-        f"{snapshot.policy} · budget {snapshot.budget} ({heavy_slots} heavy + {snapshot.recent} recent) · ",
+        f"{snapshot.policy} · budget {snapshot.budget + recall_slots} ({split}) · ",
         f"tokens 0–{max(snapshot.tokens_seen - 1, 0):,} on positions 0–{max(snapshot.length - 1, 0)} · ",
         f"{snapshot.slots} slots/head",
     )
@@ -104,7 +159,11 @@ def render_panel(
     heavy_line = heavy_slots_line(snapshot.heavy_summary)
     if heavy_line is not None:
         lines.append(heavy_line)
-    lines.append(Text(" " * LABEL_WIDTH) + turn_ruler(list(turn_starts), snapshot.tokens_seen, strip_width))
+    recalled_line = recall_line(snapshot)
+    if recalled_line is not None:
+        lines.append(recalled_line)
+    ruler = turn_ruler(list(turn_starts), snapshot.tokens_seen, strip_width, snapshot.archive_oldest)
+    lines.append(Text(" " * LABEL_WIDTH) + ruler)
     if view.layer is not None:
         layers = [min(max(view.layer, 0), snapshot.n_layers - 1)]
     else:
@@ -113,6 +172,8 @@ def render_panel(
         layers = list(range(0, snapshot.n_layers, step))
     heavy_cells, recent_cells = snapshot.strips(strip_width)
     holds_tokens = snapshot.holds_tokens(strip_width)
+    recall_cells = snapshot.recall_strips(strip_width) if recalls else None
+    recalled_per_head = snapshot.recalled_per_head().tolist()
     heavy_kept = heavy_cells.sum(-1).tolist()
     all_kept = (heavy_cells + recent_cells).sum(-1).tolist()
     for layer in layers:
@@ -121,9 +182,13 @@ def render_panel(
                 zip(heavy_cells[layer, head].tolist(), recent_cells[layer, head].tolist(), strict=True)
             )
             row = Text(f"L{layer:<2} h{head:<3}"[:LABEL_WIDTH].ljust(LABEL_WIDTH), style="bold")
-            row += strip_text(cells, tokens_per_cell, holds_tokens)
+            recalled = recall_cells[layer, head].tolist() if recalls else None
+            row += strip_text(cells, tokens_per_cell, holds_tokens, recalled)
             kept, n_heavy = all_kept[layer][head], heavy_kept[layer][head]
-            row += Text(f" {kept:>4}/{snapshot.budget:<4} {n_heavy:>4}h {size(snapshot.bytes_per_head):>9}")
+            row += Text(f" {kept:>4}/{snapshot.budget:<4} {n_heavy:>4}h")
+            if recalls:
+                row += Text(f" {recalled_per_head[layer][head]:>4}r")
+            row += Text(f" {size(snapshot.bytes_per_head):>9}")
             lines.append(row)
             heavy = snapshot.kept(layer, head)[0] if view.layer is not None else []
             if view.layer is not None and decode is not None and heavy:
@@ -133,6 +198,11 @@ def render_panel(
                 order = [int(i) for i in scores.argsort(descending=True) if int(index[i]) in heavy_set][:6]
                 words = " ".join(f"{_shown(decode(int(index[i])))}@{int(index[i])}" for i in order)
                 lines.append(Text(" " * LABEL_WIDTH + "top: " + words, style="dim"))
+            if view.layer is not None and decode is not None and recalls:
+                runs = token_runs(int(t) for t in snapshot.recalled[layer, head] if t >= 0)
+                if runs:
+                    words = "  ".join(recalled_run(first, last, decode) for first, last in runs[:6])
+                    lines.append(Text(" " * LABEL_WIDTH + "recalled: " + words, style="dim"))
     if view.layer is None and len(layers) < snapshot.n_layers:
         lines.append(
             Text(
@@ -155,6 +225,17 @@ def render_panel(
         ("u a", "cyan"),
         " turn starts",
     )
+    if recalls:  # on the same line when it fits, else on its own
+        recall_legend = Text.assemble(
+            (RECALL_MARK, "bold magenta"),
+            " recalled last step  ",
+            (REACH_MARK, "bold magenta"),
+            " recall reaches back to here",
+        )
+        if len(legend) + 2 + len(recall_legend) <= width:
+            legend += Text("  ") + recall_legend
+        else:
+            lines.append(recall_legend)
     lines.append(legend)
     return Group(*[line[:width] if len(line) > width else line for line in lines[:height]])
 
