@@ -138,17 +138,20 @@ class PageArchive:
         page_slots[starting] = NOTHING  # these ring pages now begin a new page: the old one is gone
         self.low[:, starting] = float("inf")
         self.high[:, starting] = float("-inf")
+        writes = [(self.keys, keys), (self.values, values)]
         if self.quantized:
-            for states, stored, scales in (
-                (keys, self.keys, self.key_scales),
-                (values, self.values, self.value_scales),
-            ):
-                quantized, scale = quantize(states)
-                stored.index_copy_(1, slots, quantized)
-                scales.index_copy_(1, slots, scale)
-        else:
-            self.keys.index_copy_(1, slots, keys.to(self.keys.dtype))
-            self.values.index_copy_(1, slots, values.to(self.values.dtype))
+            (key_codes, key_scales), (value_codes, value_scales) = quantize(keys), quantize(values)
+            writes = [
+                (self.keys, key_codes),
+                (self.values, value_codes),
+                (self.key_scales, key_scales),
+                (self.value_scales, value_scales),
+            ]
+        for target, data in writes:
+            if self.region is None:
+                target.index_copy_(1, slots, data.to(target.dtype))
+            else:
+                self.region.write(target, first, data)
         self.token_index.index_copy_(0, slots, token_index)
         # Summaries from the keys as they came (exact, before any rounding): min/max folded in page by page.
         exact = keys.float()
@@ -156,7 +159,6 @@ class PageArchive:
         self.low.scatter_reduce_(1, pages, exact, "amin")
         self.high.scatter_reduce_(1, pages, exact, "amax")
         self.tokens += count
-        self.release()
 
     def _summarise(self, pages: torch.Tensor) -> None:
         """Recompute the min/max keys of ring `pages` [n] from the tokens they hold (stored keys)."""

@@ -3,10 +3,11 @@
 `--archive disk` names a fresh file in `$H2O_HOME/archive/`, `--archive PATH` a file (or a fresh name inside a
 folder). The file's space is reserved when the cache is built (`posix_fallocate`: a full disk is a one-line
 error then, not a crash in the middle of a stream), each layer's K/V lie in their own region of it, aligned to
-the OS page size, and the archive reads and writes them as tensors over the mapping. After every write and read
-the archive calls `release()`: `madvise(MADV_DONTNEED)` takes the region's pages out of the process (a shared
-file mapping keeps their data in the file and the page cache), so the peak RSS, which counts mapped pages left
-resident, does not grow with the archive. The file is removed when the cache is closed or collected, or at the
+the OS page size. The archive writes through the file (`os.pwrite`: into the page cache, not the process) and
+reads the chosen tokens as tensors over the mapping; after every read it calls `release()`:
+`madvise(MADV_DONTNEED)` takes the region's pages out of the process (a shared file mapping keeps their data in
+the file and the page cache), so the peak RSS, which counts mapped pages left resident, does not grow with the
+archive. The file is removed when the cache is closed or collected, or at the
 latest when the interpreter exits (normal end, exception, Ctrl-C), unless it is kept (`--keep-archive`).
 A run killed outright (SIGKILL) leaves its file: the next archive made in the same folder removes the files
 whose process is gone.
@@ -82,13 +83,15 @@ class ArchiveFile:
                 os.ftruncate(descriptor, size)  # a file system without fallocate: a sparse file
             self.map = mmap.mmap(descriptor, size, flags=mmap.MAP_SHARED)
         except OSError as error:
+            os.close(descriptor)
             self._finalizer()
             raise ArchiveError(
                 f"cannot reserve {size:,} bytes for the recall archive {self.path} ({error.strerror}); "
                 "lower --archive-max, choose another place with --archive PATH, or use --archive ram"
             ) from None
-        finally:
-            os.close(descriptor)
+        self.descriptor = descriptor
+        self._closer = weakref.finalize(self, os.close, descriptor)
+        self.base = torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()
 
     def region(self, nbytes: int) -> ArchiveRegion:
         """The next `nbytes` of the file (rounded up to whole OS pages)."""
@@ -99,6 +102,7 @@ class ArchiveFile:
     def close(self) -> None:
         """Remove the file now (unless kept); the mapping goes when its last tensor does."""
         self._finalizer()
+        self._closer()
 
 
 def _remove(path: Path, keep: bool) -> None:
@@ -139,6 +143,24 @@ class ArchiveRegion:
         self._next = offset + count * dtype.itemsize
         assert self._next <= self.end, "the region was sized for its tensors"
         return torch.frombuffer(self.file.map, dtype=dtype, count=count, offset=offset).view(shape)
+
+    def write(self, target: torch.Tensor, first: int, data: torch.Tensor) -> None:
+        """Write `data` [n, count, ...] into slots `first .. first + count - 1` (modulo `capacity`) of a
+        region tensor `target` [n, capacity, ...] through the file (`os.pwrite`): the pages go to the page
+        cache, never into the process (storing through the mapping faults every page in, and is far slower)."""
+        capacity, count = target.shape[1], data.shape[1]
+        assert count <= capacity and data.shape[0] == target.shape[0]
+        row = target[0, 0].nbytes
+        offset = target.data_ptr() - self.file.base
+        data = data.to(target.dtype).contiguous()
+        start = first % capacity
+        runs = [(0, min(count, capacity - start), start)]  # (from, to) in data, its first slot
+        if runs[0][1] < count:
+            runs.append((runs[0][1], count, 0))
+        for head in range(data.shape[0]):
+            for begin, end, slot in runs:
+                piece = memoryview(data[head, begin:end].view(torch.uint8).numpy()).cast("B")
+                os.pwrite(self.file.descriptor, piece, offset + (head * capacity + slot) * row)
 
     def release(self) -> None:
         """Drop the region's pages from the process's resident set (their data stays in the file)."""
