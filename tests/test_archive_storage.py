@@ -327,3 +327,42 @@ def test_compare_rows_report_the_archive(tiny_pair, tmp_path):
     assert rows[1]["archive_storage"] == "disk" and rows[1]["archive_bits"] == 8
     assert rows[1]["archive_disk_bytes"] > 0 and rows[1]["recalled_per_step"] > 0
     assert rows[1]["archive_path"].startswith(str(tmp_path)) and not os.listdir(tmp_path)  # closed
+
+
+@pytest.mark.model
+def test_stream_with_a_file_archive_as_a_user_runs_it(tmp_path):
+    """`h2o stream` with an int8 archive in a folder: the same perplexity as in RAM, the file's figures in
+    --json, the file kept with --keep-archive and gone without; an unwritable path is one error line, exit 1."""
+    from test_cli_stream import EXCERPT, h2o
+
+    args = ["--ppl", "--json", "--budget", "64", "--max-tokens", "300", "--chunk", "32", "--policy", "recall"]
+    args += ["--archive-bits", "8", "--archive-max", "4MiB"]
+    kept = h2o("stream", EXCERPT, *args, "--archive", f"{tmp_path}/", "--keep-archive")
+    assert kept.returncode == 0, kept.stderr.decode()
+    on_disk = json.loads(kept.stdout)
+    path = on_disk["archive_path"]
+    assert (
+        on_disk["archive_storage"] == "disk"
+        and on_disk["archive_kept"]
+        and os.path.dirname(path) == str(tmp_path)
+    )
+    assert os.listdir(tmp_path) == [os.path.basename(path)]
+    assert os.path.getsize(path) >= on_disk["archive_disk_bytes"] > 0
+    # SmolLM2 int8: 30 layers x 3 KV heads x (K and V of 64 int8 + two fp32 scales) per token.
+    assert on_disk["archive_token_bytes"] == 30 * 3 * (2 * 64 + 2 * 4)
+    # 4 MiB / (8 tokens x (that + int64 index + fp32 min/max of 3 x 64 per 8 tokens) x 30 layers) = 28 pages:
+    # 224 tokens; after 300 tokens the newest page starts at 296, so recall reaches back to 296 + 8 - 224 = 80.
+    assert on_disk["archive_capacity"] == 224 and on_disk["archive_reach"] == 80
+    assert on_disk["archive_bytes"] <= 4 * MiB
+    os.unlink(path)
+    removed = h2o("stream", EXCERPT, *args, "--archive", f"{tmp_path}/")
+    assert removed.returncode == 0 and not os.listdir(tmp_path)
+    in_ram = json.loads(h2o("stream", EXCERPT, *args).stdout)
+    assert in_ram["archive_storage"] == "ram" and in_ram["ppl"] == on_disk["ppl"]
+    assert in_ram["recall_hits"] == on_disk["recall_hits"] > 0
+    (tmp_path / "a-file").write_text("not a folder")
+    where = f"{tmp_path}/a-file/archive.kv"
+    bad = h2o("stream", EXCERPT, *args, "--archive", where)
+    assert bad.returncode == 1 and not bad.stdout
+    line = one_error_line(bad.stderr.decode())
+    assert where in line and "--archive PATH" in line

@@ -13,6 +13,7 @@ Examples:
 
   h2o memory --model llama-7b --budget 0.2
   h2o memory --model smollm2-135m --budget 512 --quant 4bit --kv-bits 8 --json
+  h2o memory --model llama-7b --archive disk --archive-bits 8 --archive-max 64MiB
 """
 
 
