@@ -226,7 +226,11 @@ class PageArchive:
         in_resident = hits.scatter_add_(1, resident_slots, marks.int()) > 0
         candidate = archived.unsqueeze(0) & ~in_resident  # [n_kv, capacity]
         has_candidate = candidate.view(n_kv, self.pages, self.page_size).any(dim=2)
-        bound = page_bound(query.float(), self.low, self.high).amax(dim=1)  # [n_kv, pages]
+        # The ring fills from page 0: pages past the last one written hold nothing (no need to bound them).
+        used = min(self.pages, -(-self.tokens // self.page_size))
+        bound = torch.full((n_kv, self.pages), float("-inf"), device=device)
+        if used:
+            bound[:, :used] = page_bound(query.float(), self.low[:, :used], self.high[:, :used]).amax(dim=1)
         bound = bound.masked_fill(~has_candidate, float("-inf"))
         # Rank pages: by age first, then a stable sort by bound (descending) keeps the older of equal bounds first.
         page_start = self.token_index.view(self.pages, self.page_size)[:, 0]
