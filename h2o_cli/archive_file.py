@@ -57,7 +57,7 @@ def aligned(nbytes: int) -> int:
 class ArchiveFile:
     """A file of `size` bytes mapped shared into the process; `region(nbytes)` hands out consecutive regions.
 
-    The file is created (or truncated) with mode 0600: it holds the text's keys and values.
+    The file is created new (an existing one is an error) with mode 0600: it holds the text's keys and values.
     """
 
     def __init__(self, path: Path, size: int, keep: bool = False) -> None:
@@ -66,7 +66,18 @@ class ArchiveFile:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             remove_stale(self.path.parent)
-            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            # Never an existing file: `--archive notes.txt` by mistake must not truncate (and remove) notes.txt.
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            if not self.path.parent.is_dir():  # mkdir met a file where a folder should be
+                raise ArchiveError(
+                    f"cannot create the recall archive {self.path} ({self.path.parent} is not a folder); "
+                    "choose a writable place with --archive PATH, or keep it in memory with --archive ram"
+                ) from None
+            raise ArchiveError(
+                f"{self.path} exists; the recall archive never overwrites a file: remove it, or give a new "
+                "file name or a folder with --archive PATH"
+            ) from None
         except OSError as error:
             raise ArchiveError(
                 f"cannot create the recall archive {self.path} ({error.strerror}); choose a writable place "

@@ -190,6 +190,15 @@ def test_an_unwritable_archive_path_is_one_error_naming_it_and_the_fix(tiny_pair
     assert "\n" not in message and caught.value.exit_code == 1
 
 
+def test_an_existing_file_is_never_overwritten(tiny_pair, tmp_path):
+    _, model = tiny_pair
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    with pytest.raises(ArchiveError, match="notes.txt exists; the recall archive never overwrites a file"):
+        H2OCache(model, CacheSettings(budget=16, policy="recall", chunk=4, archive=str(notes)))
+    assert notes.read_text() == "keep me"
+
+
 def test_archive_location_names_a_fresh_file_in_a_folder_or_the_given_file(tmp_path, monkeypatch):
     monkeypatch.setenv("H2O_HOME", str(tmp_path / "home"))
     disk = archive_location("disk")
