@@ -263,7 +263,7 @@ def test_the_archive_file_is_removed_at_exit_unless_kept(tmp_path):
         for how in ways
     }
     for how, run in runs.items():
-        out, err = run.communicate(timeout=120)
+        out, err = run.communicate(timeout=600)
         assert (run.returncode == 0) == (how in ("normal", "keep")), err
         path = out.strip()
         assert os.path.dirname(path) == str(tmp_path / how), err
@@ -284,7 +284,7 @@ def test_a_disk_archive_keeps_the_peak_rss_flat_where_a_ram_archive_grows(tmp_pa
     env = {**os.environ, "H2O_HOME": str(tmp_path)}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "kernels")])
     runs = {archive: rss_probe(archive, env) for archive in ("ram", "disk")}  # at once: half the wait
-    reports = {archive: json.loads(run.communicate(timeout=120)[0]) for archive, run in runs.items()}
+    reports = {archive: json.loads(run.communicate(timeout=600)[0]) for archive, run in runs.items()}
     growth = {
         archive: report["peak_rss_bytes"]["2048"] - report["peak_rss_bytes"]["512"]
         for archive, report in reports.items()
