@@ -6,11 +6,19 @@ in ring page `(t % capacity) // page_size`. When a token starts a page, the ring
 first, so the oldest page is dropped for good and nothing grows. Per (ring page, KV head) the archive keeps
 the per-channel min and max of the page's keys (Quest's summary), so a query bounds its best logit in a page
 without reading the page: `sum_i max(q_i * max_i, q_i * min_i) >= q . k` for every key `k` of the page.
+
+Storage: K/V in RAM (`torch.empty`: the system backs them as they are written) or in a region of a memory-mapped
+file (`h2o_cli.archive_file`), whose pages are released from the process after every write and read; in the
+compute dtype, 16-bit, or int8 with one fp32 scale per (token, KV head) as `h2o_cli.kvquant`. The summaries and
+token indices always stay in RAM, and the summaries are taken from the exact keys as they arrive, before any
+rounding to the storage dtype (after a `rewind` a partly kept page is summarised again from its stored keys).
 """
 
 from __future__ import annotations
 
 import torch
+
+from h2o_cli.kvquant import SCALE_DTYPE, dequantize, quantize, storage_dtype
 
 NOTHING = -1  # token index of an empty archive slot
 
@@ -56,8 +64,9 @@ def rank_key(bound: torch.Tensor, page_start: torch.Tensor) -> torch.Tensor:
 class PageArchive:
     """One layer's archive: K/V `[n_kv_heads, capacity, head_dim]` in a ring, summaries per (page, KV head).
 
-    `capacity` is a whole number (at least 2) of pages of `page_size` tokens. The K/V buffers are allocated
-    empty (`torch.empty`): the operating system backs them as they are written, up to the cap.
+    `capacity` is a whole number (at least 2) of pages of `page_size` tokens. `dtype` is the compute dtype
+    (what `read` returns); `bits` the storage as `--kv-bits` (None: `dtype`, 16, 8: int8 + scales); `region`
+    an `ArchiveRegion` of a mapped file for the K/V (and scales), else they are allocated empty in RAM.
     """
 
     def __init__(
@@ -68,26 +77,65 @@ class PageArchive:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        bits: int | None = None,
+        region=None,
     ) -> None:
         assert capacity % page_size == 0 and capacity >= 2 * page_size, "a whole number (>= 2) of pages"
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.capacity, self.page_size = capacity, page_size
         self.pages = capacity // page_size
-        self.keys = torch.empty(n_kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.values = torch.empty(n_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.dtype, self.bits, self.region = dtype, bits, region
+        stored = storage_dtype(bits, dtype)
+        self.quantized = stored == torch.int8
+        if region is None:
+
+            def allocate(shape, kind):
+                return torch.empty(shape, dtype=kind, device=device)
+
+        else:
+            allocate = region.take
+        self.keys = allocate((n_kv_heads, capacity, head_dim), stored)
+        self.values = allocate((n_kv_heads, capacity, head_dim), stored)
+        self.key_scales = self.value_scales = None
+        if self.quantized:
+            self.key_scales = allocate((n_kv_heads, capacity), SCALE_DTYPE)
+            self.value_scales = allocate((n_kv_heads, capacity), SCALE_DTYPE)
         self.token_index = torch.full((capacity,), NOTHING, dtype=torch.int64, device=device)
         # Per page: [high, low] side by side (one matmul scores both); `high` and `low` are views of it.
         self.summary = torch.zeros(n_kv_heads, self.pages, 2 * head_dim, dtype=torch.float32, device=device)
         self.high, self.low = self.summary[..., :head_dim], self.summary[..., head_dim:]
         self.tokens = 0  # tokens written so far (the next token's index)
 
+    @staticmethod
+    def stored_bytes(
+        n_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, bits: int | None
+    ) -> int:
+        """Bytes of the K/V (and scales) of an archive: what its `region` must hold (each tensor 8-aligned)."""
+        stored = storage_dtype(bits, dtype)
+        sizes = [n_kv_heads * capacity * head_dim * stored.itemsize] * 2
+        if stored == torch.int8:
+            sizes += [n_kv_heads * capacity * SCALE_DTYPE.itemsize] * 2
+        return sum(-(-size // 8) * 8 for size in sizes)
+
+    def _stored(self) -> list[torch.Tensor]:
+        return [t for t in (self.keys, self.values, self.key_scales, self.value_scales) if t is not None]
+
     def nbytes(self) -> int:
-        """Bytes preallocated for K/V, token index and summaries (the K/V part is backed as it is written)."""
-        return sum(tensor.nbytes for tensor in (self.keys, self.values, self.token_index, self.summary))
+        """Bytes preallocated for K/V (and scales), token index and summaries (K/V backed as written)."""
+        return self.ram_bytes() + self.disk_bytes()
+
+    def disk_bytes(self) -> int:
+        """Bytes of this archive in its mapped file (the K/V and scales; 0 in RAM)."""
+        return 0 if self.region is None else sum(tensor.nbytes for tensor in self._stored())
+
+    def ram_bytes(self) -> int:
+        """Bytes of this archive in RAM: token index and summaries, and the K/V without a file."""
+        kept = [self.token_index, self.summary] + ([] if self.region else self._stored())
+        return sum(tensor.nbytes for tensor in kept)
 
     def token_bytes(self) -> int:
-        """Archive bytes per token (K and V of every KV head)."""
-        return 2 * self.n_kv_heads * self.head_dim * self.keys.element_size()
+        """Archive bytes per token (K and V of every KV head, and their scales when int8)."""
+        return sum(tensor.nbytes for tensor in self._stored()) // self.capacity
 
     @property
     def oldest(self) -> int:
@@ -116,22 +164,58 @@ class PageArchive:
         page_slots = self.token_index.view(self.pages, self.page_size)
         starting = slots[token_index % self.page_size == 0] // self.page_size
         page_slots[starting] = NOTHING  # these ring pages now begin a new page: the old one is gone
-        self.keys.index_copy_(1, slots, keys.to(self.keys.dtype))
-        self.values.index_copy_(1, slots, values.to(self.values.dtype))
+        self.low[:, starting] = float("inf")
+        self.high[:, starting] = float("-inf")
+        writes = [(self.keys, keys), (self.values, values)]
+        if self.quantized:
+            (key_codes, key_scales), (value_codes, value_scales) = quantize(keys), quantize(values)
+            writes = [
+                (self.keys, key_codes),
+                (self.values, value_codes),
+                (self.key_scales, key_scales),
+                (self.value_scales, value_scales),
+            ]
+        for target, data in writes:
+            if self.region is None:
+                target.index_copy_(1, slots, data.to(target.dtype))
+            else:
+                self.region.write(target, first, data)
         self.token_index.index_copy_(0, slots, token_index)
-        self._summarise(torch.unique(slots // self.page_size))
+        # Summaries from the keys as they came (exact, before any rounding): min/max folded in page by page.
+        exact = keys.float()
+        pages = (slots // self.page_size).view(1, -1, 1).expand_as(exact)
+        self.low.scatter_reduce_(1, pages, exact, "amin")
+        self.high.scatter_reduce_(1, pages, exact, "amax")
         self.tokens += count
 
     def _summarise(self, pages: torch.Tensor) -> None:
-        """Recompute the min/max keys of ring `pages` [n] from the tokens they hold."""
+        """Recompute the min/max keys of ring `pages` [n] from the tokens they hold (stored keys)."""
         held = (self.token_index.view(self.pages, self.page_size)[pages] != NOTHING).view(
             1, -1, self.page_size, 1
         )
-        page_keys = self.keys.view(self.n_kv_heads, self.pages, self.page_size, self.head_dim)[
-            :, pages
-        ].float()
+        shape = (self.n_kv_heads, self.pages, self.page_size)
+        page_keys = self.keys.view(*shape, self.head_dim)[:, pages].float()
+        if self.quantized:
+            page_keys = dequantize(page_keys, self.key_scales.view(shape)[:, pages], torch.float32)
         self.low[:, pages] = page_keys.masked_fill(~held, float("inf")).amin(dim=2)
         self.high[:, pages] = page_keys.masked_fill(~held, float("-inf")).amax(dim=2)
+        self.release()
+
+    def read(self, heads: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of archive `slots` [n] of KV `heads` [n], in the compute dtype: ([n, head_dim], [n, head_dim])."""
+        keys, values = self.keys[heads, slots], self.values[heads, slots]
+        if self.quantized:
+            keys = dequantize(keys, self.key_scales[heads, slots], self.dtype)
+            values = dequantize(values, self.value_scales[heads, slots], self.dtype)
+        else:
+            keys, values = keys.to(self.dtype), values.to(self.dtype)
+        self.release()
+        return keys, values
+
+    def release(self) -> None:
+        """With a mapped file, drop its pages from the process's resident memory (nothing in RAM)."""
+        if self.region is not None:
+            self.region.release()
 
     def reset(self) -> None:
         """Forget every token (the buffers stay)."""
@@ -170,7 +254,11 @@ class PageArchive:
         in_resident = hits.scatter_add_(1, resident_slots, marks.int()) > 0
         candidate = archived.unsqueeze(0) & ~in_resident  # [n_kv, capacity]
         has_candidate = candidate.view(n_kv, self.pages, self.page_size).any(dim=2)
-        bound = best_page_bound(query.float(), self.summary)  # [n_kv, pages]
+        # The ring fills from page 0: pages past the last one written hold nothing (no need to bound them).
+        used = min(self.pages, -(-self.tokens // self.page_size))
+        bound = torch.full((n_kv, self.pages), float("-inf"), device=device)
+        if used:
+            bound[:, :used] = best_page_bound(query.float(), self.summary[:, :used])
         bound = bound.masked_fill(~has_candidate, float("-inf"))
         # Every page with a candidate holds at least one, so the first `slots` pages in rank order suffice.
         page_start = self.token_index.view(self.pages, self.page_size)[:, 0]

@@ -228,18 +228,27 @@ class RecallLayer(H2OLayer):
     chunk's queries, pass 2 attends over S, them and the chunk with the exact softmax, scores S only, evicts.
     """
 
-    def add_archive(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Allocate the archive (`capacity` tokens) and the recall slots `[n_kv_heads, recall_slots, head_dim]`."""
+    def add_archive(
+        self,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        bits: int | None = None,
+        region=None,
+    ) -> None:
+        """Allocate the archive (`capacity` tokens; `bits` and `region` as `PageArchive`) and the recall slots
+        `[n_kv_heads, recall_slots, head_dim]` (in `dtype`, the compute dtype)."""
         store, policy = self.store, self.policy
         self.archive = PageArchive(
-            store.n_kv_heads, store.head_dim, capacity, policy.page_size, dtype, device
+            store.n_kv_heads, store.head_dim, capacity, policy.page_size, dtype, device, bits, region
         )
         shape = (store.n_kv_heads, policy.recall_slots)
         self.recall_keys = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)
         self.recall_values = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)
         self.recall_index = torch.full(shape, -1, dtype=torch.int64, device=device)  # token index, -1 = empty
         self.recalled = 0.0  # tokens recalled per KV head in the last step (the mean over heads)
-        self.recalled_total, self.steps = 0.0, 0  # over every step since the start
+        self.hits = 0.0  # of them, already in the recall slots the step before (not read again)
+        self.recalled_total, self.hits_total, self.steps = 0.0, 0.0, 0  # over every step since the start
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs=None, **extra):
         """As `H2OLayer.update`, and archive the call's unrotated K/V (write-through, before any eviction)."""
@@ -256,15 +265,10 @@ class RecallLayer(H2OLayer):
         if slots:  # pass 1: the chunk's queries choose archived tokens, read back into the recall slots
             grouped = query.reshape(n_kv, -1, store.head_dim)  # [n_kv, group * chunk, d]
             chosen, valid = self.archive.choose(grouped, store.token_index[:, :active], first, slots)
-            index = chosen.unsqueeze(-1).expand(-1, -1, store.head_dim)
-            empty = ~valid.unsqueeze(
-                -1
-            )  # unwritten archive memory may hold NaN: 0 * NaN would reach the output
-            self.recall_keys.copy_(self.archive.keys.gather(1, index).masked_fill_(empty, 0))
-            self.recall_values.copy_(self.archive.values.gather(1, index).masked_fill_(empty, 0))
-            self.recall_index.copy_(torch.where(valid, self.archive.token_index[chosen], -1))
+            self._read_back(chosen, valid)
         self.recalled = float((self.recall_index >= 0).sum()) / n_kv
         self.recalled_total += self.recalled
+        self.hits_total += self.hits
         self.steps += 1
         # Pass 2: E_q = S ∪ R ∪ {chunk tokens <= q}; R is older than the chunk, so every query sees all of it.
         token_index = torch.cat([store.token_index[:, :active], self.recall_index], dim=1)
@@ -305,11 +309,30 @@ class RecallLayer(H2OLayer):
         store.evict(self.policy)
         return output.transpose(0, 1).unsqueeze(0)
 
+    def _read_back(self, chosen: torch.Tensor, valid: torch.Tensor) -> None:
+        """Fill the recall slots with archive slots `chosen` [n_kv, r] where `valid`, in that order (empty: 0).
+
+        A token already in a recall slot (a hit: chosen again) is moved from there; only the others are read
+        from the archive, so a disk archive reads just the pages that are new to the slots."""
+        wanted = torch.where(valid, self.archive.token_index[chosen], -1)  # [n_kv, r] token indices
+        held, order = self.recall_index.sort(dim=1)
+        place = torch.searchsorted(held, wanted).clamp_max(held.shape[1] - 1)
+        hit = (held.gather(1, place) == wanted) & valid
+        source = order.gather(1, place).unsqueeze(-1).expand(-1, -1, self.recall_keys.shape[-1])
+        keys, values = self.recall_keys.gather(1, source), self.recall_values.gather(1, source)
+        heads, columns = (valid & ~hit).nonzero(as_tuple=True)
+        keys[heads, columns], values[heads, columns] = self.archive.read(heads, chosen[heads, columns])
+        empty = ~valid.unsqueeze(-1)
+        self.recall_keys.copy_(keys.masked_fill_(empty, 0))
+        self.recall_values.copy_(values.masked_fill_(empty, 0))
+        self.recall_index.copy_(wanted)
+        self.hits = float(hit.sum()) / hit.shape[0]
+
     def reset(self) -> None:
         super().reset()
         self.archive.reset()
         self.recall_index.fill_(-1)
-        self.recalled, self.recalled_total, self.steps = 0.0, 0.0, 0
+        self.recalled, self.hits, self.recalled_total, self.hits_total, self.steps = 0.0, 0.0, 0.0, 0.0, 0
 
 
 def compute_dtype(model) -> torch.dtype:
@@ -369,10 +392,41 @@ class H2OCache(Cache):
             )
             for number in range(shape.n_layers)
         ]
+        self.archive_file = None  # the recall archive's mapped file, with --archive disk or PATH
         if policy.recalls:
-            for layer in layers:
-                layer.add_archive(policy.archive_tokens(span), dtype, param.device)
+            self._add_archives(layers, policy, span, dtype, param.device)
         super().__init__(layers=layers)
+
+    def _add_archives(self, layers: list[RecallLayer], policy, span: int | None, dtype, device) -> None:
+        """Give every layer its `PageArchive`, in RAM or in one mapped file (docs/spec.md, recall: storage)."""
+        from h2o_cli import memory
+        from h2o_cli.archive_file import ArchiveFile, aligned, archive_location
+
+        settings, shape = self.settings, self.shape
+        bits, page = settings.archive_bits, policy.page_size
+        page_bytes = memory.archive_bytes(shape, page, page, dtype.itemsize, bits)
+        capacity = policy.archive_tokens(span, page_bytes)
+        regions = [None] * len(layers)
+        if settings.archive != "ram":
+            if device.type != "cpu":
+                raise UsageError(
+                    f"--archive {settings.archive} maps a file into CPU memory, but the model runs on {device}; "
+                    "use --archive ram (the archive then lives in device memory) or --device cpu"
+                )
+            region = aligned(
+                PageArchive.stored_bytes(shape.n_kv_heads, shape.head_dim, capacity, dtype, bits)
+            )
+            where = archive_location(settings.archive, settings.keep_archive)
+            self.archive_file = ArchiveFile(where, region * len(layers), settings.keep_archive)
+            regions = [self.archive_file.region(region) for _ in layers]
+        for layer, region in zip(layers, regions, strict=True):
+            layer.add_archive(capacity, dtype, device, bits, region)
+
+    def close(self) -> None:
+        """Remove the recall archive's file now (unless kept); it is removed anyway when the cache is
+        collected or the interpreter exits. The cache must not be used afterwards with a file archive."""
+        if self.archive_file is not None:
+            self.archive_file.close()
 
     @property
     def policy(self):
@@ -405,17 +459,33 @@ class H2OCache(Cache):
                 layer.recall_index.fill_(-1)
 
     def archive_summary(self) -> dict:
-        """The archive's figures with a recalling policy, else {}: `archive_bytes` (all layers, preallocated),
-        `archive_tokens` (tokens held: how far back recall reaches), `archive_oldest` (the oldest token's
-        index), `recall_slots` and their bytes, `recalled_per_step` (tokens per KV head, mean over layers and steps)."""
+        """The archive's figures with a recalling policy, else {} (docs/spec.md, recall: reporting).
+
+        `archive_bytes` (all layers, preallocated) = `archive_ram_bytes` (token index, summaries, and the K/V of
+        a RAM archive) + `archive_disk_bytes` (the K/V of a file archive); `archive_token_bytes` per token;
+        `archive_tokens` (tokens held), `archive_reach` = `archive_oldest` (the oldest token still recallable);
+        `recall_slots` and their bytes; `recalled_per_step` (tokens per KV head, mean over layers and steps),
+        of which `recall_hits` were already in the recall slots and `archive_reads_per_step` were read."""
         layers = [layer for layer in self.layers if isinstance(layer, RecallLayer)]
         if not layers:
             return {}
         archive = layers[0].archive
         steps = sum(layer.steps for layer in layers)
+        recalled = sum(layer.recalled_total for layer in layers) / steps if steps else 0.0
+        hits = sum(layer.hits_total for layer in layers) / steps if steps else 0.0
+        kept = self.archive_file is not None and self.settings.keep_archive
         return {
+            "archive_storage": "ram" if self.archive_file is None else "disk",
+            "archive_path": None if self.archive_file is None else str(self.archive_file.path),
+            "archive_kept": kept,
+            "archive_bits": self.settings.archive_bits,
             "archive_bytes": sum(layer.archive.nbytes() for layer in layers),
+            "archive_ram_bytes": sum(layer.archive.ram_bytes() for layer in layers),
+            "archive_disk_bytes": sum(layer.archive.disk_bytes() for layer in layers),
+            "archive_token_bytes": sum(layer.archive.token_bytes() for layer in layers),
+            "archive_capacity": archive.capacity,
             "archive_tokens": archive.held(),
+            "archive_reach": archive.oldest,
             "archive_oldest": archive.oldest,
             "recall_slots": self.policy.recall_slots,
             "recall_slot_bytes": sum(
@@ -423,7 +493,9 @@ class H2OCache(Cache):
                 for layer in layers
                 for tensor in (layer.recall_keys, layer.recall_values, layer.recall_index)
             ),
-            "recalled_per_step": sum(layer.recalled_total for layer in layers) / steps if steps else 0.0,
+            "recalled_per_step": recalled,
+            "recall_hits": hits,
+            "archive_reads_per_step": recalled - hits,
         }
 
     @property

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 
 from h2o_cli.errors import UsageError
 from h2o_cli.policies import make_policy, policy_class, policy_names
-from h2o_cli.policies.recall import check_recall_options
+from h2o_cli.policies.recall import archive_cap, check_recall_options
 
 POLICIES = policy_names()  # the built-in policies; `policy_names()` also sees policies registered later
 POSITIONS = ("rolling", "original")
@@ -83,10 +83,17 @@ class CacheSettings:
     kv_bits: int | None = None  # None: K/V in the model's dtype; 16: fp16/bf16; 8: int8 + per-token scales
     recall_ratio: float = 0.5  # recall: share of the budget refilled from the archive at every step
     page_size: int = 4  # recall: tokens per archive page (one key summary per page and KV head)
-    archive_max: int = 16384  # recall: tokens the archive holds; older pages are dropped for good
-    kernels: str = (
-        "auto"  # attention: torch, triton (CUDA, opt-in), auto (torch for now; $H2O_KERNELS)
+    archive_max: int | str = (
+        16384  # recall: tokens (16384) or bytes ("64MiB") the archive holds; then oldest dropped
     )
+    archive: str = (
+        "ram"  # recall: where archived K/V live: ram, disk ($H2O_HOME/archive/), or a file/folder path
+    )
+    archive_bits: int | None = (
+        None  # recall: archived K/V as --kv-bits: None (model dtype), 16, 8 (int8 + scales)
+    )
+    keep_archive: bool = False  # recall: leave the archive's file in place at exit
+    kernels: str = "auto"  # attention: torch, triton (CUDA, opt-in), auto (torch for now; $H2O_KERNELS)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", budget_value(self.budget))
@@ -101,7 +108,12 @@ class CacheSettings:
             raise UsageError(f"--positions {self.positions!r} is unknown; choose rolling or original")
         if self.chunk < 1:
             raise UsageError(f"--chunk {self.chunk} must be at least 1")
-        check_recall_options(self.recall_ratio, self.page_size, self.archive_max)
+        count, unit = archive_cap(self.archive_max)
+        if unit == "tokens":  # "16384" from the command line is the token count 16384
+            object.__setattr__(self, "archive_max", count)
+        check_recall_options(
+            self.recall_ratio, self.page_size, self.archive_max, self.archive, self.archive_bits
+        )
         if self.is_resolved:
             make_policy(self)  # the policy checks its own parameters (budget, split, sinks, ...)
 
@@ -116,8 +128,10 @@ class CacheSettings:
             if value is None or str(value).lower() in ("", "none"):
                 continue
             kind = types[field.name]
-            if kind in (int, float, int | None):  # a union with str (budget) stays as given
+            if kind in (int, float, int | None):  # a union with str (budget, archive_max) stays as given
                 value = float(value) if kind is float else int(value)
+            elif kind is bool and isinstance(value, str):
+                value = value.strip().lower() in ("1", "true", "yes", "on")
             values[field.name] = value
         return cls(**values)
 

@@ -27,3 +27,7 @@ class InputError(H2OError):
 
 class ContextOverflowError(H2OError):
     """A cache that never evicts (or original positions) ran past the model's context window."""
+
+
+class ArchiveError(H2OError):
+    """The `recall` archive's file cannot be created or its space reserved (`--archive PATH`)."""

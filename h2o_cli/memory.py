@@ -118,12 +118,26 @@ def h2o_cache_bytes(shape: ModelShape, budget: int, chunk: int, kv_bits: int | N
     return shape.n_layers * shape.n_kv_heads * h2o_head_bytes(shape, budget + chunk, kv_bits, dtype_bytes)
 
 
-def archive_bytes(shape: ModelShape, capacity: int, page_size: int, dtype_bytes: int) -> int:
+def archive_bytes(
+    shape: ModelShape, capacity: int, page_size: int, dtype_bytes: int, bits: int | None = None
+) -> int:
     """Bytes of the `recall` archive of every layer (`h2o_cli.archive.PageArchive`): K/V of `capacity` tokens
-    in the compute dtype and their int64 token index, plus per (page, KV head) fp32 min and max keys."""
-    kv = capacity * (2 * shape.n_kv_heads * shape.head_dim * dtype_bytes + 8)
+    stored as `bits` (`--archive-bits`: None = the compute dtype, 16, 8 = int8 plus an fp32 scale per token, KV
+    head and K or V) and their int64 token index, plus per (page, KV head) fp32 min and max keys."""
+    return sum(archive_split(shape, capacity, page_size, dtype_bytes, bits, "disk"))
+
+
+def archive_split(
+    shape: ModelShape, capacity: int, page_size: int, dtype_bytes: int, bits: int | None, storage: str
+) -> tuple[int, int]:
+    """`archive_bytes` as (in RAM, on disk) for `storage` "ram" or "disk" (`--archive disk` or a PATH): the
+    token index and page summaries always stay in RAM, the K/V (and scales) go to the file."""
+    kv = capacity * shape.n_kv_heads * token_kv_bytes(shape, bits, dtype_bytes)
+    index = capacity * 8
     summaries = (capacity // page_size) * shape.n_kv_heads * shape.head_dim * 2 * 4
-    return shape.n_layers * (kv + summaries)
+    ram = shape.n_layers * (index + summaries)
+    disk = shape.n_layers * kv
+    return (ram + disk, 0) if storage == "ram" else (ram, disk)
 
 
 def full_head_bytes(shape: ModelShape, context: int, kv_bits: int | None, dtype_bytes: int) -> int:
@@ -166,14 +180,24 @@ def memory_table(
     contexts: tuple[int, ...] = CONTEXTS,
     page_size: int = 4,
     archive_max: int = 16384,
+    archive_bits: int | None = None,
+    archive_storage: str = "ram",
 ) -> dict:
     """Weights, KV cache (full vs H2O, per head and total) and activation peaks for each context length;
-    the `recall` archive per token and at `archive_max` tokens (pages of `page_size`)."""
+    the `recall` archive per token and at `archive_max` tokens (pages of `page_size`), stored as `archive_bits`
+    in `archive_storage` (ram or disk), split into RAM and disk bytes, and per token for every `--archive-bits`."""
     weights = weight_bytes(shape, quant, dtype_bytes)
     heads = shape.n_layers * shape.n_kv_heads
     slots = budget + chunk
     h2o_head = h2o_head_bytes(shape, slots, kv_bits, dtype_bytes)
     h2o_activations = activation_bytes(shape, chunk, slots, kv_bits, dtype_bytes)["peak"]
+    split = archive_split(shape, archive_max, page_size, dtype_bytes, archive_bits, archive_storage)
+
+    def per_token(bits: int | None, storage: str) -> tuple[float, float]:
+        """(RAM, disk) archive bytes per token, the summaries shared out over a page."""
+        ram, disk = archive_split(shape, page_size, page_size, dtype_bytes, bits, storage)
+        return ram / page_size, disk / page_size
+
     rows = []
     for context in contexts:
         full_head = full_head_bytes(shape, context, kv_bits, dtype_bytes)
@@ -203,8 +227,17 @@ def memory_table(
         "kv_heads_total": heads,
         "context_window": shape.context,
         "weights_bytes": weights,
-        "recall_archive_bytes_per_token": archive_bytes(shape, page_size, page_size, dtype_bytes) / page_size,
+        "recall_archive_bits": archive_bits,
+        "recall_archive_storage": archive_storage,
+        "recall_archive_bytes_per_token": per_token(archive_bits, "ram")[0],
+        "recall_archive_ram_bytes_per_token": per_token(archive_bits, archive_storage)[0],
+        "recall_archive_disk_bytes_per_token": per_token(archive_bits, archive_storage)[1],
+        "recall_archive_bytes_per_token_by_bits": {
+            str(bits) if bits else "model": per_token(bits, "ram")[0] for bits in (None, 16, 8)
+        },
         "recall_archive_tokens": archive_max,
-        "recall_archive_bytes": archive_bytes(shape, archive_max, page_size, dtype_bytes),
+        "recall_archive_bytes": archive_bytes(shape, archive_max, page_size, dtype_bytes, archive_bits),
+        "recall_archive_ram_bytes": split[0],
+        "recall_archive_disk_bytes": split[1],
         "rows": rows,
     }

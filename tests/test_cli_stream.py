@@ -59,7 +59,11 @@ def h2o_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
         ),
         (["chat", "--policy", "recall", "--recall-ratio", "1.5"], 2, "--recall-ratio 1.5 must lie in [0, 1]"),
         (["eval", "copa", "--policies", "recall", "--page-size", "0"], 2, "--page-size 0 must be at least 1"),
-        (["compare", EXCERPT, "--archive-max", "8"], 2, "--archive-max 8 must hold at least two pages"),
+        (
+            ["compare", EXCERPT, "--archive-max", "8", "--page-size", "8"],
+            2,
+            "--archive-max 8 must hold at least two pages",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_an_exit_code(monkeypatch, capsys, args, code, words):
@@ -121,7 +125,7 @@ def test_json_from_stdin_equals_file(tmp_path):
 @pytest.mark.model
 def test_recall_json_reports_its_archive():
     args = ["--ppl", "--json", "--budget", "64", "--max-tokens", "300", "--chunk", "32", "--policy", "recall"]
-    result = h2o("stream", EXCERPT, *args, "--archive-max", "160")
+    result = h2o("stream", EXCERPT, *args, "--archive-max", "160", "--page-size", "8")
     assert result.returncode == 0, result.stderr.decode()
     report = json.loads(result.stdout)
     assert report["policy"] == "recall" and report["budget_tokens"] == 64 and report["recall_slots"] == 32

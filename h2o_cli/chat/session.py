@@ -147,6 +147,7 @@ class ChatSession:
 
     def reset(self) -> None:
         """Forget the conversation: empty cache and transcript."""
+        self.cache.close()  # a recall archive's file goes now, not when the old cache is collected
         self.cache = H2OCache(self.model, self.settings)
         self.ids = array("l")
         self.turns = []
@@ -163,6 +164,7 @@ class ChatSession:
         if self.ids:
             _, stats = prefill(self.model, cache, [list(self.ids)], FEED_CALL_TOKENS)
             stats.reraise()
+        self.cache.close()
         self.settings, self.cache = settings, cache
 
     def set_budget(self, budget: int) -> None:

@@ -13,6 +13,7 @@ Examples:
 
   h2o memory --model llama-7b --budget 0.2
   h2o memory --model smollm2-135m --budget 512 --quant 4bit --kv-bits 8 --json
+  h2o memory --model llama-7b --archive disk --archive-bits 8 --archive-max 64MiB
 """
 
 
@@ -27,6 +28,7 @@ Examples:
         "score_decay",
         "h2o_sinks",
         "kernels",
+        "keep_archive",
     ),
     budget=opt.DEFAULTS["budget"],
     chunk=opt.DEFAULTS["chunk"],
@@ -43,16 +45,29 @@ def memory(
 
     Computed from the model config without loading weights (a built-in public config for offline aliases).
     """
-    from h2o_cli.memory import ModelShape, memory_table
+    from h2o_cli.memory import ModelShape, archive_bytes, memory_table
     from h2o_cli.models import config_for, pick_device, pick_dtype
+    from h2o_cli.policies.recall import archive_capacity
 
     config, origin = config_for(model)
     shape = ModelShape.from_config(config)
     tokens, chunk, kv_bits = settings.resolved(shape.context).budget, settings.chunk, settings.kv_bits
     dtype_bytes = pick_dtype(dtype, pick_device(device)).itemsize
-    archive = -(-settings.archive_max // settings.page_size) * settings.page_size  # whole pages, as the cache
+    page, bits = settings.page_size, settings.archive_bits
+    page_bytes = archive_bytes(shape, page, page, dtype_bytes, bits)
+    archive = archive_capacity(settings.archive_max, page, None, page_bytes)  # whole pages, as the cache
+    storage = "ram" if settings.archive == "ram" else "disk"
     table = memory_table(
-        shape, tokens, chunk, quant, kv_bits, dtype_bytes, page_size=settings.page_size, archive_max=archive
+        shape,
+        tokens,
+        chunk,
+        quant,
+        kv_bits,
+        dtype_bytes,
+        page_size=page,
+        archive_max=archive,
+        archive_bits=bits,
+        archive_storage=storage,
     )
     table.update(model=model, config_source=origin)
     if as_json:
@@ -92,9 +107,16 @@ def memory(
         "* = beyond the context window (full attention cannot go there; H2O with rolling positions can); "
         f"config: {origin}"
     )
+    by_bits = table["recall_archive_bytes_per_token_by_bits"]
+    stored = {None: f"{8 * dtype_bytes}-bit", 16: "16-bit", 8: "int8"}[bits]
     stderr.print(
-        f"--policy recall also keeps an archive in RAM: {size(table['recall_archive_bytes_per_token'])} per token, "
-        f"{size(table['recall_archive_bytes'])} at --archive-max {archive:,} tokens"
+        f"--policy recall also keeps an archive ({stored}, --archive {settings.archive}): "
+        f"{size(table['recall_archive_bytes_per_token'])} per token "
+        f"({size(table['recall_archive_ram_bytes_per_token'])} in RAM, "
+        f"{size(table['recall_archive_disk_bytes_per_token'])} on disk); at --archive-max {archive:,} tokens "
+        f"{size(table['recall_archive_ram_bytes'])} in RAM + {size(table['recall_archive_disk_bytes'])} on disk. "
+        f"Per token: {size(by_bits['model'])} in the model dtype, {size(by_bits['16'])} 16-bit, "
+        f"{size(by_bits['8'])} int8 (the summaries and index, in RAM, are part of each)"
     )
 
 

@@ -149,7 +149,30 @@ RecallRatio = Annotated[
 ]
 PageSize = Annotated[int, typer.Option("--page-size", help="recall: tokens per archive page.")]
 ArchiveMax = Annotated[
-    int, typer.Option("--archive-max", help="recall: tokens the archive keeps (older pages are dropped).")
+    str,
+    typer.Option(
+        "--archive-max",
+        help="recall: what the archive keeps, in tokens (16384) or bytes (64MiB, 1GiB); older pages are dropped.",
+    ),
+]
+Archive = Annotated[
+    str,
+    typer.Option(
+        "--archive",
+        help="recall: where archived K/V live: ram, disk (a file in $H2O_HOME/archive/, memory-mapped and not "
+        "kept resident; CPU only), or a file or folder PATH. The file is removed at exit.",
+    ),
+]
+ArchiveBits = Annotated[
+    int | None,
+    typer.Option(
+        "--archive-bits",
+        help="recall: archived K/V as 16-bit or 8 (int8, per-token scales); default: the model dtype.",
+        callback=_kv_bits,
+    ),
+]
+KeepArchive = Annotated[
+    bool, typer.Option("--keep-archive", help="recall: leave the archive's file in place at exit.")
 ]
 Kernels = Annotated[
     str,
@@ -194,6 +217,9 @@ CACHE_OPTIONS = {
     "recall_ratio": RecallRatio,
     "page_size": PageSize,
     "archive_max": ArchiveMax,
+    "archive": Archive,
+    "archive_bits": ArchiveBits,
+    "keep_archive": KeepArchive,
     "kernels": Kernels,
 }
 

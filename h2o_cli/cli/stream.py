@@ -21,6 +21,7 @@ Examples:
   h2o stream book.txt --prompt "Who is Victor's friend?" --max-new-tokens 64
   h2o stream book.txt --ppl --quant 4bit --kv-bits 8
   h2o stream book.txt --ppl --budget 410 --score-decay 0.995 --h2o-sinks 4 --json
+  h2o stream book.txt --ppl --policy recall --budget 512 --archive disk --archive-bits 8 --archive-max 1GiB
 """
 
 

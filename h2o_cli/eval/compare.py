@@ -48,7 +48,9 @@ def compare_perplexity(
             "quant": getattr(model, "h2o_quant", "none"),
             "tokens": stats.tokens,
             "ppl": stats.ppl,
+            **cache.archive_summary(),  # recall: the archive's bytes (RAM, disk), reach and recalls
         }
+        cache.close()
         rows.append(row)
         if on_row is not None:
             on_row(row)

@@ -1,0 +1,178 @@
+"""Where the `recall` archive's K/V live on disk: one memory-mapped file per cache, never kept resident.
+
+`--archive disk` names a fresh file in `$H2O_HOME/archive/`, `--archive PATH` a file (or a fresh name inside a
+folder). The file's space is reserved when the cache is built (`posix_fallocate`: a full disk is a one-line
+error then, not a crash in the middle of a stream), each layer's K/V lie in their own region of it, aligned to
+the OS page size. The archive writes through the file (`os.pwrite`: into the page cache, not the process) and
+reads the chosen tokens as tensors over the mapping; after every read it calls `release()`:
+`madvise(MADV_DONTNEED)` takes the region's pages out of the process (a shared file mapping keeps their data in
+the file and the page cache), so the peak RSS, which counts mapped pages left resident, does not grow with the
+archive. The file is removed when the cache is closed or collected, or at the
+latest when the interpreter exits (normal end, exception, Ctrl-C), unless it is kept (`--keep-archive`).
+A run killed outright (SIGKILL) leaves its file: the next archive made in the same folder removes the files
+whose process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import re
+import secrets
+import weakref
+from pathlib import Path
+
+import torch
+
+from h2o_cli.errors import ArchiveError
+
+ARCHIVE_FOLDER = "archive"  # under $H2O_HOME
+SUFFIX = ".kv"
+OWNED = re.compile(r"recall-(\d+)-[0-9a-f]{8}\.kv")  # files this module names (not the kept ones)
+ALIGN = mmap.PAGESIZE
+
+
+def archive_location(where: str, keep: bool = False) -> Path:
+    """The file for `--archive disk` (a fresh name in `$H2O_HOME/archive/`) or `--archive PATH`: a folder (one
+    that exists, or a path ending in `/`) gets a fresh name inside, anything else is the file itself."""
+    from h2o_cli.models.sources import h2o_home
+
+    if where == "disk":
+        folder = h2o_home() / ARCHIVE_FOLDER
+    elif where.endswith(("/", os.sep)) or Path(where).expanduser().is_dir():
+        folder = Path(where).expanduser()
+    else:
+        return Path(where).expanduser()
+    kind = "kept" if keep else str(os.getpid())
+    return folder / f"recall-{kind}-{secrets.token_hex(4)}{SUFFIX}"
+
+
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to whole OS pages (each region of the file starts on a page)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class ArchiveFile:
+    """A file of `size` bytes mapped shared into the process; `region(nbytes)` hands out consecutive regions.
+
+    The file is created new (an existing one is an error) with mode 0600: it holds the text's keys and values.
+    """
+
+    def __init__(self, path: Path, size: int, keep: bool = False) -> None:
+        self.path, self.size, self.keep = Path(path), size, keep
+        self._next = 0
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale(self.path.parent)
+            # Never an existing file: `--archive notes.txt` by mistake must not truncate (and remove) notes.txt.
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            if not self.path.parent.is_dir():  # mkdir met a file where a folder should be
+                raise ArchiveError(
+                    f"cannot create the recall archive {self.path} ({self.path.parent} is not a folder); "
+                    "choose a writable place with --archive PATH, or keep it in memory with --archive ram"
+                ) from None
+            raise ArchiveError(
+                f"{self.path} exists; the recall archive never overwrites a file: remove it, or give a new "
+                "file name or a folder with --archive PATH"
+            ) from None
+        except OSError as error:
+            raise ArchiveError(
+                f"cannot create the recall archive {self.path} ({error.strerror}); choose a writable place "
+                "with --archive PATH, or keep it in memory with --archive ram"
+            ) from None
+        # From here on the file exists: it is removed on every way out unless kept.
+        self._finalizer = weakref.finalize(self, _remove, self.path, keep)
+        try:
+            try:
+                os.posix_fallocate(descriptor, 0, size)
+            except OSError as error:
+                if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # e.g. ENOSPC
+                    raise
+                os.ftruncate(descriptor, size)  # a file system without fallocate: a sparse file
+            self.map = mmap.mmap(descriptor, size, flags=mmap.MAP_SHARED)
+        except OSError as error:
+            os.close(descriptor)
+            self._finalizer()
+            raise ArchiveError(
+                f"cannot reserve {size:,} bytes for the recall archive {self.path} ({error.strerror}); "
+                "lower --archive-max, choose another place with --archive PATH, or use --archive ram"
+            ) from None
+        self.descriptor = descriptor
+        self._closer = weakref.finalize(self, os.close, descriptor)
+        self.base = torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()
+
+    def region(self, nbytes: int) -> ArchiveRegion:
+        """The next `nbytes` of the file (rounded up to whole OS pages)."""
+        start, self._next = self._next, self._next + aligned(nbytes)
+        assert self._next <= self.size, "the file was sized for every region"
+        return ArchiveRegion(self, start, self._next)
+
+    def close(self) -> None:
+        """Remove the file now (unless kept); the mapping goes when its last tensor does."""
+        self._finalizer()
+        self._closer()
+
+
+def _remove(path: Path, keep: bool) -> None:
+    if not keep:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def remove_stale(folder: Path) -> None:
+    """Remove archive files this module named in `folder` whose process no longer runs (a killed run's)."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            owner = OWNED.fullmatch(entry.name)
+            if owner is None or int(owner[1]) == os.getpid():
+                continue
+            try:
+                os.kill(int(owner[1]), 0)
+            except ProcessLookupError:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+            except PermissionError:
+                pass  # alive, another user's
+
+
+class ArchiveRegion:
+    """Bytes `start .. end` of an `ArchiveFile`: tensors laid out in it, and `release()` of its pages."""
+
+    def __init__(self, file: ArchiveFile, start: int, end: int) -> None:
+        self.file, self.start, self.end = file, start, end
+        self._next = start
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of `shape` and `dtype` over the next bytes of the region (zero until written)."""
+        count = 1
+        for dim in shape:
+            count *= dim
+        offset = -(-self._next // 8) * 8  # every dtype's alignment
+        self._next = offset + count * dtype.itemsize
+        assert self._next <= self.end, "the region was sized for its tensors"
+        return torch.frombuffer(self.file.map, dtype=dtype, count=count, offset=offset).view(shape)
+
+    def write(self, target: torch.Tensor, first: int, data: torch.Tensor) -> None:
+        """Write `data` [n, count, ...] into slots `first .. first + count - 1` (modulo `capacity`) of a
+        region tensor `target` [n, capacity, ...] through the file (`os.pwrite`): the pages go to the page
+        cache, never into the process (storing through the mapping faults every page in, and is far slower)."""
+        capacity, count = target.shape[1], data.shape[1]
+        assert count <= capacity and data.shape[0] == target.shape[0]
+        row = target[0, 0].nbytes
+        offset = target.data_ptr() - self.file.base
+        data = data.to(target.dtype).contiguous()
+        start = first % capacity
+        runs = [(0, min(count, capacity - start), start)]  # (from, to) in data, its first slot
+        if runs[0][1] < count:
+            runs.append((runs[0][1], count, 0))
+        for head in range(data.shape[0]):
+            for begin, end, slot in runs:
+                piece = memoryview(data[head, begin:end].view(torch.uint8).numpy()).cast("B")
+                os.pwrite(self.file.descriptor, piece, offset + (head * capacity + slot) * row)
+
+    def release(self) -> None:
+        """Drop the region's pages from the process's resident set (their data stays in the file)."""
+        self.file.map.madvise(mmap.MADV_DONTNEED, self.start, self.end - self.start)

@@ -1,0 +1,379 @@
+"""Where the `recall` archive lives (docs/spec.md, recall: storage): RAM or a memory-mapped file, float or int8,
+capped in tokens or bytes; the file goes at exit unless kept; a disk archive keeps the peak RSS flat."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import REPO
+from test_cli_stream import h2o_in_process, one_error_line
+from typer.testing import CliRunner
+
+from h2o_cli import memory
+from h2o_cli.archive import PageArchive
+from h2o_cli.archive_file import archive_location
+from h2o_cli.cache import H2OCache
+from h2o_cli.cli.app import app
+from h2o_cli.config import CacheSettings
+from h2o_cli.errors import ArchiveError, UsageError
+from h2o_cli.kvquant import dequantize, quantize
+from h2o_cli.policies.recall import archive_cap
+
+MiB = 2**20
+
+
+def run_stream(
+    model, settings: CacheSettings, ids: torch.Tensor, chunk: int
+) -> tuple[torch.Tensor, H2OCache]:
+    cache = H2OCache(model, settings)
+    with torch.no_grad():
+        logits = [model(ids[:, s : s + chunk], cache=cache).logits for s in range(0, ids.shape[1], chunk)]
+    return torch.cat(logits, 1), cache
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [
+        (16384, (16384, "tokens")),
+        ("16384", (16384, "tokens")),
+        ("64MiB", (64 * MiB, "bytes")),
+        ("1GiB", (2**30, "bytes")),
+        ("1.5GiB", (3 * 2**29, "bytes")),
+        ("500MB", (500_000_000, "bytes")),
+        ("4096B", (4096, "bytes")),
+        ("2 kib", (2048, "bytes")),
+    ],
+)
+def test_archive_max_takes_tokens_or_bytes(value, want):
+    assert archive_cap(value) == want
+
+
+@pytest.mark.parametrize("value", ["16k", "-5", "MiB", "1.2", "", "64 MiBs", "0x10"])
+def test_a_bad_archive_max_is_one_usage_error(value, monkeypatch, capsys):
+    with pytest.raises(UsageError, match=r"--archive-max .* is neither a token count .* nor a size"):
+        CacheSettings(budget=64, policy="recall", archive_max=value)
+    code, out, err = h2o_in_process(monkeypatch, capsys, "memory", "--archive-max", value)
+    assert code == 2 and not out
+    assert one_error_line(err).startswith("h2o: error: --archive-max")
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+@pytest.mark.parametrize("bits", [None, 8])
+def test_a_file_archive_recalls_bit_for_bit_what_the_ram_archive_does(tiny_pair, tmp_path, bits, chunk):
+    _, model = tiny_pair
+    ids = torch.randint(0, 128, (1, 150), generator=torch.Generator().manual_seed(8))
+    base = dict(budget=24, policy="recall", chunk=chunk, page_size=4, archive_max=64, archive_bits=bits)
+    want, ram = run_stream(model, CacheSettings(**base), ids, chunk)
+    got, disk = run_stream(model, CacheSettings(**base, archive=f"{tmp_path}/"), ids, chunk)
+    assert torch.equal(got, want)
+    on_disk, in_ram = disk.archive_summary(), ram.archive_summary()
+    path = on_disk["archive_path"]
+    assert os.path.dirname(path) == str(tmp_path) and os.path.getsize(path) >= on_disk["archive_disk_bytes"]
+    assert in_ram["archive_storage"] == "ram" and in_ram["archive_disk_bytes"] == 0
+    assert on_disk["archive_storage"] == "disk" and on_disk["archive_bytes"] == in_ram["archive_bytes"]
+    # The file holds the K/V (and scales); the token index and page summaries stay in RAM.
+    layers, shape = len(disk.layers), disk.shape
+    kv = 64 * shape.n_kv_heads * memory.token_kv_bytes(shape, bits, 4)
+    assert on_disk["archive_disk_bytes"] == layers * kv
+    assert on_disk["archive_ram_bytes"] == in_ram["archive_ram_bytes"] - layers * kv
+    for key in ("archive_reach", "archive_tokens", "recalled_per_step", "recall_hits"):
+        assert on_disk[key] == in_ram[key]
+    assert on_disk["archive_reach"] == 150 - 62 and on_disk["recalled_per_step"] > 0
+    disk.close()
+    assert not os.listdir(tmp_path)
+
+
+def test_recall_hits_are_tokens_kept_in_the_recall_slots_from_one_step_to_the_next(tiny_pair):
+    """Counted by hand from the slots before and after each step: hits are the chosen tokens already there."""
+    _, model = tiny_pair
+    ids = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(9))
+    cache = H2OCache(model, CacheSettings(budget=16, policy="recall", chunk=1, page_size=2, archive_max=64))
+    layer, counted = cache.layers[1], []
+    with torch.no_grad():
+        for step in range(80):
+            before = [set(row.tolist()) - {-1} for row in layer.recall_index]
+            model(ids[:, step : step + 1], cache=cache)
+            after = [set(row.tolist()) - {-1} for row in layer.recall_index]
+            counted.append(sum(len(a & b) for a, b in zip(after, before, strict=True)) / len(after))
+            assert layer.hits == counted[-1]
+    assert layer.hits_total == pytest.approx(sum(counted)) and 0 < sum(counted) < layer.recalled_total
+    summary = cache.archive_summary()
+    assert summary["archive_reads_per_step"] == pytest.approx(
+        summary["recalled_per_step"] - summary["recall_hits"]
+    )
+
+
+def test_int8_archive_summaries_are_the_exact_keys_so_the_pages_chosen_are_the_same():
+    """The page choice reads only the summaries, token indices and queries: with summaries from the exact keys
+    an int8 archive must choose exactly what the float archive chooses, although its stored keys differ."""
+    torch.manual_seed(10)
+    n_kv, d, size = 2, 16, 4
+    keys = torch.randn(n_kv, 70, d) * torch.logspace(-2, 1, d)  # channels of very different ranges
+    values = torch.randn(n_kv, 70, d)
+    archives = [
+        PageArchive(n_kv, d, 64, size, torch.float32, torch.device("cpu"), bits=bits) for bits in (None, 8)
+    ]
+    for archive in archives:
+        archive.write(keys[:, :33], values[:, :33])
+        archive.write(keys[:, 33:], values[:, 33:])
+    exact, rounded = archives
+    assert torch.equal(exact.low, rounded.low) and torch.equal(exact.high, rounded.high)
+    stored = dequantize(rounded.keys, rounded.key_scales, torch.float32)
+    pages = stored.view(n_kv, 16, size, d)
+    assert not torch.equal(pages.amax(dim=2), rounded.high), "int8 keys would have given other summaries"
+    queries = torch.randn(n_kv, 3, d)
+    resident = torch.tensor([[60, 61, 62, -1], [10, 40, 41, 69]])
+    for slots in (5, 30):
+        chosen = [archive.choose(queries, resident, before=66, slots=slots) for archive in archives]
+        assert torch.equal(chosen[0][0], chosen[1][0]) and torch.equal(chosen[0][1], chosen[1][1])
+    # What comes back is the int8 round trip of the token's K/V (kvquant's rule).
+    heads, slots = torch.tensor([0, 1, 1]), torch.tensor([3, 20, 63])
+    read_keys, read_values = rounded.read(heads, slots)
+    tokens = rounded.token_index[slots]
+    codes, scales = quantize(keys[heads, tokens].unsqueeze(0))
+    torch.testing.assert_close(read_keys, dequantize(codes, scales, torch.float32)[0], rtol=0, atol=0)
+    assert float((read_values - values[heads, tokens]).abs().max()) <= float(values.abs().max()) / 254 + 1e-6
+
+
+@pytest.mark.parametrize("chunk", [1, 7])
+def test_an_int8_archive_errs_no_more_than_an_int8_kv_cache(tiny_pair, chunk):
+    """Tolerance: where every evicted token is recalled (the `full` anchor), the int8 archive's logits differ
+    from plain transformers by at most twice what a full int8 K/V cache (`--kv-bits 8`) differs, + 1e-5."""
+    reference, model = tiny_pair
+    ids = torch.randint(0, 128, (1, 61), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = reference(ids).logits
+    recall = CacheSettings(budget=64, policy="recall", chunk=chunk, page_size=4, archive_bits=8)
+    got, cache = run_stream(model, recall, ids, chunk)
+    int8_kv, _ = run_stream(
+        model, CacheSettings(budget=64, policy="full", chunk=chunk, kv_bits=8), ids, chunk
+    )
+    int8_error = float((int8_kv - want).abs().max())
+    assert float((got - want).abs().max()) <= 2 * int8_error + 1e-5
+    assert cache.archive_summary()["recalled_per_step"] > 0 and int8_error > 0
+
+
+def test_a_cap_in_bytes_holds_the_whole_pages_that_fit(tiny_pair):
+    _, model = tiny_pair
+    shape = memory.ModelShape.from_config(model.config)
+    for bits in (None, 8):
+        # By hand: 2 layers x (2 KV heads x (K and V of 16 dims) + int64 index + fp32 min/max per 8-token page).
+        per_token = {None: 2 * 16 * 4, 8: 2 * 16 + 2 * 4}[bits]
+        page_bytes = 8 * 2 * (2 * per_token + 8 + 2 * 16 * 2 * 4 / 8)
+        settings = CacheSettings(
+            budget=16, policy="recall", chunk=4, page_size=8, archive_max="40KiB", archive_bits=bits
+        )
+        cache = H2OCache(model, settings)
+        summary = cache.archive_summary()
+        assert summary["archive_capacity"] == 40 * 1024 // page_bytes * 8
+        assert summary["archive_bytes"] <= 40 * 1024 < summary["archive_bytes"] + page_bytes
+        assert summary["archive_bytes"] == memory.archive_bytes(
+            shape, summary["archive_capacity"], 8, 4, bits
+        )
+    with pytest.raises(UsageError, match="--archive-max 2KiB holds fewer than two pages of 8 tokens"):
+        H2OCache(model, CacheSettings(budget=16, policy="recall", chunk=4, page_size=8, archive_max="2KiB"))
+
+
+def test_an_unwritable_archive_path_is_one_error_naming_it_and_the_fix(tiny_pair, tmp_path):
+    _, model = tiny_pair
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    where = f"{blocker}/archive.kv"
+    with pytest.raises(ArchiveError) as caught:
+        H2OCache(model, CacheSettings(budget=16, policy="recall", chunk=4, archive=where))
+    message = str(caught.value)
+    assert where in message and "--archive PATH" in message and "--archive ram" in message
+    assert "\n" not in message and caught.value.exit_code == 1
+
+
+def test_an_existing_file_is_never_overwritten(tiny_pair, tmp_path):
+    _, model = tiny_pair
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    with pytest.raises(ArchiveError, match="notes.txt exists; the recall archive never overwrites a file"):
+        H2OCache(model, CacheSettings(budget=16, policy="recall", chunk=4, archive=str(notes)))
+    assert notes.read_text() == "keep me"
+
+
+def test_archive_location_names_a_fresh_file_in_a_folder_or_the_given_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("H2O_HOME", str(tmp_path / "home"))
+    disk = archive_location("disk")
+    assert disk.parent == tmp_path / "home" / "archive" and disk.name.startswith(f"recall-{os.getpid()}-")
+    assert archive_location(str(tmp_path)).parent == tmp_path  # an existing folder
+    assert archive_location(f"{tmp_path}/new/").parent == tmp_path / "new"  # a folder to be made
+    assert archive_location(str(tmp_path / "mine.kv")) == tmp_path / "mine.kv"
+    assert archive_location("disk", keep=True).name.startswith("recall-kept-")
+
+
+def test_a_killed_runs_archive_is_removed_by_the_next_one_in_its_folder(tiny_pair, tmp_path):
+    _, model = tiny_pair
+    stale = tmp_path / "recall-999999999-0123abcd.kv"  # no such process
+    kept = tmp_path / "recall-kept-0123abcd.kv"
+    for path in (stale, kept):
+        path.write_bytes(b"x")
+    cache = H2OCache(model, CacheSettings(budget=16, policy="recall", chunk=4, archive=str(tmp_path)))
+    assert not stale.exists() and kept.exists()
+    cache.close()
+
+
+EXIT_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from transformers import LlamaForCausalLM
+    from conftest import tiny_config
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.config import CacheSettings
+
+    folder, how = sys.argv[1], sys.argv[2]
+    model = LlamaForCausalLM(tiny_config()).eval()
+    settings = CacheSettings(budget=16, policy="recall", chunk=4, archive=folder + "/", keep_archive=how == "keep")
+    cache = H2OCache(model, settings)
+    with torch.no_grad():
+        model(torch.arange(40)[None], cache=cache)
+    print(cache.archive_summary()["archive_path"], flush=True)
+    if how == "exception":
+        raise RuntimeError("boom")
+    if how == "interrupt":
+        raise KeyboardInterrupt
+    """
+)
+
+
+def test_the_archive_file_is_removed_at_exit_unless_kept(tmp_path):
+    """A normal end, an exception, Ctrl-C (KeyboardInterrupt) and --keep-archive, one process each (at once)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), str(REPO / "kernels")]),
+    }
+    ways = ("normal", "exception", "interrupt", "keep")
+    for how in ways:
+        (tmp_path / how).mkdir()
+    runs = {
+        how: subprocess.Popen(
+            [sys.executable, "-c", EXIT_SCRIPT, str(tmp_path / how), how],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for how in ways
+    }
+    for how, run in runs.items():
+        out, err = run.communicate(timeout=600)
+        assert (run.returncode == 0) == (how in ("normal", "keep")), err
+        path = out.strip()
+        assert os.path.dirname(path) == str(tmp_path / how), err
+        assert os.listdir(tmp_path / how) == ([os.path.basename(path)] if how == "keep" else []), how
+
+
+def rss_probe(archive: str, env: dict) -> subprocess.Popen:
+    """Peak RSS after 512 and 2,048 tokens, in a fresh process (tests/archive_rss_probe.py)."""
+    probe = str(REPO / "tests" / "archive_rss_probe.py")
+    return subprocess.Popen(
+        [sys.executable, probe, archive, "512", "2048"], stdout=subprocess.PIPE, text=True, env=env
+    )
+
+
+def test_a_disk_archive_keeps_the_peak_rss_flat_where_a_ram_archive_grows(tmp_path):
+    """1,536 more tokens of 64 KiB of K/V each: 96 MiB more archive. In RAM the peak RSS grows by about that;
+    in a file (written through the page cache, mapped pages released after each read) it does not."""
+    env = {**os.environ, "H2O_HOME": str(tmp_path)}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "kernels")])
+    runs = {archive: rss_probe(archive, env) for archive in ("ram", "disk")}  # at once: half the wait
+    reports = {archive: json.loads(run.communicate(timeout=600)[0]) for archive, run in runs.items()}
+    growth = {
+        archive: report["peak_rss_bytes"]["2048"] - report["peak_rss_bytes"]["512"]
+        for archive, report in reports.items()
+    }
+    archive_growth = 1536 * 64 * 1024
+    for report in reports.values():
+        assert report["archive_token_bytes"] == 64 * 1024
+        assert report["archive_tokens"] == 2048  # the cap (4,096) exceeds the stream
+    assert growth["ram"] > 0.8 * archive_growth, growth
+    assert growth["disk"] < 0.15 * archive_growth, growth
+    assert reports["disk"]["archive_disk_bytes"] > archive_growth
+    assert not os.listdir(tmp_path / "archive")
+
+
+def test_memory_accounts_the_archive_per_token_for_each_storage():
+    """llama-7b fp16, by hand: 32 layers x 32 KV heads x 128 dims."""
+    args = ["memory", "--model", "llama-7b", "--dtype", "float16", "--json", "--page-size", "8"]
+    result = CliRunner().invoke(
+        app, [*args, "--archive", "disk", "--archive-bits", "8", "--archive-max", "64MiB"]
+    )
+    assert result.exit_code == 0, result.output
+    table = json.loads(result.stdout)
+    index, summaries = 32 * 8, 32 * 32 * 128 * 2 * 4 / 8  # per token: int64 index, fp32 min/max per page
+    float_kv, int8_kv = 32 * 32 * 2 * 128 * 2, 32 * 32 * (2 * 128 + 2 * 4)  # int8: + fp32 scales of K and V
+    assert table["recall_archive_bytes_per_token_by_bits"] == {
+        "model": float_kv + index + summaries,
+        "16": float_kv + index + summaries,
+        "8": int8_kv + index + summaries,
+    }
+    assert table["recall_archive_ram_bytes_per_token"] == index + summaries
+    assert table["recall_archive_disk_bytes_per_token"] == int8_kv
+    page_bytes = 8 * (int8_kv + index + summaries)
+    tokens = 64 * MiB // page_bytes * 8
+    assert table["recall_archive_tokens"] == tokens == 160
+    assert table["recall_archive_disk_bytes"] == tokens * int8_kv
+    assert table["recall_archive_ram_bytes"] == tokens * (index + summaries)
+    ram = json.loads(CliRunner().invoke(app, args).stdout)
+    assert ram["recall_archive_disk_bytes"] == 0 and ram["recall_archive_tokens"] == 16384
+    assert ram["recall_archive_ram_bytes"] == 16384 * (float_kv + index + summaries)
+
+
+def test_compare_rows_report_the_archive(tiny_pair, tmp_path):
+    from h2o_cli.eval.compare import compare_perplexity
+
+    _, model = tiny_pair
+    settings = CacheSettings(budget=1.0, chunk=8, archive_bits=8, archive=str(tmp_path))
+    rows = compare_perplexity(model, list(range(3, 90)), [0.5], ["h2o", "recall"], settings)
+    assert "archive_bytes" not in rows[0]
+    assert rows[1]["archive_storage"] == "disk" and rows[1]["archive_bits"] == 8
+    assert rows[1]["archive_disk_bytes"] > 0 and rows[1]["recalled_per_step"] > 0
+    assert rows[1]["archive_path"].startswith(str(tmp_path)) and not os.listdir(tmp_path)  # closed
+
+
+@pytest.mark.model
+def test_stream_with_a_file_archive_as_a_user_runs_it(tmp_path):
+    """`h2o stream` with an int8 archive in a folder: the same perplexity as in RAM, the file's figures in
+    --json, the file kept with --keep-archive and gone without; an unwritable path is one error line, exit 1."""
+    from test_cli_stream import EXCERPT, h2o
+
+    args = ["--ppl", "--json", "--budget", "64", "--max-tokens", "300", "--chunk", "32", "--policy", "recall"]
+    args += ["--archive-bits", "8", "--archive-max", "4MiB", "--page-size", "8"]
+    kept = h2o("stream", EXCERPT, *args, "--archive", f"{tmp_path}/", "--keep-archive")
+    assert kept.returncode == 0, kept.stderr.decode()
+    on_disk = json.loads(kept.stdout)
+    path = on_disk["archive_path"]
+    assert (
+        on_disk["archive_storage"] == "disk"
+        and on_disk["archive_kept"]
+        and os.path.dirname(path) == str(tmp_path)
+    )
+    assert os.listdir(tmp_path) == [os.path.basename(path)]
+    assert os.path.getsize(path) >= on_disk["archive_disk_bytes"] > 0
+    # SmolLM2 int8: 30 layers x 3 KV heads x (K and V of 64 int8 + two fp32 scales) per token.
+    assert on_disk["archive_token_bytes"] == 30 * 3 * (2 * 64 + 2 * 4)
+    # 4 MiB / (8 tokens x (that + int64 index + fp32 min/max of 3 x 64 per 8 tokens) x 30 layers) = 28 pages:
+    # 224 tokens; after 300 tokens the newest page starts at 296, so recall reaches back to 296 + 8 - 224 = 80.
+    assert on_disk["archive_capacity"] == 224 and on_disk["archive_reach"] == 80
+    assert on_disk["archive_bytes"] <= 4 * MiB
+    os.unlink(path)
+    removed = h2o("stream", EXCERPT, *args, "--archive", f"{tmp_path}/")
+    assert removed.returncode == 0 and not os.listdir(tmp_path)
+    in_ram = json.loads(h2o("stream", EXCERPT, *args).stdout)
+    assert in_ram["archive_storage"] == "ram" and in_ram["ppl"] == on_disk["ppl"]
+    assert in_ram["recall_hits"] == on_disk["recall_hits"] > 0
+    (tmp_path / "a-file").write_text("not a folder")
+    where = f"{tmp_path}/a-file/archive.kv"
+    bad = h2o("stream", EXCERPT, *args, "--archive", where)
+    assert bad.returncode == 1 and not bad.stdout
+    line = one_error_line(bad.stderr.decode())
+    assert where in line and "--archive PATH" in line
