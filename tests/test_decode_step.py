@@ -1,0 +1,181 @@
+"""The torch decode step (h2o_cli.decode_step) against independent references: float64 RoPE and softmax
+written out, the policy's own eviction rule, and an op budget that keeps the step small."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import pytest
+import torch
+from conftest import feed_chunk, tiny_config
+from naive import NaiveHeadState, inv_freq_of, naive_attend_chunk, rope
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from h2o_cli.cache import H2OLayer
+from h2o_cli.config import CacheSettings
+from h2o_cli.decode_step import DecodeMaps, expand, one_thread, step_attention
+from h2o_cli.policies import make_policy, select_evictions
+from h2o_cli.policies.base import lowest_outside_recent
+from h2o_cli.positions import Rope, rotate, unrotate
+from h2o_cli.store import LayerStore
+
+N_HEADS, N_KV, HEAD_DIM = 6, 2, 16
+
+
+def make_rope() -> tuple[Rope, torch.Tensor]:
+    config = tiny_config(
+        hidden_size=N_HEADS * HEAD_DIM, num_attention_heads=N_HEADS, num_key_value_heads=N_KV
+    )
+    return Rope(LlamaRotaryEmbedding(config), HEAD_DIM), inv_freq_of(config, HEAD_DIM)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("slots", [1, 37])
+def test_step_attention_matches_rope_and_softmax_written_out(dtype, slots):
+    torch.manual_seed(0)
+    rope_tables, inv_freq = make_rope()
+    query = torch.randn(N_HEADS, HEAD_DIM, dtype=dtype) * 2  # unrotated
+    keys = torch.randn(N_KV, slots, HEAD_DIM, dtype=dtype) * 2
+    values = torch.randn(N_KV, slots, HEAD_DIM, dtype=dtype)
+    valid = torch.rand(N_KV, slots) > 0.3
+    valid[:, 0] = True
+    key_positions = torch.randint(0, 50, (N_KV, slots))
+    query_position, scaling = 61, HEAD_DIM**-0.5
+    cos, sin = rope_tables.table(64, dtype, torch.device("cpu"))
+    at = slice(query_position, query_position + 1)
+    grouped = (expand(rotate(query, cos[at], sin[at])) * scaling).view(N_KV, -1, 2 * HEAD_DIM)
+
+    output, probs = step_attention(
+        grouped, keys, values, valid, key_positions, rope_tables.step_table(64, dtype, torch.device("cpu"))
+    )
+
+    group = N_HEADS // N_KV
+    for head in range(N_HEADS):
+        kv = head // group
+        q = rope(query[head : head + 1], torch.tensor([query_position]), inv_freq)
+        k = rope(keys[kv], key_positions[kv], inv_freq)
+        logits = ((q @ k.T)[0] * scaling).masked_fill(~valid[kv], float("-inf"))
+        want = torch.softmax(logits, dim=-1)
+        torch.testing.assert_close(probs[kv, head % group].double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            output[kv, head % group].double(), want @ values[kv].double(), rtol=1e-5, atol=1e-5
+        )
+
+
+def test_maps_are_the_rotations_they_stand_for():
+    torch.manual_seed(0)
+    rope_tables, _ = make_rope()
+    cos_table, sin_table = rope_tables.table(64, torch.float64, torch.device("cpu"))
+    cos, sin = rope_tables.cos_sin(torch.tensor([23]), torch.float64)
+    maps = DecodeMaps()
+    x = torch.randn(5, HEAD_DIM, dtype=torch.float64)
+    torch.testing.assert_close(x @ maps.unrotation(cos, sin), unrotate(x, cos, sin))
+    query_map = maps.query(cos, sin, 7, 0.5, cos_table, sin_table)
+    want = expand(rotate(unrotate(x, cos, sin), cos_table[7:8], sin_table[7:8])) * 0.5
+    torch.testing.assert_close(x @ query_map, want)
+    assert maps.query(cos, sin, 7, 0.5, cos_table, sin_table) is query_map  # once per forward pass
+    assert maps.usable(cos_table, sin_table)
+    # A rotation whose halves differ is not the rotate_half RoPE the step's tables assume: refused.
+    odd = cos_table.clone()
+    odd[:, -1] += 0.5
+    assert not DecodeMaps().usable(odd, sin_table)
+
+
+@pytest.mark.parametrize("recent", [0, 1, 3, 6])
+def test_lowest_outside_recent_is_the_policy_choice(recent):
+    torch.manual_seed(recent)
+    policy = make_policy(CacheSettings(budget=6, heavy_ratio=(6 - recent) / 6).resolved(64))
+    assert policy.kernel_victim and policy.recent_slots == recent
+    for trial in range(30):
+        store = LayerStore(3, 4, budget=6, chunk=6, dtype=torch.float32, device=torch.device("cpu"))
+        store.write(torch.zeros(3, 9, 4), torch.zeros(3, 9, 4))
+        store.drop(torch.stack([torch.randperm(9)[:2] for _ in range(3)]))  # holes, ranks shifted
+        store.write(torch.zeros(3, 1, 4), torch.zeros(3, 1, 4))  # 8 entries: one over the budget
+        store.scores.copy_(torch.randint(0, 3, store.scores.shape).float())  # many ties
+        want = select_evictions(policy.priority(store), store.token_index, 1)
+        got = lowest_outside_recent(store.scores, store.rank, store.valid, store.length - recent)
+        assert torch.equal(got, want), f"trial {trial}"
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that compute (views and no-op casts aside)."""
+
+    VIEWS = {"view", "alias", "slice", "select", "unsqueeze", "expand", "transpose", "reshape", "as_strided",
+             "t", "chunk", "split", "detach", "_unsafe_view", "to", "squeeze", "permute"}  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in self.VIEWS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_token_call_stays_within_its_op_budget():
+    """A full cache's decode call of a layer (not the first: the pass's maps exist) computes with at most
+    40 tensor ops; the chunk path took 62 for the same call (issue 12: ops, not bytes, bound the step)."""
+    torch.manual_seed(0)
+    rope_tables, _ = make_rope()
+    settings = CacheSettings(budget=8, chunk=4).resolved(256)
+    maps = DecodeMaps()
+    layers = [
+        H2OLayer(LayerStore(N_KV, HEAD_DIM, 8, 4, torch.float32, torch.device("cpu")), settings, rope_tables, 256,
+                 first_layer=number == 0, maps=maps)
+        for number in range(2)
+    ]  # fmt: skip
+    with torch.inference_mode():
+        for start in range(0, 20):
+            positions = torch.tensor([start])
+            cos, sin = rope_tables.cos_sin(positions, torch.float32)
+            q, k, v = (
+                rotate(torch.randn(N_HEADS, 1, HEAD_DIM), cos, sin)[None],
+                rotate(torch.randn(N_KV, 1, HEAD_DIM), cos, sin)[None],
+                torch.randn(1, N_KV, 1, HEAD_DIM),
+            )  # as the model hands them over: q and k rotated at the token's position
+            kwargs = {"position_ids": positions[None]}
+            counter = OpCounter()
+            for layer in layers:
+                with counter if layer is layers[1] else contextlib.nullcontext():
+                    layer.update(k, v, kwargs=kwargs)
+                    layer.attend(q, HEAD_DIM**-0.5)
+    assert layers[1].store.length == 8
+    assert sum(counter.ops.values()) <= 40, dict(counter.ops)
+
+
+def test_one_thread_scope_restores_the_thread_count():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError), one_thread():
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_decode_layer_matches_naive_with_float32_store():
+    """The step in the model's dtype (the layer-vs-naive tests run float64) against the naive simulation."""
+    torch.manual_seed(3)
+    rope_tables, inv_freq = make_rope()
+    settings = CacheSettings(budget=8, chunk=9).resolved(256)
+    store = LayerStore(N_KV, HEAD_DIM, 8, 9, torch.float32, torch.device("cpu"))
+    layer = H2OLayer(store, settings, rope_tables, 256)
+    heads = [NaiveHeadState() for _ in range(N_KV)]
+    start = 0
+    for chunk in [5, 9] + [1] * 30:
+        q = torch.randn(N_HEADS, chunk, HEAD_DIM) * 2
+        k = torch.randn(N_KV, chunk, HEAD_DIM) * 2
+        v = torch.randn(N_KV, chunk, HEAD_DIM)
+        got = feed_chunk(layer, q, k, v, start)
+        want = naive_attend_chunk(heads, q.double(), k.double(), v.double(), start, settings, inv_freq,
+                                  HEAD_DIM**-0.5)  # fmt: skip
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+        for j, head in enumerate(heads):
+            assert sorted(store.token_index[j][store.valid[j]].tolist()) == head.alive_indices()
+        start += chunk
