@@ -173,9 +173,13 @@ class H2OLayer(CacheLayerMixin):
         cos, sin = self._model_rotation
         self._chunk, self._new_states, self._step = 0, None, False
         position = self._new_position()
+        if store.active > store.length + 1:  # a chunk's evictions left holes: close them, once
+            store.compact()
         store.write(keys, values)
+        # Every slot below `active` holds an entry now: at most one hole was left (by the last eviction),
+        # and the write filled the lowest free slot. So no mask, no clamp, no validity test below.
         active = store.active
-        key_positions = store.rank if self.positions == "rolling" else store.token_index
+        key_positions = (store.rank if self.positions == "rolling" else store.token_index)[:, :active]
         cos_table, sin_table = self._step_tables(position, query.device)
         query_map = self.maps.query(cos, sin, position, scaling, cos_table, sin_table)
         grouped = (query[0, :, 0] @ query_map).view(store.n_kv_heads, -1, 2 * store.head_dim)
@@ -183,18 +187,14 @@ class H2OLayer(CacheLayerMixin):
             grouped,
             store.key_states(active),
             store.value_states(active),
-            store.valid[:, :active],
-            key_positions[:, :active].clamp_min(0),  # empty slots: any row, their logits are masked
+            key_positions,
             self.rope.step_table(cos_table.shape[0], cos_table.dtype, query.device),
         )
         increments = probs.sum(dim=1)  # [n_kv_heads, active]: one query, so also the last probabilities
         store.accumulate(increments, increments, 1, decay=policy.decay_per_query)
         if policy.kernel_victim and store.length - store.budget == 1:  # no priority array to build
-            store.drop(
-                lowest_outside_recent(
-                    store.scores, store.rank, store.valid, store.length - policy.recent_slots
-                )
-            )
+            limit = store.length - policy.recent_slots
+            store.drop(lowest_outside_recent(store.scores[:, :active], store.rank[:, :active], limit))
         else:
             store.evict(policy)
         return output.to(query.dtype).view(1, 1, -1, store.head_dim)

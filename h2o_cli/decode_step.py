@@ -14,7 +14,6 @@ What is different, and why each is exact (the same sums, only float rounding dif
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -36,7 +35,7 @@ def one_thread() -> Iterator[None]:
     threads every op above torch's grain size pays the pool's fork/join (and a sleeping thread's wake-up
     under OMP_WAIT_POLICY=PASSIVE), which costs more than the op. Switching is a store of a number."""
     threads = torch.get_num_threads()
-    if threads == 1 or os.environ.get("H2O_STEP_THREADS") == "all":
+    if threads == 1:
         yield
         return
     torch.set_num_threads(1)
@@ -110,16 +109,15 @@ def step_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    valid: torch.Tensor,
     key_positions: torch.Tensor,
     step_table: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact softmax attention of one query per head over the valid slots.
+    """Exact softmax attention of one query per head over slots that all hold an entry (the set E_q).
 
     query: [n_kv_heads, group, 2 * head_dim] in `expand`'s form (rotated, scaled); keys, values:
-    [n_kv_heads, slots, head_dim] unrotated; valid: [n_kv_heads, slots] bool (the set E_q); key_positions:
-    [n_kv_heads, slots] int64 (>= 0); step_table: [positions, 2 * head_dim] (`Rope.step_table`: row p is
-    [c, s, s, c], the cos and sin of position p over the first half of the dims).
+    [n_kv_heads, slots, head_dim] unrotated; key_positions: [n_kv_heads, slots] int64; step_table:
+    [positions, 2 * head_dim] (`Rope.step_table`: row p is [c, s, s, c], the cos and sin of position p over
+    the first half of the dims).
     Returns output [n_kv_heads, group, head_dim] and probabilities [n_kv_heads, group, slots] (float32).
     """
     n_kv_heads, slots, head_dim = keys.shape
@@ -131,7 +129,6 @@ def step_attention(
     terms = step_table.index_select(0, key_positions.reshape(-1)).view(n_kv_heads, slots, 2, head_dim)
     terms[:, :, 0].mul_(keys)  # [a·c, b·s]
     terms[:, :, 1].mul_(keys)  # [a·s, b·c]
-    logits = torch.bmm(query, terms.view(n_kv_heads, slots, 2 * head_dim).transpose(1, 2)).float()
-    logits.masked_fill_(~valid.unsqueeze(1), float("-inf"))  # [n_kv, group, slots]
-    probs = torch.softmax(logits, dim=-1)
+    logits = torch.bmm(query, terms.view(n_kv_heads, slots, 2 * head_dim).transpose(1, 2))
+    probs = torch.softmax(logits.float(), dim=-1)  # [n_kv, group, slots]
     return torch.bmm(probs.to(values.dtype), values), probs
