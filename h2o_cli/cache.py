@@ -134,9 +134,12 @@ class H2OLayer(CacheLayerMixin):
         A call longer than the free slots is processed in sub-chunks that fit (write, attend, accumulate,
         evict, next), exactly as if the caller had sent those smaller chunks: the buffers never grow.
         """
+        store = self.store
+        if self._chunk == 1 and self._step_path and store.active > store.length + 1:
+            store.compact()  # a chunk's evictions left holes: decode steps read `budget + 1` slots from now on
         if self._step:
             return self._attend_step(query, scaling)
-        chunk, store = self._chunk, self.store
+        chunk = self._chunk
         keys, values = self._new_states
         self._chunk, self._new_states = 0, None
         cos, sin = (tensor.to(query.dtype) for tensor in self._model_rotation)
@@ -173,11 +176,9 @@ class H2OLayer(CacheLayerMixin):
         cos, sin = self._model_rotation
         self._chunk, self._new_states, self._step = 0, None, False
         position = self._new_position()
-        if store.active > store.length + 1:  # a chunk's evictions left holes: close them, once
-            store.compact()
         store.write(keys, values)
-        # Every slot below `active` holds an entry now: at most one hole was left (by the last eviction),
-        # and the write filled the lowest free slot. So no mask, no clamp, no validity test below.
+        # Every slot below `active` holds an entry now: `attend` packed a chunk's holes, at most one was left
+        # (by the last eviction), and the write filled the lowest free slot. So no mask, clamp or validity test.
         active = store.active
         key_positions = (store.rank if self.positions == "rolling" else store.token_index)[:, :active]
         cos_table, sin_table = self._step_tables(position, query.device)

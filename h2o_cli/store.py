@@ -129,13 +129,16 @@ class LayerStore:
 
     def compact(self) -> None:
         """Move every entry into slots [0, length), in their slot order, so that attention reads `length`
-        slots again. A chunk's evictions leave up to `chunk` holes below `active`; a decode step fills one
-        per token, so without this each step would read (and rotate) them all."""
+        slots again; the slots above are emptied (no entry, no score). A chunk's evictions leave up to
+        `chunk` holes below `active`; a decode step fills one per token, so without this each step would
+        read (and rotate) them all."""
         order = torch.argsort(self.valid.logical_not().to(torch.uint8), dim=1, stable=True)  # entries first
         for name in self._state_names():
             buffer = getattr(self, name)
             index = order if buffer.dim() == 2 else order.unsqueeze(-1).expand_as(buffer)
             buffer.copy_(buffer.gather(1, index))
+        for name, empty in (("scores", 0.0), ("seen", 0.0), ("last_probs", 0.0), ("token_index", -1)):
+            getattr(self, name)[:, self.length :] = empty
         self.active = self.length
 
     def allowed(self, chunk: int) -> torch.Tensor:
