@@ -15,11 +15,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_cli.archive import PageArchive
 from h2o_cli.config import CacheSettings
+from h2o_cli.decode_step import DecodeMaps, one_thread, step_attention
 from h2o_cli.errors import ContextOverflowError, UnsupportedModelError, UsageError
 from h2o_cli.kvquant import storage_dtype
 from h2o_cli.memory import ModelShape
 from h2o_cli.models.families import check_family, text_config
 from h2o_cli.policies import make_policy
+from h2o_cli.policies.base import lowest_outside_recent
 from h2o_cli.positions import Rope, unrotate
 from h2o_cli.store import LayerStore
 
@@ -39,9 +41,10 @@ class H2OLayer(CacheLayerMixin):
         rope: Rope,
         max_positions: int,
         first_layer: bool = True,
+        maps: DecodeMaps | None = None,
     ) -> None:
         """`first_layer`: this layer starts each forward pass, so it computes the RoPE tables afresh; the
-        other layers of a model reuse them (they share one `Rope`)."""
+        other layers of a model reuse them (they share one `Rope`, and one `maps` for the decode step)."""
         super().__init__()
         self.first_layer = first_layer
         self.store = store
@@ -54,6 +57,10 @@ class H2OLayer(CacheLayerMixin):
         self._model_rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of the chunk
         self._chunk = 0
         self._new_states: tuple[torch.Tensor, torch.Tensor] | None = None  # the call's K/V, unrotated
+        # One-token calls on the torch path take `_attend_step` (h2o_cli.decode_step); recall has its own step.
+        self.maps = maps or DecodeMaps()
+        self._step_path = not policy.recalls and store.compute_dtype in (torch.float32, torch.float64)
+        self._step = False  # this call takes it
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
@@ -101,8 +108,19 @@ class H2OLayer(CacheLayerMixin):
             positions = positions.reshape(-1)[-chunk:]
         # The same tensor object for every layer of a forward pass, so Rope computes its cos/sin once per pass.
         cos, sin = self.rope.cos_sin(positions, key_states.dtype, reuse=not self.first_layer)
+        self._step = (
+            chunk == 1
+            and self._step_path
+            and key_states.dtype == store.compute_dtype
+            and not use_triton(key_states.device, self.settings.kernels)
+            and self.maps.usable(*self._step_tables(self._new_position(), key_states.device))
+        )
+        if self._step:  # [n_kv_heads, 1, head_dim] by one matmul with the pass's unrotation matrix
+            keys = (key_states[0, :, 0] @ self.maps.unrotation(cos, sin)).unsqueeze(1)
+        else:
+            keys = unrotate(key_states[0], cos, sin)
         # Written to the store by `attend`, in sub-chunks that fit the spare slots (a call may bring more).
-        self._new_states = (unrotate(key_states[0], cos, sin), value_states[0])
+        self._new_states = (keys, value_states[0])
         self._model_rotation = (cos, sin)
         self._chunk = chunk
         if kwargs is not None:
@@ -116,7 +134,12 @@ class H2OLayer(CacheLayerMixin):
         A call longer than the free slots is processed in sub-chunks that fit (write, attend, accumulate,
         evict, next), exactly as if the caller had sent those smaller chunks: the buffers never grow.
         """
-        chunk, store = self._chunk, self.store
+        store = self.store
+        if self._chunk == 1 and self._step_path and store.active > store.length + 1:
+            store.compact()  # a chunk's evictions left holes: decode steps read `budget + 1` slots from now on
+        if self._step:
+            return self._attend_step(query, scaling)
+        chunk = self._chunk
         keys, values = self._new_states
         self._chunk, self._new_states = 0, None
         cos, sin = (tensor.to(query.dtype) for tensor in self._model_rotation)
@@ -130,6 +153,52 @@ class H2OLayer(CacheLayerMixin):
             outputs.append(self._attend_written(query[:, part].contiguous(), scaling))
             start += size
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    def _new_position(self) -> int:
+        """The position of the next token written (its rank, or its token index)."""
+        return self.store.length if self.positions == "rolling" else self.store.tokens_seen
+
+    def _step_tables(self, position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables a one-token call at `position` reads: the query's and every key's position
+        (ranks stay below `slots`, token indices below the query's)."""
+        return self.rope.table(max(position + 1, self.store.slots), self.store.compute_dtype, device)
+
+    def _attend_step(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """`attend` for one token on the torch path (`update` chose it): the same steps in far fewer ops
+        (h2o_cli.decode_step), on one thread. query: [1, n_heads, 1, head_dim] rotated by the model.
+        Returns [1, 1, n_heads, head_dim]."""
+        with one_thread():
+            return self._step_on_one_thread(query, scaling)
+
+    def _step_on_one_thread(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        store, policy = self.store, self.policy
+        keys, values = self._new_states
+        cos, sin = self._model_rotation
+        self._chunk, self._new_states, self._step = 0, None, False
+        position = self._new_position()
+        store.write(keys, values)
+        # Every slot below `active` holds an entry now: `attend` packed a chunk's holes, at most one was left
+        # (by the last eviction), and the write filled the lowest free slot. So no mask, clamp or validity test.
+        active = store.active
+        key_positions = (store.rank if self.positions == "rolling" else store.token_index)[:, :active]
+        cos_table, sin_table = self._step_tables(position, query.device)
+        query_map = self.maps.query(cos, sin, position, scaling, cos_table, sin_table)
+        grouped = (query[0, :, 0] @ query_map).view(store.n_kv_heads, -1, 2 * store.head_dim)
+        output, probs = step_attention(
+            grouped,
+            store.key_states(active),
+            store.value_states(active),
+            key_positions,
+            self.rope.step_table(cos_table.shape[0], cos_table.dtype, query.device),
+        )
+        increments = probs.sum(dim=1)  # [n_kv_heads, active]: one query, so also the last probabilities
+        store.accumulate(increments, increments, 1, decay=policy.decay_per_query)
+        if policy.kernel_victim and store.length - store.budget == 1:  # no priority array to build
+            limit = store.length - policy.recent_slots
+            store.drop(lowest_outside_recent(store.scores[:, :active], store.rank[:, :active], limit))
+        else:
+            store.evict(policy)
+        return output.to(query.dtype).view(1, 1, -1, store.head_dim)
 
     def _attend_written(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attend the chunk just written (query [n_heads, chunk, head_dim], unrotated), accumulate, evict.
@@ -373,6 +442,7 @@ class H2OCache(Cache):
         check_kernels(settings.kernels, param.device)
         dtype = compute_dtype(model)
         rope = Rope(model.model.rotary_emb, shape.head_dim)
+        maps = DecodeMaps()
         layer_class = RecallLayer if policy.recalls else H2OLayer
         layers = [
             layer_class(
@@ -389,6 +459,7 @@ class H2OCache(Cache):
                 rope,
                 self.max_positions,
                 first_layer=number == 0,
+                maps=maps,
             )
             for number in range(shape.n_layers)
         ]

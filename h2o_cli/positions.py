@@ -45,6 +45,7 @@ class Rope:
         self.scaling = float(getattr(rotary_emb, "attention_scaling", 1.0))
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
+        self._step: torch.Tensor | None = None  # `step_table` of the current tables, built on demand
         # (positions tensor, dtype, cos, sin) of the last call that computed them.
         self._last: tuple | None = None
 
@@ -81,5 +82,15 @@ class Rope:
         if self._cos.shape[0] < length or self._cos.dtype != dtype or self._cos.device != device:
             size = max(length, 2 * self._cos.shape[0])
             self._cos, self._sin = self.cos_sin(torch.arange(size, device=device), dtype)
-            self._last = None
+            self._last, self._step = None, None
         return self._cos, self._sin
+
+    def step_table(self, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """[>= length, 2 * head_dim] for `h2o_cli.decode_step`: row p is [c, s, s, c], the cos and sin of
+        position p over the first half of the dims (valid where `DecodeMaps.usable(*self.table(...))`)."""
+        cos, sin = self.table(length, dtype, device)
+        if self._step is None:
+            half = self.head_dim // 2
+            cos, sin = cos[:, :half], sin[:, :half]
+            self._step = torch.cat([cos, sin, sin, cos], dim=1)
+        return self._step

@@ -12,8 +12,9 @@ class LayerStore:
     """Preallocated state of one layer. Every tensor is `[n_kv_heads, slots]` (+ `[head_dim]` for K/V).
 
     `slots = budget + chunk`: a chunk of up to `chunk` new tokens is written into free slots, attended, and
-    then `length - budget` entries are evicted, freeing their slots for the next chunk. Nothing is moved and
-    nothing grows: `H2OLayer.attend` splits a longer call into sub-chunks that fit the free slots.
+    then `length - budget` entries are evicted, freeing their slots for the next chunk. An eviction moves
+    nothing and nothing grows: `H2OLayer.attend` splits a longer call into sub-chunks that fit the free
+    slots. `compact` (once after a chunk, by the decode step) packs the entries into the lowest slots.
     """
 
     def __init__(
@@ -125,6 +126,20 @@ class LayerStore:
         self.tokens_seen += chunk
         self.active = max(self.active, self.length)
         return free
+
+    def compact(self) -> None:
+        """Move every entry into slots [0, length), in their slot order, so that attention reads `length`
+        slots again; the slots above are emptied (no entry, no score). A chunk's evictions leave up to
+        `chunk` holes below `active`; a decode step fills one per token, so without this each step would
+        read (and rotate) them all."""
+        order = torch.argsort(self.valid.logical_not().to(torch.uint8), dim=1, stable=True)  # entries first
+        for name in self._state_names():
+            buffer = getattr(self, name)
+            index = order if buffer.dim() == 2 else order.unsqueeze(-1).expand_as(buffer)
+            buffer.copy_(buffer.gather(1, index))
+        for name, empty in (("scores", 0.0), ("seen", 0.0), ("last_probs", 0.0), ("token_index", -1)):
+            getattr(self, name)[:, self.length :] = empty
+        self.active = self.length
 
     def allowed(self, chunk: int) -> torch.Tensor:
         """E_q for each query of the last written chunk: `[n_kv_heads, chunk, active]` bool."""

@@ -6,11 +6,15 @@ Reads `--context` tokens of War and Peace (chunks of 256), then profiles `--step
 output projection apart), and the rest (norms, RoPE of q/k, MLP activation, residuals, embedding, Python).
 
     python scripts/profile_decode.py --context 4096 --budget 0.1 --threads 1
+
+`--ops` also counts the tensor ops one decode step dispatches in the cache code of one layer (the second:
+the first builds the pass's shared tables), views and no-op casts aside.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import time
 from pathlib import Path
@@ -52,6 +56,44 @@ def decode(model, cache, token: int, steps: int) -> int:
     return token
 
 
+VIEWS = {"view", "alias", "slice", "select", "unsqueeze", "expand", "transpose", "reshape", "as_strided", "t",
+         "chunk", "split", "detach", "_unsafe_view", "to", "squeeze", "permute"}  # fmt: skip
+
+
+def count_ops(model, cache, token: int, layer) -> collections.Counter:
+    """Tensor ops dispatched by `layer.update` + `layer.attend` in one decode step (views aside)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in VIEWS and "record_function" not in str(func):
+                self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    counter = Counter()
+    inner = {name: getattr(layer, name) for name in ("update", "attend")}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            with counter:
+                return inner[name](*args, **kwargs)
+
+        return call
+
+    for name in inner:
+        setattr(layer, name, counted(name))
+    try:
+        decode(model, cache, token, 1)
+    finally:
+        for name in inner:
+            delattr(layer, name)
+    return counter.ops
+
+
 def shares(prof, steps: int) -> dict[str, float]:
     """ms per step of each part, from the profiler's ranges and ops (CPU totals, children included)."""
     events = prof.key_averages()
@@ -73,6 +115,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--rows", type=int, default=0, help="also print the profiler's top N ops")
+    parser.add_argument("--ops", action="store_true", help="count one layer's tensor ops per decode step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -112,6 +155,9 @@ def main() -> None:
             AttentionInterface._global_mapping["sdpa"] = ranged_sdpa
         token = prefill(model, cache, ids, args.chunk)
         token = decode(model, cache, token, args.warmup)
+        if args.ops and name == "h2o":
+            ops = count_ops(model, cache, token, cache.layers[1])
+            print(f"h2o: {sum(ops.values())} tensor ops per layer call: {dict(ops.most_common())}")
         started = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             decode(model, cache, token, args.steps)

@@ -68,6 +68,7 @@ def restore(cache: H2OCache, states: list[dict]) -> None:
             getattr(store, name)[:, :used] = tensor
         store.valid[:, used:] = False
         store.token_index[:, used:] = -1
+        store.active = max(store.active, used)  # every entry lies below `active` (a decode step compacts)
         store.length, store.tokens_seen, store.evictions = (
             state["length"],
             state["tokens_seen"],

@@ -128,6 +128,21 @@ def protect_recent(priority: torch.Tensor, state: SlotState, recent: int) -> tor
     return priority.masked_fill(~state.valid, NEVER)
 
 
+def lowest_outside_recent(scores: torch.Tensor, rank: torch.Tensor, limit: int) -> torch.Tensor:
+    """The one entry to evict per head for a `kernel_victim` policy: the lowest score among the entries of
+    rank < `limit` (`length - recent_slots`: the recent window is protected), ties to the oldest.
+
+    scores, rank: [n_kv_heads, n] for slots that all hold an entry (a compacted store's first `active`).
+    Returns [n_kv_heads, 1] slot indices. Needs `limit >= 1` (then rank 0 qualifies). The same choice as
+    `select_evictions(policy.priority(state), ..., 1)` in fewer ops: ranks are dense and ordered by token
+    index, so the lowest rank is the oldest token.
+    """
+    priority = torch.where(rank < limit, scores, NEVER)
+    lowest = priority.min(dim=1, keepdim=True).values  # finite: some entry is eligible
+    oldest = torch.where(priority == lowest, rank, torch.iinfo(torch.int64).max)
+    return oldest.argmin(dim=1, keepdim=True)
+
+
 def select_evictions(priority: torch.Tensor, token_index: torch.Tensor, count: int) -> torch.Tensor:
     """Slots to evict per head: the `count` lowest priorities, ties to the oldest token.
 

@@ -1,0 +1,134 @@
+"""The decode step on the torch path: one new token per call, the same attention in far fewer tensor ops.
+
+A decode call is tiny (one query per head), so its cost is the number of ops and the passes over the
+`[n_kv_heads, slots, head_dim]` keys, not arithmetic. `H2OLayer` takes this path for a one-token call when
+`DecodeMaps.usable` says the rotation allows it; the chunk path (`h2o_kernels.reference.slot_attention`)
+stays the reference, and the layer tests compare both against the naive simulation.
+
+What is different, and why each is exact (the same sums, only float rounding differs, ~1e-7):
+- RoPE is linear in the rotated vector, so undoing the model's rotation, re-rotating the query at its cache
+  position and scaling it are one `[head_dim, head_dim * 2]` matrix, built once per forward pass for all
+  layers (`DecodeMaps`), and each layer's query and key need one small matmul each.
+- Rotated keys are never formed (see `step_attention`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from h2o_cli.positions import rotate, unrotate
+
+
+def expand(rotated: torch.Tensor) -> torch.Tensor:
+    """`[..., head_dim]` → `[..., 2 * head_dim]`: `[q1, -q1, q2, q2]` of a rotated query's halves, the form
+    `step_attention` takes (it lines the query up with the key terms `[a·c, b·s, a·s, b·c]`)."""
+    first, second = rotated.chunk(2, dim=-1)
+    return torch.cat([first, -first, second, second], dim=-1)
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the enclosed torch ops on one thread. A decode step's ops take microseconds each; with more
+    threads every op above torch's grain size pays the pool's fork/join (and a sleeping thread's wake-up
+    under OMP_WAIT_POLICY=PASSIVE), which costs more than the op. Switching is a store of a number."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+class DecodeMaps:
+    """The per-forward-pass matrices of the decode step, shared by all layers of a model.
+
+    `cos`, `sin` [1, head_dim] are the model's rotation of the call's one token (`Rope.cos_sin`; the later
+    layers of a pass get the very same tensors, so the maps are built by the first layer only).
+    """
+
+    def __init__(self) -> None:
+        self._cos: torch.Tensor | None = None
+        self._unrotation: torch.Tensor | None = None
+        self._query: dict[tuple[int, float], torch.Tensor] = {}
+        self._table: torch.Tensor | None = None
+        self._usable = False
+
+    def usable(self, cos_table: torch.Tensor, sin_table: torch.Tensor) -> bool:
+        """Whether `step_attention`'s half tables hold for these RoPE tables: the rotate_half convention
+        with each frequency's cos and sin repeated in both halves of the head dims (every standard RoPE;
+        checked once per table, not assumed)."""
+        if self._table is not cos_table:
+            half = cos_table.shape[-1] // 2
+            self._table = cos_table
+            self._usable = torch.equal(cos_table[:, :half], cos_table[:, half:]) and torch.equal(
+                sin_table[:, :half], sin_table[:, half:]
+            )
+        return self._usable
+
+    def _for(self, cos: torch.Tensor) -> None:
+        if self._cos is not cos:  # a new forward pass
+            self._cos, self._unrotation, self._query = cos, None, {}
+
+    def unrotation(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`[head_dim, head_dim]` U with `x @ U == unrotate(x, cos, sin)` (the rows of U are the unit vectors
+        unrotated: the map is linear)."""
+        self._for(cos)
+        if self._unrotation is None:
+            eye = torch.eye(cos.shape[-1], dtype=cos.dtype, device=cos.device)
+            self._unrotation = unrotate(eye, cos, sin)
+        return self._unrotation
+
+    def query(
+        self,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        position: int,
+        scaling: float,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+    ) -> torch.Tensor:
+        """`[head_dim, 2 * head_dim]` M: `query @ M` is the query unrotated, rotated at `position` (its place
+        in the cache), times `scaling`, in `expand`'s form."""
+        self._for(cos)
+        key = (position, scaling)
+        if key not in self._query:
+            eye = torch.eye(cos.shape[-1], dtype=cos.dtype, device=cos.device)
+            at = slice(position, position + 1)
+            rotated = rotate(unrotate(eye, cos, sin), cos_table[at], sin_table[at])
+            self._query[key] = expand(rotated) * scaling
+        return self._query[key]
+
+
+def step_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_positions: torch.Tensor,
+    step_table: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention of one query per head over slots that all hold an entry (the set E_q).
+
+    query: [n_kv_heads, group, 2 * head_dim] in `expand`'s form (rotated, scaled); keys, values:
+    [n_kv_heads, slots, head_dim] unrotated; key_positions: [n_kv_heads, slots] int64; step_table:
+    [positions, 2 * head_dim] (`Rope.step_table`: row p is [c, s, s, c], the cos and sin of position p over
+    the first half of the dims).
+    Returns output [n_kv_heads, group, head_dim] and probabilities [n_kv_heads, group, slots] (float32).
+    """
+    n_kv_heads, slots, head_dim = keys.shape
+    # Why the rotated keys are not needed: a key with halves a, b rotated at a position whose half-dim
+    # cos, sin are c, s is (a·c - b·s, b·c + a·s), so its dot product with a query's halves q1, q2 is
+    # [q1, -q1]·[a·c, b·s] + [q2, q2]·[a·s, b·c]. The key's row [c, s, s, c] times [a, b] twice gives those
+    # terms, and the bmm with the expanded query sums them: one gather and two in-place multiplies instead
+    # of two gathers and the rotation's five element-wise passes.
+    terms = step_table.index_select(0, key_positions.reshape(-1)).view(n_kv_heads, slots, 2, head_dim)
+    terms[:, :, 0].mul_(keys)  # [a·c, b·s]
+    terms[:, :, 1].mul_(keys)  # [a·s, b·c]
+    logits = torch.bmm(query, terms.view(n_kv_heads, slots, 2 * head_dim).transpose(1, 2))
+    probs = torch.softmax(logits.float(), dim=-1)  # [n_kv, group, slots]
+    return torch.bmm(probs.to(values.dtype), values), probs
