@@ -80,7 +80,9 @@ def main() -> None:
     for spec, rows in figures.items():
         read = statistics.median(r for r, _ in rows)
         decode = statistics.median(d for _, d in rows)
-        print(f"| {spec} | {read:.1f} | {read / base_read:.2f}x | {decode:.2f} | {decode / base_decode:.2f}x |")
+        print(
+            f"| {spec} | {read:.1f} | {read / base_read:.2f}x | {decode:.2f} | {decode / base_decode:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-INT64_MAX = tl.constexpr(2**63 - 1)  # a Triton global must be a constexpr (real compiler; the interpreter allows any)
+INT64_MAX = tl.constexpr(
+    2**63 - 1
+)  # a Triton global must be a constexpr (real compiler; the interpreter allows any)
 
 
 @triton.jit
