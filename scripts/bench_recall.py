@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from recall_grid import settings_of  # scripts/ is on sys.path when run as a script
 
 from h2o_cli.cache import H2OCache
 from h2o_cli.generation import Sampling, generate_ids
@@ -25,15 +26,6 @@ from h2o_cli.models import load_model
 from h2o_cli.streaming import prefill
 
 BOOK = Path("gutenberg_books/war_and_peace_pg2600.txt")
-
-
-def settings_of(spec: str, budget: int, chunk: int):
-    from recall_grid import parse_policy  # scripts/ is on sys.path when run as a script
-
-    from h2o_cli.config import CacheSettings
-
-    name, extra = parse_policy(spec)
-    return CacheSettings(budget=budget, policy=name, chunk=chunk, **extra)
 
 
 def one_round(model, ids: list[int], spec: str, budget: int, chunk: int, decode: int) -> tuple[float, float]:

@@ -16,10 +16,10 @@ import math
 import os
 import sys
 import time
-import typing
 from pathlib import Path
 
 import torch
+from recall_grid import settings_of  # scripts/ is on sys.path when run as a script
 
 from h2o_cli.analysis import SINK_TOKENS, heavy_slot_stats
 from h2o_cli.cache import H2OCache
@@ -29,18 +29,6 @@ from h2o_cli.streaming import stream_perplexity
 from h2o_cli.textio import open_source, text_blocks, token_stream
 
 BOOK = "gutenberg_books/war_and_peace_pg2600.txt"  # under the data folder ($H2O_DATA)
-
-
-def parse_run(spec: str, budget: int, chunk: int) -> CacheSettings:
-    """`h2o:score_decay=0.99,h2o_sinks=4` -> CacheSettings (values typed like the fields)."""
-    policy, _, rest = spec.partition(":")
-    types = typing.get_type_hints(CacheSettings)
-    values = {}
-    for pair in filter(None, rest.split(",")):
-        name, _, value = pair.partition("=")
-        kind = types[name]
-        values[name] = float(value) if kind is float else int(value) if kind is int else value
-    return CacheSettings(budget=budget, policy=policy, chunk=chunk, **values)
 
 
 def label(spec: str) -> str:
@@ -142,7 +130,7 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     for spec in args.runs:
         print(f"{spec}:", file=sys.stderr, flush=True)
-        settings = parse_run(spec, args.budget, args.chunk)
+        settings = settings_of(spec, args.budget, args.chunk)
         started = time.perf_counter()
         runs[spec] = stream_run(model, tokenizer, book, settings, args.tokens, args.every)
         runs[spec][-1]["seconds"] = round(time.perf_counter() - started, 1)

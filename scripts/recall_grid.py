@@ -19,8 +19,8 @@ import json
 import random
 import sys
 import time
-import typing
 from collections import defaultdict
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -30,18 +30,25 @@ QUESTION = "What is the pass key? Answer with the number only."
 MAX_NEW_TOKENS = 12
 
 
-def parse_policy(spec: str) -> tuple[str, dict]:
-    """`recall:recall_ratio=0.25,page_size=16` -> ("recall", {...}) typed like `CacheSettings`' fields."""
+def parse_policy(spec: str) -> tuple[str, dict[str, str]]:
+    """`recall:recall_ratio=0.25,page_size=16` -> ("recall", {"recall_ratio": "0.25", ...}): values as written,
+    typed by `CacheSettings.from_args`; a name that is not a field is an error, not dropped."""
     from h2o_cli.config import CacheSettings
 
     name, _, rest = spec.partition(":")
-    types = typing.get_type_hints(CacheSettings)
-    values: dict = {}
-    for pair in filter(None, rest.split(",")):
-        field, _, value = pair.partition("=")
-        kind = types[field]
-        values[field] = float(value) if kind is float else int(value) if kind is int else value
+    values = dict(pair.partition("=")[::2] for pair in rest.split(",") if pair)
+    unknown = set(values) - {field.name for field in fields(CacheSettings)}
+    if unknown:
+        raise ValueError(f"{spec}: {', '.join(sorted(unknown))} is not a CacheSettings field")
     return name, values
+
+
+def settings_of(spec: str, budget: int, chunk: int):
+    """`CacheSettings` of a run spec (`parse_policy`) at `budget` tokens and `chunk`."""
+    from h2o_cli.config import CacheSettings
+
+    name, values = parse_policy(spec)
+    return CacheSettings.from_args(**values, budget=budget, policy=name, chunk=chunk)
 
 
 def haystacks(tokenizer, essays: str, length: int, depths: list[int], seed: int):
@@ -106,7 +113,6 @@ def answer_in_chat(
 
 
 def run(args) -> None:
-    from h2o_cli.config import CacheSettings
     from h2o_cli.eval.data import load_essays
     from h2o_cli.models import load_model
     from h2o_cli.models.families import context_window
@@ -130,7 +136,7 @@ def run(args) -> None:
                 for depth, key, text in haystacks(tokenizer, essays, length, depths, seed):
                     text_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
                     for spec in args.policies:
-                        name, extra = parse_policy(spec)
+                        name, _ = parse_policy(spec)
                         evicts = policy_class(name).evicts
                         if not evicts and length > window:
                             continue  # full attention past the window: positions the model never saw
@@ -140,7 +146,7 @@ def run(args) -> None:
                             tokens = (
                                 max(2, round(budget * text_tokens)) if evicts else length + MAX_NEW_TOKENS
                             )
-                            settings = CacheSettings(budget=tokens, policy=name, chunk=args.chunk, **extra)
+                            settings = settings_of(spec, tokens, args.chunk)
                             try:
                                 if args.via == "chat":
                                     said, read, seconds = answer_in_chat(
