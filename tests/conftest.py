@@ -67,6 +67,32 @@ def feed_chunk(layer, q, k, v, start: int) -> torch.Tensor:
     return layer.attend(rotate(q, cos, sin)[None], q.shape[-1] ** -0.5)[0].transpose(0, 1)
 
 
+def feed_against_naive(layer, settings, inv_freq, chunks, n_heads: int, after_chunk=None) -> None:
+    """Random chunks (spiky logits, so a few tokens become heavy hitters) through `layer` and through the naive
+    simulation (tests/naive.py): after each chunk the outputs and every KV head's kept tokens must agree;
+    `after_chunk(store)` adds the caller's own checks."""
+    from naive import NaiveHeadState, naive_attend_chunk
+
+    store = layer.store
+    n_kv, head_dim = store.n_kv_heads, store.head_dim
+    heads = [NaiveHeadState() for _ in range(n_kv)]
+    start = 0
+    for c in chunks:
+        q = torch.randn(n_heads, c, head_dim, dtype=torch.float64) * 2
+        k = torch.randn(n_kv, c, head_dim, dtype=torch.float64) * 2
+        v = torch.randn(n_kv, c, head_dim, dtype=torch.float64)
+        got = feed_chunk(layer, q, k, v, start)
+        want = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, head_dim**-0.5)
+        # The model's rotary tables are float32 (cos/sin error ~1e-7); everything else is float64.
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        start += c
+        for j, head in enumerate(heads):
+            kept = sorted(store.token_index[j][store.valid[j]].tolist())
+            assert kept == head.alive_indices(), f"head {j} after token {start}"
+        if after_chunk is not None:
+            after_chunk(store)
+
+
 @pytest.fixture
 def tiny_pair():
     """(reference model with sdpa attention, identical model for the H2O cache). Separate configs, same weights."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import feed_chunk, tiny_config
+from conftest import feed_against_naive, feed_chunk, tiny_config
 from naive import NaiveHeadState, inv_freq_of, naive_attend_chunk
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -48,24 +48,12 @@ def test_layer_matches_naive_simulation(overrides, chunks):
     torch.manual_seed(1)
     settings = CacheSettings(budget=8, chunk=9, **overrides)
     layer, inv_freq = make_layer(settings)
-    heads = [NaiveHeadState() for _ in range(N_KV)]
-    start = 0
-    for c in chunks:
-        # Spiky random logits so that a few tokens become heavy hitters.
-        q = torch.randn(N_HEADS, c, HEAD_DIM, dtype=torch.float64) * 2
-        k = torch.randn(N_KV, c, HEAD_DIM, dtype=torch.float64) * 2
-        v = torch.randn(N_KV, c, HEAD_DIM, dtype=torch.float64)
-        got = feed_chunk(layer, q, k, v, start)
-        want = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, HEAD_DIM**-0.5)
-        # The model's rotary tables are float32 (cos/sin error ~1e-7); everything else is float64.
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        start += c
-        store = layer.store
-        for j, head in enumerate(heads):
-            kept = sorted(store.token_index[j][store.valid[j]].tolist())
-            assert kept == head.alive_indices(), f"head {j} after token {start}"
+
+    def ranks_are_a_permutation(store) -> None:
         ranks = store.rank.masked_select(store.valid).view(N_KV, -1)
         assert sorted(ranks[0].tolist()) == list(range(store.length))
+
+    feed_against_naive(layer, settings, inv_freq, chunks, N_HEADS, ranks_are_a_permutation)
     if settings.policy != "full":
         assert layer.store.length == settings.budget
 

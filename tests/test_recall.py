@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import feed_chunk, tiny_config
-from naive import NaiveHeadState, inv_freq_of, naive_attend_chunk
+from conftest import feed_against_naive, tiny_config
+from naive import inv_freq_of
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from h2o_cli.archive import PageArchive
@@ -47,19 +47,8 @@ def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
         archive_max=96,
     )
     layer, inv_freq = make_recall_layer(settings)
-    heads = [NaiveHeadState() for _ in range(N_KV)]
-    start = 0
-    for c in chunks:
-        q = torch.randn(N_HEADS, c, HEAD_DIM, dtype=torch.float64) * 2
-        k = torch.randn(N_KV, c, HEAD_DIM, dtype=torch.float64) * 2
-        v = torch.randn(N_KV, c, HEAD_DIM, dtype=torch.float64)
-        got = feed_chunk(layer, q, k, v, start)
-        want = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, HEAD_DIM**-0.5)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        start += c
-        store = layer.store
-        for j, head in enumerate(heads):
-            assert sorted(store.token_index[j][store.valid[j]].tolist()) == head.alive_indices()
+    feed_against_naive(layer, settings, inv_freq, chunks, N_HEADS)
+    store = layer.store
     assert layer.recalled > 0 and store.length == layer.policy.resident
 
 
@@ -269,5 +258,5 @@ def test_rank_key_orders_by_bound_then_age_without_crossing_adjacent_floats():
     above = torch.nextafter(one, torch.tensor(2.0))
     bound = torch.stack([one, above, one, torch.tensor(float("-inf")), torch.tensor(0.0), -above])[None]
     page_start = torch.tensor([5, 900, 2, 1, 0, 3])  # page 1 is the youngest, yet its bound is larger
-    order = torch.argsort(rank_key(bound, page_start), dim=1, descending=True)[0].tolist()
+    order = torch.argsort(rank_key(bound, page_start, tokens=901), dim=1, descending=True)[0].tolist()
     assert order == [1, 2, 0, 4, 5, 3]
