@@ -47,17 +47,17 @@ def best_page_bound(query: torch.Tensor, summary: torch.Tensor, block: int = 128
     return best
 
 
-def rank_key(bound: torch.Tensor, page_start: torch.Tensor) -> torch.Tensor:
+def rank_key(bound: torch.Tensor, page_start: torch.Tensor, tokens: int) -> torch.Tensor:
     """One float64 key per (KV head, page) whose descending order is "larger bound first, then the older
     page": the float32 bound plus a tie-break under a quarter of its float32 spacing (ulp), larger for older
     pages. Distinct float32 bounds stay in their order (the tie-break never reaches half an ulp) and equal ones
     are ordered by age, so one `topk` replaces a sort by age and a stable sort by bound.
 
     bound: [n_kv_heads, pages] float32 (-inf for pages that cannot be chosen); page_start: [pages] token index
-    of each page's first token (smaller = older)."""
+    of each page's first token (smaller = older; -1 = empty), every one below `tokens` (a Python int, so the
+    key needs no read back from the device)."""
     ulp = (torch.nextafter(bound, torch.full_like(bound, float("inf"))) - bound).double()
-    span = float(page_start.max() - page_start.min()) + 1.0
-    youth = (page_start - page_start.min()).double() / span  # [0, 1): 0 for the oldest page
+    youth = (page_start + 1).double() / (tokens + 1)  # [0, 1): smaller for older pages
     return bound.double() + torch.nan_to_num(ulp * 0.25 * (1.0 - youth), nan=0.0, posinf=0.0)
 
 
@@ -263,7 +263,9 @@ class PageArchive:
         # Every page with a candidate holds at least one, so the first `slots` pages in rank order suffice.
         page_start = self.token_index.view(self.pages, self.page_size)[:, 0]
         top = min(slots, self.pages)
-        pages = torch.topk(rank_key(bound, page_start), top, dim=1, sorted=True).indices  # [n_kv, top]
+        pages = torch.topk(
+            rank_key(bound, page_start, self.tokens), top, dim=1, sorted=True
+        ).indices  # [n_kv, top]
         # Their slots in reading order (page rank, then offset = token age in the page); take the candidates.
         offset = torch.arange(self.page_size, device=device)
         in_order = (pages.unsqueeze(-1) * self.page_size + offset).flatten(1)  # [n_kv, top * page_size]
