@@ -8,8 +8,8 @@
 from __future__ import annotations
 
 import torch
-from h2o_kernels import decode_attention, prefill_attention, slot_attention, use_triton
-from h2o_kernels.dispatch import kernels_choice, triton_possible
+from h2o_kernels import decode_attention, native, prefill_attention, slot_attention, use_triton
+from h2o_kernels.dispatch import kernels_choice, triton_possible, use_native
 from h2o_kernels.reference import rows
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -61,6 +61,9 @@ class H2OLayer(CacheLayerMixin):
         self.maps = maps or DecodeMaps()
         self._step_path = not policy.recalls and store.compute_dtype in (torch.float32, torch.float64)
         self._step = False  # this call takes it
+        self._native: native.StepBuffers | bool | None = (
+            None  # the C step's buffers; False: not for this layer
+        )
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
@@ -165,10 +168,50 @@ class H2OLayer(CacheLayerMixin):
 
     def _attend_step(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """`attend` for one token on the torch path (`update` chose it): the same steps in far fewer ops
-        (h2o_cli.decode_step), on one thread. query: [1, n_heads, 1, head_dim] rotated by the model.
-        Returns [1, 1, n_heads, head_dim]."""
+        (h2o_cli.decode_step), on one thread, or as one C call once the cache is full (`_native_step`).
+        query: [1, n_heads, 1, head_dim] rotated by the model. Returns [1, 1, n_heads, head_dim]."""
+        if self.store.length == self.store.budget and self._native_buffers(query.shape[1]) is not None:
+            return self._native_step(query, scaling)
         with one_thread():
             return self._step_on_one_thread(query, scaling)
+
+    def _native_buffers(self, n_heads: int) -> native.StepBuffers | None:
+        """The C step's fixed arguments when it can run this layer (h2o_kernels.native), else None."""
+        if self._native is None:
+            store = self.store
+            self._native = False
+            if (
+                self.policy.kernel_victim
+                and not self.policy.recalls
+                and store.keys.dtype == store.compute_dtype == torch.float32
+                and use_native(store.keys.device, self.settings.kernels)
+            ):
+                self._native = native.StepBuffers(store, n_heads // store.n_kv_heads)
+        return self._native or None
+
+    def _native_step(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """`_step_on_one_thread` as one C call: the store is full, so the write takes the one hole (or the
+        slot above the packed entries) and exactly one entry is evicted, by the `kernel_victim` rule."""
+        store, policy = self.store, self.policy
+        keys, values = self._new_states
+        cos, sin = self._model_rotation
+        self._chunk, self._new_states, self._step = 0, None, False
+        position = self._new_position()
+        query_map, step_table = self.maps.per_pass(
+            cos, (position, scaling), lambda: self._step_maps(cos, sin, position, scaling, query.device)
+        )
+        grouped = (query[0, :, 0] @ query_map).view(store.n_kv_heads, -1, 2 * store.head_dim)
+        output = native.decode_step(
+            self._native,
+            grouped,
+            keys,
+            values,
+            step_table,
+            rolling=self.positions == "rolling",
+            limit=store.length + 1 - policy.recent_slots,
+            decay=policy.decay_per_query,
+        )
+        return output.to(query.dtype).view(1, 1, -1, store.head_dim)
 
     def _step_on_one_thread(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         store, policy = self.store, self.policy
@@ -180,25 +223,33 @@ class H2OLayer(CacheLayerMixin):
         # Every slot below `active` holds an entry now: `attend` packed a chunk's holes, at most one was left
         # (by the last eviction), and the write filled the lowest free slot. So no mask, clamp or validity test.
         active = store.active
-        key_positions = (store.rank if self.positions == "rolling" else store.token_index)[:, :active]
-        cos_table, sin_table = self._step_tables(position, query.device)
-        query_map = self.maps.query(cos, sin, position, scaling, cos_table, sin_table)
+        views = store.first_slots(active)
+        key_positions = views["rank"] if self.positions == "rolling" else views["token_index"]
+        query_map, step_table = self.maps.per_pass(
+            cos, (position, scaling), lambda: self._step_maps(cos, sin, position, scaling, query.device)
+        )
         grouped = (query[0, :, 0] @ query_map).view(store.n_kv_heads, -1, 2 * store.head_dim)
         output, probs = step_attention(
-            grouped,
-            store.key_states(active),
-            store.value_states(active),
-            key_positions,
-            self.rope.step_table(cos_table.shape[0], cos_table.dtype, query.device),
+            grouped, store.key_states(active), store.value_states(active), key_positions, step_table
         )
-        increments = probs.sum(dim=1)  # [n_kv_heads, active]: one query, so also the last probabilities
+        increments = views["last_probs"]  # one query: its probabilities are also the last ones
+        torch.sum(probs, dim=1, out=increments)
         store.accumulate(increments, increments, 1, decay=policy.decay_per_query)
         if policy.kernel_victim and store.length - store.budget == 1:  # no priority array to build
             limit = store.length - policy.recent_slots
-            store.drop(lowest_outside_recent(store.scores[:, :active], store.rank[:, :active], limit))
+            store.drop(lowest_outside_recent(views["scores"], views["rank"], limit))
         else:
             store.evict(policy)
         return output.to(query.dtype).view(1, 1, -1, store.head_dim)
+
+    def _step_maps(
+        self, cos: torch.Tensor, sin: torch.Tensor, position: int, scaling: float, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query map and key table of a one-token step at `position` (`DecodeMaps.query`,
+        `Rope.step_table`); the same for every layer of a pass."""
+        cos_table, sin_table = self._step_tables(position, device)
+        query_map = self.maps.query(cos, sin, position, scaling, cos_table, sin_table)
+        return query_map, self.rope.step_table(cos_table.shape[0], cos_table.dtype, device)
 
     def _attend_written(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attend the chunk just written (query [n_heads, chunk, head_dim], unrotated), accumulate, evict.
@@ -597,6 +648,10 @@ def check_kernels(kernels: str, device: torch.device) -> None:
         raise UsageError(
             f"--kernels triton needs a CUDA device and the triton package (device: {device}); "
             "use --kernels torch or auto"
+        )
+    if choice == "native" and torch.device(device).type != "cpu":
+        raise UsageError(
+            f"--kernels native is the CPU's decode step (device: {device}); use --kernels torch or auto"
         )
 
 

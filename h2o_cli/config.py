@@ -19,7 +19,7 @@ from h2o_cli.policies.recall import archive_cap, check_recall_options
 POLICIES = policy_names()  # the built-in policies; `policy_names()` also sees policies registered later
 POSITIONS = ("rolling", "original")
 KV_BITS = (None, 16, 8)
-KERNELS = ("auto", "torch", "triton")  # h2o_kernels.dispatch.KERNELS (a test checks they agree)
+KERNELS = ("auto", "torch", "triton", "native")  # h2o_kernels.dispatch.KERNELS (a test checks they agree)
 
 
 def budget_value(value: str | float) -> int | float:
@@ -93,7 +93,9 @@ class CacheSettings:
         None  # recall: archived K/V as --kv-bits: None (model dtype), 16, 8 (int8 + scales)
     )
     keep_archive: bool = False  # recall: leave the archive's file in place at exit
-    kernels: str = "auto"  # attention: torch, triton (CUDA, opt-in), auto (torch for now; $H2O_KERNELS)
+    kernels: str = (
+        "auto"  # torch, triton (CUDA, opt-in), native (the CPU's C decode step), auto ($H2O_KERNELS)
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", budget_value(self.budget))

@@ -14,7 +14,7 @@ What is different, and why each is exact (the same sums, only float rounding dif
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -58,6 +58,7 @@ class DecodeMaps:
         self._query: dict[tuple[int, float], torch.Tensor] = {}
         self._table: torch.Tensor | None = None
         self._usable = False
+        self._inputs: dict = {}
 
     def usable(self, cos_table: torch.Tensor, sin_table: torch.Tensor) -> bool:
         """Whether `step_attention`'s half tables hold for these RoPE tables: the rotate_half convention
@@ -73,7 +74,7 @@ class DecodeMaps:
 
     def _for(self, cos: torch.Tensor) -> None:
         if self._cos is not cos:  # a new forward pass
-            self._cos, self._unrotation, self._query = cos, None, {}
+            self._cos, self._unrotation, self._query, self._inputs = cos, None, {}, {}
 
     def unrotation(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`[head_dim, head_dim]` U with `x @ U == unrotate(x, cos, sin)` (the rows of U are the unit vectors
@@ -83,6 +84,14 @@ class DecodeMaps:
             eye = torch.eye(cos.shape[-1], dtype=cos.dtype, device=cos.device)
             self._unrotation = unrotate(eye, cos, sin)
         return self._unrotation
+
+    def per_pass(self, cos: torch.Tensor, key, build: Callable[[], object]) -> object:
+        """`build()` once per forward pass and `key`: what every layer of a pass shares (the first builds it)."""
+        self._for(cos)
+        value = self._inputs.get(key)
+        if value is None:
+            value = self._inputs[key] = build()
+        return value
 
     def query(
         self,

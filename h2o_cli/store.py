@@ -38,6 +38,10 @@ class LayerStore:
         self.active = 0
         self.tokens_seen = 0
         self.evictions = 0  # entries evicted per head so far
+        # The lowest free slot of each head [n_kv_heads, 1] when `drop` knows it (it freed the only hole below
+        # `active`), so a one-token `write` needs no search; None when unknown. Any write or move clears it.
+        self._free_hint: torch.Tensor | None = None
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._allocate(budget + chunk, dtype, device)
 
     def _allocate(self, slots: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -83,6 +87,18 @@ class LayerStore:
             buffer.scatter_(1, index, quantized)
             scales.scatter_(1, free, chunk_scales)
 
+    def first_slots(self, width: int) -> dict[str, torch.Tensor]:
+        """Views of every state buffer over slots [0, width), by name. Cached: the buffers are written in place
+        and never reallocated, so a view stays true; a decode step at a fixed width slices nothing."""
+        views = self._views.get(width)
+        if views is None:
+            if len(self._views) >= 4:  # widths change only while the store fills
+                self._views.clear()
+            views = self._views[width] = {
+                name: getattr(self, name)[:, :width] for name in self._state_names()
+            }
+        return views
+
     def key_states(self, slots: int | None = None) -> torch.Tensor:
         """Keys `[n_kv_heads, slots, head_dim]` of the first `slots` slots (default all), in the compute
         dtype (dequantised for an int8 store)."""
@@ -106,10 +122,13 @@ class LayerStore:
         assert self.length + chunk <= self.slots, (
             "a chunk must fit the free slots (H2OLayer.attend splits calls)"
         )
-        if chunk == 1:
+        if chunk == 1 and self._free_hint is not None:
+            free = self._free_hint
+        elif chunk == 1:
             free = self.valid.to(torch.uint8).argmin(dim=1, keepdim=True)  # first free slot of each head
         else:
             free = torch.argsort(self.valid.to(torch.uint8), dim=1, stable=True)[:, :chunk]
+        self._free_hint = None
         index = free.unsqueeze(-1).expand(-1, -1, self.head_dim)
         self._write_states(index, free, keys, values)
         if chunk == 1:  # decode: scalar scatters, no offsets tensor to build
@@ -132,6 +151,7 @@ class LayerStore:
         slots again; the slots above are emptied (no entry, no score). A chunk's evictions leave up to
         `chunk` holes below `active`; a decode step fills one per token, so without this each step would
         read (and rotate) them all."""
+        self._free_hint = None
         order = torch.argsort(self.valid.logical_not().to(torch.uint8), dim=1, stable=True)  # entries first
         for name in self._state_names():
             buffer = getattr(self, name)
@@ -165,14 +185,14 @@ class LayerStore:
         decay γ < 1 (docs/spec.md): each query scaled the scores by γ before adding its own, so the old
         scores shrink by γ**chunk here (one multiply) and the increments must weigh query i by γ**(chunk-1-i).
         """
-        width = score_increments.shape[1]
+        views = self.first_slots(score_increments.shape[1])
         if not scores_added:
             if decay != 1.0:
-                self.scores[:, :width] *= decay**chunk
-            self.scores[:, :width] += score_increments
-        self.last_probs[:, :width] = last_probs
+                views["scores"].mul_(decay**chunk)
+            views["scores"].add_(score_increments)
+        views["last_probs"].copy_(last_probs)
         if chunk == 1:  # decode: the one query saw every valid entry
-            self.seen[:, :width] += self.valid[:, :width]
+            views["seen"].add_(views["valid"])
             return
         # Queries of this chunk that saw each entry: all of them for old entries, fewer for the chunk's own.
         first = self.tokens_seen - chunk
@@ -189,19 +209,58 @@ class LayerStore:
     def drop(self, slots: torch.Tensor) -> torch.Tensor:
         """Evict the entries in `slots` [n_kv_heads, n] (one per head per column). Returns `slots`."""
         excess = slots.shape[1]
+        # All entries packed below `active` (a decode step's state): the dropped slot becomes the only hole
+        # there, so it is the lowest free slot the next one-token write takes.
+        packed = excess == 1 and self.length == self.active
         evicted_rank = self.rank.gather(1, slots)
         # Ranks stay dense 0..length-1: each entry moves down by the evicted entries older than it.
         if excess == 1:
-            self.rank -= (self.rank > evicted_rank).long()
+            self.rank.add_(self.rank > evicted_rank, alpha=-1)
         else:
             self.rank -= (self.rank.unsqueeze(-1) > evicted_rank.unsqueeze(1)).sum(-1)
         self.valid.scatter_(1, slots, False)
         self.token_index.scatter_(1, slots, -1)
         self.length -= excess
         self.evictions += excess
+        self._free_hint = slots if packed else None
         return slots
 
+    def stepped(self, active: int) -> None:
+        """Counters after a decode step done outside these methods (`h2o_kernels.native`): one token written,
+        one entry evicted, entries now below `active`."""
+        self.tokens_seen += 1
+        self.evictions += 1
+        self.active = active
+        self._free_hint = None
+
+    def state(self) -> dict:
+        """A copy of the state up to the highest used slot (cheap for a mostly empty `full` store)."""
+        used = int(self.valid.any(0).nonzero().max()) + 1 if self.valid.any() else 0
+        return {
+            "used": used,
+            "tensors": {name: getattr(self, name)[:, :used].clone() for name in self._state_names()},
+            "length": self.length,
+            "tokens_seen": self.tokens_seen,
+            "evictions": self.evictions,
+        }
+
+    def restore(self, state: dict) -> None:
+        """Put back a `state()`: slots past its used range are emptied."""
+        used = state["used"]
+        for name, tensor in state["tensors"].items():
+            getattr(self, name)[:, :used] = tensor
+        self.valid[:, used:] = False
+        self.token_index[:, used:] = -1
+        self.active = max(self.active, used)  # every entry lies below `active` (a decode step compacts)
+        self.length, self.tokens_seen, self.evictions = (
+            state["length"],
+            state["tokens_seen"],
+            state["evictions"],
+        )
+        self._free_hint = None
+
     def reset(self) -> None:
+        self._free_hint = None
         self.valid.zero_()
         self.token_index.fill_(-1)
         self.scores.zero_()

@@ -121,7 +121,7 @@ def test_one_token_call_stays_within_its_op_budget():
     36 tensor ops (33 now); the chunk path took 62 for the same call (issue 12: ops bound the step)."""
     torch.manual_seed(0)
     rope_tables, _ = make_rope()
-    settings = CacheSettings(budget=8, chunk=4).resolved(256)
+    settings = CacheSettings(budget=8, chunk=4, kernels="torch").resolved(256)  # the C step: test_native_step
     maps = DecodeMaps()
     layers = [
         H2OLayer(LayerStore(N_KV, HEAD_DIM, 8, 4, torch.float32, torch.device("cpu")), settings, rope_tables, 256,
@@ -159,11 +159,13 @@ def test_one_thread_scope_restores_the_thread_count():
         torch.set_num_threads(before)
 
 
-def test_decode_layer_matches_naive_with_float32_store():
-    """The step in the model's dtype (the layer-vs-naive tests run float64) against the naive simulation."""
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_decode_layer_matches_naive_with_float32_store(kernels):
+    """The step in the model's dtype (the layer-vs-naive tests run float64) against the naive simulation, on
+    the torch path and as the C function (h2o_kernels.native; it runs once the cache is full)."""
     torch.manual_seed(3)
     rope_tables, inv_freq = make_rope()
-    settings = CacheSettings(budget=8, chunk=9).resolved(256)
+    settings = CacheSettings(budget=8, chunk=9, kernels=kernels).resolved(256)
     store = LayerStore(N_KV, HEAD_DIM, 8, 9, torch.float32, torch.device("cpu"))
     layer = H2OLayer(store, settings, rope_tables, 256)
     heads = [NaiveHeadState() for _ in range(N_KV)]
@@ -179,6 +181,7 @@ def test_decode_layer_matches_naive_with_float32_store():
         for j, head in enumerate(heads):
             assert sorted(store.token_index[j][store.valid[j]].tolist()) == head.alive_indices()
         start += chunk
+    assert bool(layer._native) == (kernels == "native")
 
 
 def test_compact_moves_entries_below_length_and_keeps_every_value():

@@ -178,8 +178,9 @@ Kernels = Annotated[
     str,
     typer.Option(
         "--kernels",
-        help="Attention code: torch, triton (CUDA kernels, opt-in) or auto (torch for now: the kernels measured slower; "
-        "$H2O_KERNELS). A Triton failure falls back to torch with one warning.",
+        help="Attention code: torch, triton (CUDA kernels, opt-in), native (the CPU decode step as one C function, "
+        "built on first use) or auto (native on a CPU with a C compiler, else torch; $H2O_KERNELS). "
+        "A failing kernel falls back to torch with one warning.",
         callback=_choice("kernels", KERNELS),
     ),
 ]

@@ -43,37 +43,14 @@ def budget_used(cache: H2OCache, prompt_tokens: int) -> int:
 
 
 def snapshot(cache: H2OCache) -> list[dict]:
-    """The state of every layer store, up to its highest used slot (cheap for a mostly empty `full` cache)."""
-    states = []
-    for store in cache.stores:
-        used = int(store.valid.any(0).nonzero().max()) + 1 if store.valid.any() else 0
-        tensors = {name: getattr(store, name)[:, :used].clone() for name in store._state_names()}
-        states.append(
-            {
-                "used": used,
-                "tensors": tensors,
-                "length": store.length,
-                "tokens_seen": store.tokens_seen,
-                "evictions": store.evictions,
-            }
-        )
-    return states
+    """The state of every layer store (`LayerStore.state`)."""
+    return [store.state() for store in cache.stores]
 
 
 def restore(cache: H2OCache, states: list[dict]) -> None:
-    """Put back a `snapshot`: slots past the snapshot's used range are emptied."""
+    """Put back a `snapshot`, archives included."""
     for store, state in zip(cache.stores, states, strict=False):
-        used = state["used"]
-        for name, tensor in state["tensors"].items():
-            getattr(store, name)[:, :used] = tensor
-        store.valid[:, used:] = False
-        store.token_index[:, used:] = -1
-        store.active = max(store.active, used)  # every entry lies below `active` (a decode step compacts)
-        store.length, store.tokens_seen, store.evictions = (
-            state["length"],
-            state["tokens_seen"],
-            state["evictions"],
-        )
+        store.restore(state)
     cache.rewind_archive(states[0]["tokens_seen"])
 
 

@@ -1,10 +1,11 @@
 """Which implementation runs: the Triton kernels or the pure-torch references (same signatures, same results).
 
 `kernels` (the cache setting `--kernels`, else `$H2O_KERNELS`) is `torch`, `triton` or `auto`. `auto` is the
-torch path everywhere for now: on an H200 (docs/benchmarks.md, "Triton kernels on a GPU") the fused decode
+torch path on a GPU for now: on an H200 (docs/benchmarks.md, "Triton kernels on a GPU") the fused decode
 kernel beat the torch reference at 1,024 slots but lost from 4,096 on, and the two-pass prefill kernel was
 hundreds of times slower than SDPA (each launches one program per KV head), so the kernels are opt-in
-(`--kernels triton`) until they split the slot axis. The Triton path must not be what a run depends on: a kernel that fails to compile or launch is reported once (one warning line,
+(`--kernels triton`) until they split the slot axis. On the CPU, `auto` (or `native`) runs a full cache's
+decode step as one C function (`native.py`) when a C compiler can build it, else the torch path. The Triton path must not be what a run depends on: a kernel that fails to compile or launch is reported once (one warning line,
 logger `h2o_kernels`) and the torch path runs instead, for that call and the rest of the process.
 """
 
@@ -18,7 +19,7 @@ import torch
 
 from h2o_kernels import decode, prefill
 
-KERNELS = ("auto", "torch", "triton")
+KERNELS = ("auto", "torch", "triton", "native")
 ENV = "H2O_KERNELS"
 logger = logging.getLogger("h2o_kernels")
 _failure: str | None = None  # why the Triton path was given up in this process, once it was
@@ -55,6 +56,19 @@ def use_triton(device: torch.device, kernels: str = "auto") -> bool:
     if _failure is not None or not triton_possible(device):  # the CPU's answer, first and cheap
         return False
     return kernels_choice(kernels) == "triton"
+
+
+def use_native(device: torch.device, kernels: str = "auto") -> bool:
+    """True when a CPU decode step runs as the C function (`h2o_kernels.native`): on the CPU under `auto` or
+    `native`, once it has been built (else the torch path; `native` says why in one warning line)."""
+    if device.type != "cpu":
+        return False
+    choice = kernels_choice(kernels)
+    if choice not in ("auto", "native"):
+        return False
+    from h2o_kernels import native
+
+    return native.available(explicit=choice == "native")
 
 
 def fall_back(error: BaseException) -> None:

@@ -1,0 +1,171 @@
+"""The CPU decode step as one C function (h2o_kernels.native) against the torch step it replaces: the same
+outputs and the same store state, token by token, for every setting it takes; and what happens without it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import feed_chunk, tiny_config
+from h2o_kernels import native
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from h2o_cli.cache import H2OLayer, check_kernels
+from h2o_cli.config import CacheSettings
+from h2o_cli.errors import UsageError
+from h2o_cli.positions import Rope
+from h2o_cli.store import LayerStore
+
+N_HEADS, N_KV, HEAD_DIM = 6, 2, 16
+needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
+
+
+def make_layer(kernels: str, policy: str = "h2o", positions: str = "rolling", **extra) -> H2OLayer:
+    config = tiny_config(
+        hidden_size=N_HEADS * HEAD_DIM, num_attention_heads=N_HEADS, num_key_value_heads=N_KV
+    )
+    rope = Rope(LlamaRotaryEmbedding(config), HEAD_DIM)
+    settings = CacheSettings(budget=10, chunk=6, policy=policy, positions=positions, kernels=kernels, **extra)
+    settings = settings.resolved(512)
+    store = LayerStore(N_KV, HEAD_DIM, settings.budget, 6, torch.float32, torch.device("cpu"))
+    return H2OLayer(store, settings, rope, 512)
+
+
+def run_both(steps: int, **options) -> tuple[H2OLayer, H2OLayer]:
+    """The same chunks (two prefill chunks, then one-token steps) through a torch-path and a C-path layer,
+    comparing the outputs and every piece of store state after each call."""
+    torch_layer, c_layer = make_layer("torch", **options), make_layer("native", **options)
+    torch.manual_seed(7)
+    start = 0
+    for chunk in [6, 5] + [1] * steps:
+        q = torch.randn(N_HEADS, chunk, HEAD_DIM) * 2
+        k = torch.randn(N_KV, chunk, HEAD_DIM) * 2
+        v = torch.randn(N_KV, chunk, HEAD_DIM)
+        want = feed_chunk(torch_layer, q, k, v, start)
+        got = feed_chunk(c_layer, q, k, v, start)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+        ours, theirs = c_layer.store, torch_layer.store
+        for name in ("valid", "token_index", "rank"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name)), (name, start)
+        for name in ("scores", "seen", "last_probs"):
+            torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=2e-5, atol=2e-5)
+        assert (ours.length, ours.tokens_seen, ours.evictions, ours.active) == (
+            theirs.length,
+            theirs.tokens_seen,
+            theirs.evictions,
+            theirs.active,
+        )
+        start += chunk
+    return torch_layer, c_layer
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"positions": "original"},
+        {"score_decay": 0.95},
+        {"heavy_ratio": 0.8},
+    ],
+    ids=["rolling", "original", "decay", "mostly-heavy"],
+)
+def test_c_step_equals_the_torch_step(options):
+    torch_layer, c_layer = run_both(60, **options)
+    assert isinstance(c_layer._native, native.StepBuffers)  # it ran: the C path, not a silent fallback
+    assert torch_layer._native is False
+
+
+@pytest.mark.parametrize("options", [{"policy": "local"}, {"policy": "h2o", "score_norm": "mean"}])
+def test_policies_with_another_victim_rule_keep_the_torch_step(options):
+    _, c_layer = run_both(20, **options)
+    assert c_layer._native is False
+
+
+@needs_compiler
+def test_c_step_is_one_call_in_place_of_the_ops(monkeypatch):
+    """Each full-cache decode call of the layer is one C call (counted), and no C call happens while the
+    cache still fills (the torch step does those)."""
+    calls = []
+    real = native.decode_step
+    monkeypatch.setattr(native, "decode_step", lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    layer, steps = make_layer("native"), 0
+    torch.manual_seed(1)
+    for start in range(40):
+        q, k, v = (
+            torch.randn(N_HEADS, 1, HEAD_DIM),
+            torch.randn(N_KV, 1, HEAD_DIM),
+            torch.randn(N_KV, 1, HEAD_DIM),
+        )
+        full = layer.store.length == layer.store.budget
+        feed_chunk(layer, q, k, v, start)
+        steps += full
+    assert len(calls) == steps == 40 - 10
+
+
+@pytest.fixture
+def no_library(monkeypatch, tmp_path):
+    """A process where the C step was never built: an empty $H2O_HOME and the caches cleared (again after)."""
+    monkeypatch.setenv("H2O_HOME", str(tmp_path))
+    native.library.cache_clear()
+    native.available.cache_clear()
+    yield tmp_path
+    native.library.cache_clear()
+    native.available.cache_clear()
+
+
+@pytest.mark.parametrize("compiler", ["/nonexistent/cc", "false"])
+def test_without_a_working_compiler_the_torch_path_runs(no_library, monkeypatch, caplog, compiler):
+    """`--kernels native` with no compiler (or one that fails) says so in one warning line and decodes on the
+    torch path, with the same results as `--kernels torch`."""
+    monkeypatch.setenv("CC", compiler)
+    with caplog.at_level(logging.INFO, logger="h2o_kernels"):
+        torch_layer, c_layer = run_both(20)
+    assert c_layer._native is False
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "C decode step unavailable" in warnings[0].getMessage()
+    assert "\n" not in warnings[0].getMessage()
+    assert not list(no_library.glob("kernels/*.so"))
+
+
+def test_auto_without_a_compiler_is_quiet(no_library, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger="h2o_kernels"):
+        layer = make_layer("auto")
+        feed_chunk(layer, *(torch.randn(n, 11, HEAD_DIM) for n in (N_HEADS, N_KV, N_KV)), 0)
+        feed_chunk(layer, *(torch.randn(n, 1, HEAD_DIM) for n in (N_HEADS, N_KV, N_KV)), 11)
+    assert layer._native is False
+    assert not caplog.records
+
+
+@needs_compiler
+def test_library_is_built_once_per_cpu(no_library, monkeypatch):
+    first = native.build(no_library)
+    assert first.exists() and native.build(no_library) == first
+    monkeypatch.setattr(native, "cpu_signature", lambda: "another cpu")
+    assert native.build(no_library) != first  # -march=native code is not shared between CPUs
+
+
+def test_native_is_refused_off_the_cpu():
+    with pytest.raises(UsageError, match="--kernels native"):
+        check_kernels("native", torch.device("cuda"))
+    check_kernels("native", torch.device("cpu"))
+
+
+@needs_compiler
+def test_softmax_exp_is_within_two_ulp():
+    """The C step's e**x (a polynomial, for x <= 0) against float64 exp: within 2 units in the last place
+    over float32's normal range, and exactly 0 below it and for a masked (-inf) logit."""
+    x = torch.cat([-torch.logspace(-8, 1.94, 200_001).clamp(max=87.0), torch.tensor([0.0])])
+    out = torch.empty_like(x)
+    native.library().h2o_exp_nonpositive(x.data_ptr(), out.data_ptr(), x.numel())
+    want = torch.exp(x.double())
+    nearest = want.float()
+    ulp = (
+        torch.nextafter(nearest, torch.tensor(float("inf"))).double() - nearest.double()
+    )  # in float64: no flush
+    assert ((out.double() - want).abs() <= 2 * ulp).all()
+    below = torch.tensor([-87.5, -100.0, -1e30, float("-inf")])
+    native.library().h2o_exp_nonpositive(below.data_ptr(), out.data_ptr(), below.numel())
+    assert out[:4].eq(0).all()
