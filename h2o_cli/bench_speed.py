@@ -8,6 +8,7 @@ that floor each side reaches shows the headroom left.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -87,11 +88,15 @@ def fill(model, cache, ids: list[int], chunk: int) -> int:
 
 @torch.inference_mode()
 def greedy_decode(model, cache, token: int, tokens: int) -> tuple[float, int]:
-    """Decode `tokens` greedy tokens one at a time from `token`. Returns (tokens/s, the next token)."""
+    """Decode `tokens` greedy tokens one at a time from `token`. Returns (tokens/s, the next token).
+    An `H2OCache` decodes on its `decode_threads` choice, as `generate_ids` does (plain transformers on
+    torch's thread count, as a user of it would)."""
+    threads = getattr(cache, "decode_threads", None)
     started = time.perf_counter()
-    for _ in range(tokens):
+    for number in range(tokens):
         input_ids = torch.tensor([[token]], device=model.device)
-        logits = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+        with threads.step(timed=number > 0) if threads is not None else contextlib.nullcontext():
+            logits = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
         token = int(logits[0, -1].argmax())
     return tokens / (time.perf_counter() - started), token
 
@@ -117,10 +122,12 @@ class PlainSide:
 
 def h2o_decode(
     model, ids: list[int], context: int, budget: int, tokens: int, chunk: int, kernels: str
-) -> float:
-    """tokens/s of h2o decode after reading `context` ids into a fresh cache keeping `budget` tokens."""
+) -> tuple[float, int | None]:
+    """tokens/s of h2o decode after reading `context` ids into a fresh cache keeping `budget` tokens, and the
+    decode thread count its `decode_threads` chose (None: still measuring at the end)."""
     cache = H2OCache(model, make_settings(model, str(budget), chunk=chunk, kernels=kernels))
-    return greedy_decode(model, cache, fill(model, cache, ids[:context], chunk), tokens)[0]
+    speed = greedy_decode(model, cache, fill(model, cache, ids[:context], chunk), tokens)[0]
+    return speed, cache.decode_threads.chosen
 
 
 def paired_decode(
@@ -154,7 +161,9 @@ def paired_decode(
                 if name == "plain":
                     speeds[name] = plain.decode(context)
                 else:
-                    speeds[name] = h2o_decode(model, ids, context, budget, tokens, chunk, kernels)
+                    speeds[name], speeds["h2o_threads"] = h2o_decode(
+                        model, ids, context, budget, tokens, chunk, kernels
+                    )
             rows.append({"round": number + 1, "context": context, "budget": budget, "first": order[0],
                          **speeds, "ratio": speeds["h2o"] / speeds["plain"]})  # fmt: skip
     return rows
@@ -204,17 +213,19 @@ def markdown(
     lines = [
         f"Plain transformers (sdpa attention, `DynamicCache`) vs h2o at {fraction:.0%} of the context: greedy "
         f"decode of {tokens} tokens after a chunked prefill (chunk {chunk}), same model and process, rounds "
-        f"alternating which goes first; torch threads {threads}. Byte model: {byte_model.weight_bytes / 1e6:,.0f} "
-        f"MB of weights + {byte_model.kv_bytes_per_token / 1e3:,.1f} KB of K/V per resident token (plain: the "
+        f"alternating which goes first; torch threads {threads} (plain transformers and every prefill; h2o's "
+        "decode steps run on the count its `--decode-threads auto` measured fastest, the first 7 steps "
+        f"measuring). Byte model: {byte_model.weight_bytes / 1e6:,.0f} MB of weights + {byte_model.kv_bytes_per_token / 1e3:,.1f} KB of K/V per resident token (plain: the "
         f"context, h2o: the budget); measured copy bandwidth {bandwidth / 1e9:,.1f} GB/s (read + write). "
         "Share of floor = (bytes/token ÷ bandwidth) ÷ measured time per token.",
         "",
-        "| context | round | first | plain tok/s | h2o tok/s (budget) | ratio |",
-        "|---|---|---|---|---|---|",
+        "| context | round | first | plain tok/s | h2o tok/s (budget) | h2o decode threads | ratio |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(f"| {row['context']:,} | {row['round']} | {row['first']} | {row['plain']:.2f} | "
-                     f"{row['h2o']:.2f} ({row['budget']}) | {row['ratio']:.2f}× |")  # fmt: skip
+                     f"{row['h2o']:.2f} ({row['budget']}) | {row.get('h2o_threads') or 'measuring'} | "
+                     f"{row['ratio']:.2f}× |")  # fmt: skip
     lines += [
         "",
         "| context | plain tok/s (median) | h2o tok/s (median) | ratio (median) | ceiling | plain MB/token | "

@@ -24,6 +24,7 @@ from h2o_cli.policies import make_policy
 from h2o_cli.policies.base import lowest_outside_recent
 from h2o_cli.positions import Rope, unrotate
 from h2o_cli.store import LayerStore
+from h2o_cli.threads import DecodeThreads
 
 LAYER_KWARG = "h2o_layer"
 
@@ -485,6 +486,7 @@ class H2OCache(Cache):
         self.max_positions = shape.context
         self.settings = settings = settings.resolved(shape.context)
         self.quant = getattr(model, "h2o_quant", "none")
+        self.decode_threads = DecodeThreads(settings.decode_threads)  # what `generate_ids` decodes on
         policy = make_policy(settings)
         budget = policy.kept_tokens(min(span or shape.context, shape.context))
         # Attention reads the kept entries, the recall slots and the chunk: positions reach their sum.

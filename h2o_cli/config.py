@@ -62,6 +62,12 @@ def parse_budget(value: str | float, window: int, floor: bool = False) -> int:
     return tokens
 
 
+def check_decode_threads(setting: str) -> None:
+    """`--decode-threads`: `auto` or a thread count >= 1 (h2o_cli.threads)."""
+    if setting != "auto" and not (setting.isdigit() and int(setting) >= 1):
+        raise UsageError(f"--decode-threads {setting!r}: give auto or a thread count of at least 1")
+
+
 @dataclass(frozen=True)
 class CacheSettings:
     """What a cache keeps. `budget`: the tokens `k` each KV head keeps after every step — a count (an int),
@@ -96,6 +102,9 @@ class CacheSettings:
     kernels: str = (
         "auto"  # torch, triton (CUDA, opt-in), native (the CPU's C decode step), auto ($H2O_KERNELS)
     )
+    decode_threads: str = (
+        "auto"  # torch threads of a decode step: a count, or auto (h2o_cli.threads measures)
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", budget_value(self.budget))
@@ -108,6 +117,7 @@ class CacheSettings:
             raise UsageError(f"--kernels {self.kernels!r} is unknown; choose {', '.join(KERNELS)}")
         if self.positions not in POSITIONS:
             raise UsageError(f"--positions {self.positions!r} is unknown; choose rolling or original")
+        check_decode_threads(self.decode_threads)
         if self.chunk < 1:
             raise UsageError(f"--chunk {self.chunk} must be at least 1")
         count, unit = archive_cap(self.archive_max)

@@ -66,18 +66,20 @@ def generate_ids(
     """Yield new ids, starting from the logits after the prompt; each id is fed back through the cache.
 
     The last yielded id is already in the cache when the caller asks for the next one, so stopping early
-    (Ctrl-C, a stop id) leaves the cache consistent with what was shown.
+    (Ctrl-C, a stop id) leaves the cache consistent with what was shown. Each step runs on the cache's
+    `decode_threads` choice (h2o_cli.threads); the first, which packs the cache after the prompt, is not timed.
     """
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=logits.device).manual_seed(sampling.seed)
     steps = warpers(sampling)
-    for _ in range(sampling.max_new_tokens):
+    for number in range(sampling.max_new_tokens):
         token = pick_token(logits, sampling, generator, steps)
         if token in stop_ids:
             return
         input_ids = torch.tensor([[token]], dtype=torch.long, device=model.device)
-        logits = model(input_ids=input_ids, cache=cache, use_cache=True).logits[0, -1]
+        with cache.decode_threads.step(timed=number > 0):
+            logits = model(input_ids=input_ids, cache=cache, use_cache=True).logits[0, -1]
         yield token
 
 

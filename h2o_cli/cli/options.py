@@ -184,6 +184,14 @@ Kernels = Annotated[
         callback=_choice("kernels", KERNELS),
     ),
 ]
+DecodeThreads = Annotated[
+    str,
+    typer.Option(
+        "--decode-threads",
+        help="torch threads of a decode step: a count, or auto (time one thread against torch's count on the "
+        "first steps and keep the faster; re-timed every 64 steps). Prefill chunks use --threads.",
+    ),
+]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 DataDir = Annotated[
     Path | None,
@@ -222,6 +230,7 @@ CACHE_OPTIONS = {
     "archive_bits": ArchiveBits,
     "keep_archive": KeepArchive,
     "kernels": Kernels,
+    "decode_threads": DecodeThreads,
 }
 
 
