@@ -12,45 +12,30 @@
 #include <math.h>
 #include <stdint.h>
 
-#define LANES 16
-
-/* The sum of LANES partial sums as a balanced tree (depth 4, not a chain of 16 dependent adds). */
-static inline float tree_sum(float lanes[LANES]) {
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
-    return lanes[0];
-}
-
-/* a·b over n floats, in LANES independent partial sums (so the compiler may use vector registers without
- * reordering a single sum), added up in a fixed order at the end. */
+/* a·b over n floats. `omp simd reduction` lets the compiler keep one partial sum per vector lane and add
+ * them at the end (a fixed order for a given build: the result does not change from call to call). */
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float lanes[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) lanes[l] += a[i + l] * b[i + l];
-    float rest = 0.0f;
-    for (; i < n; i++) rest += a[i] * b[i];
-    return tree_sum(lanes) + rest;
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < n; i++) total += a[i] * b[i];
+    return total;
 }
 
-/* The sum of n floats, in LANES partial sums (as `dot`). */
+/* The sum of n floats (as `dot`). */
 static inline float sum(const float *a, int64_t n) {
-    float lanes[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) lanes[l] += a[i + l];
-    float rest = 0.0f;
-    for (; i < n; i++) rest += a[i];
-    return tree_sum(lanes) + rest;
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < n; i++) total += a[i];
+    return total;
 }
 
-/* e**x for x <= 0 (a softmax's logits minus their maximum), within 2 ulp of the exact value, without a
- * branch or a call so that loops over it are vectorised: x = n ln2 + r with |r| <= ln2/2, e**r by Cephes'
- * degree-6 polynomial, times 2**n built in the exponent bits. Below -87 (where e**x leaves float32's
- * normal range) it is 0, also for -inf (a masked logit). */
+/* e**x for x <= 0 (a softmax's logits minus their maximum), within 2 ulp of the exact value, written without
+ * a branch or a call so that a loop over it is vectorised: x = n ln2 + r with |r| <= ln2/2 (n rounded by the
+ * 1.5 * 2**23 trick), e**r by Cephes' degree-6 polynomial, times 2**n built in the exponent bits. Below -87
+ * (where e**x leaves float32's normal range) it is 0, also for -inf (a masked logit): the bits are masked. */
 static inline float exp_nonpositive(float x) {
     const float clamped = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_floorf(clamped * 1.44269504088896341f + 0.5f);
+    const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -59,8 +44,11 @@ static inline float exp_nonpositive(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     const float y = p * r * r + r + 1.0f;
-    const union { int32_t bits; float value; } scale = {.bits = ((int32_t)n + 127) << 23};
-    return x < -87.0f ? 0.0f : y * scale.value;
+    const int32_t keep = -(int32_t)(x >= -87.0f);
+    const int32_t bits = (((int32_t)n + 127) << 23) & keep;
+    float scale;
+    __builtin_memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
 }
 
 /* Returns the store's new `active` (one past the highest slot holding an entry). */
@@ -127,28 +115,27 @@ int64_t h2o_decode_step(
             }
             for (int64_t j = 0; j < group; j++) scratch[j * count + s] = dot(halves + j * head_dim, rotated, head_dim);
         }
-        /* softmax per query, its output, and the step's probabilities per slot */
-        float *out = output + g * group * head_dim;
+        /* softmax per query */
         for (int64_t j = 0; j < group; j++) {
             float *p = scratch + j * count, top = -INFINITY;
+#pragma omp simd reduction(max : top)
             for (int64_t s = 0; s < count; s++) top = p[s] > top ? p[s] : top;
+#pragma omp simd
             for (int64_t s = 0; s < count; s++) p[s] = exp_nonpositive(p[s] - top);
             const float inverse = 1.0f / sum(p, count);
+#pragma omp simd
             for (int64_t s = 0; s < count; s++) p[s] *= inverse; /* a masked slot's is 0 */
-            /* output = Σ p[s] · value[s], LANES dims at a time so the running sums stay in registers */
-            const float *restrict value = values + g * slots * head_dim;
-            float *restrict o = out + j * head_dim;
-            int64_t i = 0;
-            for (; i + LANES <= head_dim; i += LANES) {
-                float lanes[LANES] = {0};
-                for (int64_t s = 0; s < count; s++)
-                    for (int l = 0; l < LANES; l++) lanes[l] += p[s] * value[s * head_dim + i + l];
-                for (int l = 0; l < LANES; l++) o[i + l] = lanes[l];
-            }
-            for (; i < head_dim; i++) {
-                float total = 0.0f;
-                for (int64_t s = 0; s < count; s++) total += p[s] * value[s * head_dim + i];
-                o[i] = total;
+        }
+        /* outputs = Σ p[s] · value[s]: one pass over the values for all the group's queries */
+        float *restrict out = output + g * group * head_dim;
+        for (int64_t i = 0; i < group * head_dim; i++) out[i] = 0.0f;
+        for (int64_t s = 0; s < count; s++) {
+            const float *restrict value = values + (g * slots + s) * head_dim;
+            for (int64_t j = 0; j < group; j++) {
+                const float weight = scratch[j * count + s];
+                float *restrict o = out + j * head_dim;
+#pragma omp simd
+                for (int64_t i = 0; i < head_dim; i++) o[i] += weight * value[i];
             }
         }
         float *score = scores + g * slots, *last = last_probs + g * slots, *saw = seen + g * slots;

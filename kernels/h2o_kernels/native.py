@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("decode_step.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11")
 ENV_CC = "CC"
 logger = logging.getLogger("h2o_kernels")
 
