@@ -486,13 +486,14 @@ class H2OCache(Cache):
         self.max_positions = shape.context
         self.settings = settings = settings.resolved(shape.context)
         self.quant = getattr(model, "h2o_quant", "none")
-        self.decode_threads = DecodeThreads(settings.decode_threads)  # what `generate_ids` decodes on
         policy = make_policy(settings)
         budget = policy.kept_tokens(min(span or shape.context, shape.context))
         # Attention reads the kept entries, the recall slots and the chunk: positions reach their sum.
         check_rolling_window(settings, budget + policy.recall_slots, span, shape.context)
         param = next(model.parameters())
         check_kernels(settings.kernels, param.device)
+        # What `generate_ids` decodes on; on a GPU the step's time is not the CPU's threads' to choose.
+        self.decode_threads = DecodeThreads(settings.decode_threads, measure=param.device.type == "cpu")
         dtype = compute_dtype(model)
         rope = Rope(model.model.rotary_emb, shape.head_dim)
         maps = DecodeMaps()

@@ -28,11 +28,14 @@ RECHECK = 64  # steps between two timings of the candidate not chosen
 
 class DecodeThreads:
     """Chooses the torch thread count of each decode step (`step`); one per cache, so the choice outlives a
-    chat turn. `clock` is for tests."""
+    chat turn. `measure=False` (a GPU model): `auto` keeps torch's count. `clock` is for tests."""
 
-    def __init__(self, setting: str = "auto", clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, setting: str = "auto", measure: bool = True, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         check_decode_threads(setting)
         self.setting = setting
+        self.measure = measure
         self.clock = clock
         self.samples: dict[int, deque[float]] = {}
         self.steps = 0
@@ -41,7 +44,7 @@ class DecodeThreads:
         """The counts to try when torch is set to `configured` threads."""
         if self.setting != "auto":
             return [int(self.setting)]
-        return sorted({1, configured})
+        return sorted({1, configured}) if self.measure else [configured]
 
     def timings(self, threads: int) -> deque[float]:
         return self.samples.setdefault(threads, deque(maxlen=PROBES))

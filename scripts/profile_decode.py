@@ -6,6 +6,10 @@ Reads `--context` tokens of War and Peace (chunks of 256), then profiles `--step
 output projection apart), and the rest (norms, RoPE of q/k, MLP activation, residuals, embedding, Python).
 
     python scripts/profile_decode.py --context 4096 --budget 0.1 --threads 1
+    python scripts/profile_decode.py --context 4096 --budget 0.1 --threads 1 --wall   # no profiler
+
+`--wall` times the same split with the clock alone (rounds alternating h2o and plain): the profiler's cost per op
+inflates a step made of many small ops, and it cannot see inside the C decode step (`--kernels native`).
 
 `--ops` also counts the tensor ops one decode step dispatches in the cache code of one layer (the second:
 the first builds the pass's shared tables), views and no-op casts aside.
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -106,6 +111,82 @@ def shares(prof, steps: int) -> dict[str, float]:
             "output projection": head, "rest": step - cache - linear}  # fmt: skip
 
 
+class WallClock:
+    """Wall time inside the wrapped cache/attention functions, per decode step (no profiler: its cost per op
+    would inflate a step of many small ops, and it does not see inside the C step)."""
+
+    def __init__(self) -> None:
+        self.inside = 0.0
+
+    def wrap(self, owner, name: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.inside += time.perf_counter() - started
+
+        setattr(owner, name, timed)
+
+    def steps(self, model, cache, token: int, steps: int) -> tuple[list[tuple[float, float]], int]:
+        """(step seconds, seconds in the cache code) of each of `steps` greedy decode steps."""
+        out = []
+        with torch.inference_mode():
+            for _ in range(steps):
+                self.inside = 0.0
+                started = time.perf_counter()
+                logits = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits
+                token = int(logits[0, -1].argmax())
+                out.append((time.perf_counter() - started, self.inside))
+        return out, token
+
+
+def wall_split(model, ids: list[int], budget: int, args) -> None:
+    """Median wall-clock split of h2o's and plain transformers' decode steps, rounds alternating."""
+    from transformers import AttentionInterface, DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    from h2o_cli.cache import H2OCache, H2OLayer
+    from h2o_cli.config import CacheSettings
+
+    clock = WallClock()
+    for owner, name in ((H2OLayer, "update"), (H2OLayer, "attend"), (DynamicLayer, "update")):
+        clock.wrap(owner, name)
+    sdpa = AttentionInterface._global_mapping["sdpa"]
+
+    def timed_sdpa(*a, **k):
+        started = time.perf_counter()
+        try:
+            return sdpa(*a, **k)
+        finally:
+            clock.inside += time.perf_counter() - started
+
+    AttentionInterface._global_mapping["sdpa"] = timed_sdpa
+    h2o = H2OCache(model, CacheSettings(budget=budget, chunk=args.chunk, kernels=args.kernels))
+    h2o_token = prefill(model, h2o, ids, args.chunk)
+    model.set_attn_implementation("sdpa")
+    plain = DynamicCache(config=model.config)
+    plain_token = prefill(model, plain, ids, args.chunk)
+    samples: dict[str, list[tuple[float, float]]] = {"h2o": [], "plain": []}
+    for _ in range(args.rounds):
+        model.set_attn_implementation("h2o")
+        got, h2o_token = clock.steps(model, h2o, h2o_token, args.steps)
+        samples["h2o"] += got[1:]
+        model.set_attn_implementation("sdpa")
+        got, plain_token = clock.steps(model, plain, plain_token, args.steps)
+        samples["plain"] += got[1:]
+    model.set_attn_implementation("h2o")
+    AttentionInterface._global_mapping["sdpa"] = sdpa
+    print(f"\nwall clock, median of {len(samples['h2o'])} steps per side (load {os.getloadavg()[0]:.2f}):")
+    print("| side | ms/step | cache and attention | share |\n|---|---|---|---|")
+    for name, rows in samples.items():
+        step = statistics.median(r[0] for r in rows) * 1e3
+        inside = statistics.median(r[1] for r in rows) * 1e3
+        print(f"| {name} | {step:.2f} | {inside:.2f} ms | {inside / step:.1%} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=4096)
@@ -116,6 +197,9 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--rows", type=int, default=0, help="also print the profiler's top N ops")
     parser.add_argument("--ops", action="store_true", help="count one layer's tensor ops per decode step")
+    parser.add_argument("--wall", action="store_true", help="wall-clock split instead of the profiler")
+    parser.add_argument("--rounds", type=int, default=3, help="--wall: alternating rounds of --steps each")
+    parser.add_argument("--kernels", default="auto", help="h2o's --kernels (torch: the torch decode step)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -130,6 +214,10 @@ def main() -> None:
     ids = tokenizer(book.read_text(encoding="utf-8")[:200_000])["input_ids"][: args.context]
     fraction = float(args.budget) if float(args.budget) <= 1 else None
     budget = max(2, round(args.context * fraction)) if fraction else int(args.budget)
+    if args.wall:
+        print(f"threads {args.threads}, context {args.context}, h2o budget {budget}, kernels {args.kernels}")
+        wall_split(model, ids, budget, args)
+        return
     labelled(H2OLayer, "update", "cache:update")
     labelled(H2OLayer, "attend", "cache:attend")
     labelled(DynamicCache, "update", "cache:update")
@@ -147,7 +235,7 @@ def main() -> None:
     print(f"threads {args.threads}, context {args.context}, h2o budget {budget}, chunk {args.chunk}")
     for name in ("h2o", "plain"):
         if name == "h2o":
-            cache = H2OCache(model, CacheSettings(budget=budget, chunk=args.chunk))
+            cache = H2OCache(model, CacheSettings(budget=budget, chunk=args.chunk, kernels=args.kernels))
         else:
             model.set_attn_implementation("sdpa")
             cache = DynamicCache(config=model.config)

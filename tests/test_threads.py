@@ -69,6 +69,7 @@ def test_a_change_of_load_moves_the_choice(two_threads):
 def test_fixed_count_and_a_single_thread_never_switch(two_threads):
     clock = FakeClock({1: 0.01, 2: 0.01, 3: 0.01})
     assert set(run_steps(DecodeThreads("2", clock=clock), clock, 20)) == {2}
+    assert set(run_steps(DecodeThreads("auto", measure=False, clock=clock), clock, 10)) == {2}  # a GPU model
     torch.set_num_threads(1)
     chooser = DecodeThreads("auto", clock=clock)
     for _ in range(5):
