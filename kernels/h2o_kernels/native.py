@@ -33,8 +33,9 @@ ARGTYPES = [_INT] * 5 + [_PTR] * 12 + [_INT] * 4 + [_FLOAT] + [_PTR] * 3
 
 
 def cache_folder() -> Path:
-    """Where built libraries are kept: `$H2O_HOME/kernels` (`~/.h2o/kernels` by default)."""
-    return Path(os.environ.get("H2O_HOME") or Path.home() / ".h2o") / "kernels"
+    """Where built libraries are kept: `$H2O_HOME/kernels` (`~/.cache/h2o/kernels` by default, as the
+    models: `h2o_cli.models.sources.home`)."""
+    return Path(os.environ.get("H2O_HOME") or Path.home() / ".cache" / "h2o") / "kernels"
 
 
 def cpu_signature() -> str:
