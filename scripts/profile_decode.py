@@ -118,17 +118,20 @@ class WallClock:
     def __init__(self) -> None:
         self.inside = 0.0
 
-    def wrap(self, owner, name: str) -> None:
-        inner = getattr(owner, name)
+    def timed(self, inner):
+        """`inner`, adding its wall time to `inside`."""
 
-        def timed(*args, **kwargs):
+        def call(*args, **kwargs):
             started = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
                 self.inside += time.perf_counter() - started
 
-        setattr(owner, name, timed)
+        return call
+
+    def wrap(self, owner, name: str) -> None:
+        setattr(owner, name, self.timed(getattr(owner, name)))
 
     def steps(self, model, cache, token: int, steps: int) -> tuple[list[tuple[float, float]], int]:
         """(step seconds, seconds in the cache code) of each of `steps` greedy decode steps."""
@@ -155,15 +158,7 @@ def wall_split(model, ids: list[int], budget: int, args) -> None:
     for owner, name in ((H2OLayer, "update"), (H2OLayer, "attend"), (DynamicLayer, "update")):
         clock.wrap(owner, name)
     sdpa = AttentionInterface._global_mapping["sdpa"]
-
-    def timed_sdpa(*a, **k):
-        started = time.perf_counter()
-        try:
-            return sdpa(*a, **k)
-        finally:
-            clock.inside += time.perf_counter() - started
-
-    AttentionInterface._global_mapping["sdpa"] = timed_sdpa
+    AttentionInterface._global_mapping["sdpa"] = clock.timed(sdpa)  # plain transformers' attention function
     h2o = H2OCache(model, CacheSettings(budget=budget, chunk=args.chunk, kernels=args.kernels))
     h2o_token = prefill(model, h2o, ids, args.chunk)
     model.set_attn_implementation("sdpa")

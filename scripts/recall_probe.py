@@ -1,0 +1,205 @@
+"""Why `recall` misses a passkey in longer texts (issue 11): at the question, where is the needle?
+
+The passkey run of `recall_grid.py` (same haystacks, same question after the text), with `PageArchive.choose`
+watched while the question's chunk is read. For every layer and KV head it records where the needle's tokens
+are (resident in S, recalled into R, or left in the archive) and how the needle's best page ranks among the
+candidate pages twice: by the summary bound the policy uses, and by the exact best logit `max q.k` over the
+page's keys (the same unrotated dot product the bound bounds). The pages the recall slots take are the first
+`recall_slots / page_size` of that order. So a miss is either the summary's (the exact rank was inside, the
+bound's was not) or the score's (neither was: the question's queries do not single the needle out).
+
+    python scripts/recall_probe.py --lengths 1536,4096 --depths 5 --seeds 2 --budget 0.1 \
+        --out docs/results/recall/probe.jsonl
+    python scripts/recall_probe.py --summary docs/results/recall/probe.jsonl    # the table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from recall_grid import MAX_NEW_TOKENS, NEEDLE, QUESTION, haystacks, settings_of  # scripts/ on sys.path
+
+from h2o_cli.archive import PageArchive, best_page_bound
+
+
+def needle_tokens(tokenizer, text: str, key: str, head: int) -> tuple[list[int], list[int]]:
+    """Stream indices of the needle sentence's tokens, and of the passkey's first mention in it (`head`:
+    tokens before the document)."""
+    needle = NEEDLE.format(key=key)
+    start = text.index(needle)
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+
+    def inside(begin: int, end: int) -> list[int]:
+        return [head + i for i, (a, b) in enumerate(offsets) if a < end and b > begin and text[a:b].strip()]
+
+    digits = start + needle.index(key)
+    return inside(start, start + len(needle)), inside(digits, digits + len(key))
+
+
+class Probe:
+    """Wraps `PageArchive.choose`; records one row per (layer, KV head) for calls at or after `question`."""
+
+    def __init__(self) -> None:
+        self.question = math.inf
+        self.group = 1  # query heads per KV head: a chunk of c tokens brings group * c queries
+        self.needle = self.key = torch.empty(0, dtype=torch.int64)  # stream indices: the sentence, the digits
+        self.rows: list[dict] = []
+        self.layer_of: dict[int, int] = {}
+        inner = PageArchive.choose
+
+        def choose(archive, query, resident, before, slots):
+            chosen, valid = inner(archive, query, resident, before, slots)
+            if before + query.shape[1] // self.group > self.question:  # the chunk holds question tokens
+                self.record(archive, query, resident, before, slots, chosen, valid)
+            return chosen, valid
+
+        PageArchive.choose = choose
+
+    def record(self, archive, query, resident, before, slots, chosen, valid) -> None:
+        layer = self.layer_of.setdefault(id(archive), len(self.layer_of))
+        used = min(archive.pages, -(-archive.tokens // archive.page_size))
+        size = archive.page_size
+        index = archive.token_index[: used * size]
+        archived = (index >= 0) & (index < before)
+        bound = best_page_bound(query.float(), archive.summary[:, :used])  # [n_kv, used]
+        keys = archive.keys[:, : used * size].float()  # RAM archive in the compute dtype
+        exact = torch.einsum("hmd,htd->hmt", query.float(), keys).amax(dim=1)  # [n_kv, tokens]
+        recalled = torch.where(valid, archive.token_index[chosen], -1)
+        take = max(1, slots // size)  # pages the recall slots hold
+        for head in range(archive.n_kv_heads):
+            in_s = torch.isin(self.needle, resident[head])
+            in_r = torch.isin(self.needle, recalled[head])
+            key_in = torch.isin(self.key, resident[head]) | torch.isin(self.key, recalled[head])
+            candidate = archived & ~torch.isin(index, resident[head])
+            page_ok = candidate.view(used, size).any(dim=1)
+            needle_page = torch.isin(index, self.needle).view(used, size).any(dim=1) & page_ok
+            row = {"layer": layer, "head": head, "needle": len(self.needle), "in_s": int(in_s.sum()),
+                   "in_r": int(in_r.sum()), "key": len(self.key), "key_in": int(key_in.sum()), "candidate_pages": int(page_ok.sum()), "take": take}  # fmt: skip
+            if needle_page.any():
+                exact_page = exact[head].masked_fill(~candidate, -math.inf).view(used, size).amax(dim=1)
+                for name, score in (("bound", bound[head]), ("exact", exact_page)):
+                    score = score.masked_fill(~page_ok, -math.inf)
+                    best = score[needle_page].max()
+                    row[f"rank_{name}"] = int((score > best).sum())  # pages ranked above the needle's best
+            self.rows.append(row)
+
+
+def summarise(rows: list[dict], take: int) -> dict:
+    """Shares over (layer, KV head) of the question's chunk."""
+    covered = [(r["in_s"] + r["in_r"]) / r["needle"] for r in rows]
+    ranked = [r for r in rows if "rank_bound" in r]
+    return {
+        "needle_attendable": statistics.mean(covered),
+        "needle_in_s": statistics.mean(r["in_s"] / r["needle"] for r in rows),
+        "needle_recalled": statistics.mean(r["in_r"] / r["needle"] for r in rows),
+        "key_attendable": statistics.mean(r["key_in"] / r["key"] for r in rows),
+        "heads_with_a_key_token": statistics.mean(r["key_in"] > 0 for r in rows),
+        "heads_with_needle_candidates": len(ranked) / len(rows),
+        "bound_inside": statistics.mean(r["rank_bound"] < take for r in ranked) if ranked else None,
+        "exact_inside": statistics.mean(r["rank_exact"] < take for r in ranked) if ranked else None,
+        "median_rank_bound": statistics.median(r["rank_bound"] for r in ranked) if ranked else None,
+        "median_rank_exact": statistics.median(r["rank_exact"] for r in ranked) if ranked else None,
+        "candidate_pages": statistics.median(r["candidate_pages"] for r in rows),
+    }
+
+
+def table(paths: list[Path]) -> str:
+    """The markdown table of probe lines: per text length, means over runs of the per-run shares (rank
+    columns: over runs where the needle's pages were candidates, i.e. not all resident)."""
+    lines = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
+    out = [
+        "| text tokens | runs | answered | heads holding a passkey token | needle page in the recall cut: "
+        "exact / bound | needle page rank: exact / bound (median) | candidate pages | pages recalled |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for length in sorted({line["length"] for line in lines}):
+        runs = [line for line in lines if line["length"] == length]
+        ranked = [line for line in runs if line["bound_inside"] is not None]
+
+        def mean(key: str, group: list[dict]) -> float:
+            return statistics.mean(line[key] for line in group)
+
+        pages = statistics.median(line["candidate_pages"] for line in runs)
+        out.append(
+            f"| {length:,} | {len(runs)} | {sum(line['correct'] for line in runs)}/{len(runs)} | "
+            f"{mean('heads_with_a_key_token', runs):.0%} | {mean('exact_inside', ranked):.0%} / "
+            f"{mean('bound_inside', ranked):.0%} | "
+            f"{statistics.median(line['median_rank_exact'] for line in ranked):.0f} / "
+            f"{statistics.median(line['median_rank_bound'] for line in ranked):.0f} | {pages:,.0f} | "
+            f"{runs[0].get('take', round(runs[0]['budget'] * 0.5) // 4):,} |"  # older lines: the defaults
+        )
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1536, 4096])
+    parser.add_argument("--depths", type=int, default=5)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--budget", type=float, default=0.1, help="fraction of the text's tokens")
+    parser.add_argument("--policy", default="recall", help="a recall run spec, as recall_grid.py")
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--summary", type=Path, nargs="+", help="print the table of these JSON-lines files")
+    args = parser.parse_args()
+    if args.summary:
+        print(table(args.summary))
+        return
+    if args.out is None:
+        parser.error("--out is required for a run")
+    torch.set_num_threads(args.threads)
+
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.eval.data import load_essays
+    from h2o_cli.generation import Sampling, TextStreamer, generate_ids
+    from h2o_cli.models import load_model
+    from h2o_cli.prompting import read_then_answer
+    from h2o_cli.streaming import prefill
+
+    model, tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32")
+    essays = load_essays(None)
+    probe = Probe()
+    probe.group = model.config.num_attention_heads // model.config.num_key_value_heads
+    depths = [round(5 + 90 * i / max(1, args.depths - 1)) for i in range(args.depths)]
+    for length in args.lengths:
+        for seed in range(args.seeds):
+            for depth, key, text in haystacks(tokenizer, essays, length, depths, seed):
+                started = time.perf_counter()
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                pieces = list(read_then_answer(tokenizer, [ids], QUESTION))
+                budget = max(2, round(len(ids) * args.budget))
+                settings = settings_of(args.policy, budget, args.chunk)
+                cache = H2OCache(model, settings, span=sum(map(len, pieces)) + MAX_NEW_TOKENS)
+                probe.rows, probe.layer_of = [], {}
+                needle, digits = needle_tokens(tokenizer, text, key, len(pieces[0]))
+                probe.needle, probe.key = torch.tensor(needle), torch.tensor(digits)
+                probe.question = sum(map(len, pieces[:-1]))  # the question's chunk(s) start here
+                logits, stats = prefill(model, cache, pieces, settings.chunk)
+                stats.reraise()
+                rows = list(probe.rows)
+                probe.question = math.inf
+                streamer = TextStreamer(tokenizer)
+                stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+                for token in generate_ids(
+                    model, cache, logits, Sampling(max_new_tokens=MAX_NEW_TOKENS), stop
+                ):
+                    streamer.push(token)
+                take = rows[0]["take"]
+                line = {"length": length, "seed": seed, "depth": depth, "budget": budget, "policy": args.policy,
+                        "take": take,
+                        "correct": key in streamer.printed, "answer": streamer.printed.strip(),
+                        "seconds": round(time.perf_counter() - started, 1), **summarise(rows, take)}  # fmt: skip
+                print(json.dumps(line), flush=True)
+                with args.out.open("a") as out:
+                    out.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    main()
