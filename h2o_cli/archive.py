@@ -105,6 +105,8 @@ class PageArchive:
         self.summary = torch.zeros(n_kv_heads, self.pages, 2 * head_dim, dtype=torch.float32, device=device)
         self.high, self.low = self.summary[..., :head_dim], self.summary[..., head_dim:]
         self.tokens = 0  # tokens written so far (the next token's index)
+        # [n_kv_heads, 1]: each KV head's first row in the K/V seen as [n_kv_heads * capacity, head_dim].
+        self._head_rows = torch.arange(n_kv_heads, device=device).unsqueeze(1) * capacity
 
     @staticmethod
     def stored_bytes(
@@ -151,6 +153,9 @@ class PageArchive:
 
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Archive the next tokens' K/V `[n_kv_heads, n, head_dim]` (unrotated), dropping the oldest pages."""
+        if keys.shape[1] == 1:
+            self._write_token(keys, values)
+            return
         # A piece of at most capacity - page_size tokens never wraps onto the ring page it started on, so the
         # pages it empties hold no token of the same piece.
         step = self.capacity - self.page_size
@@ -187,6 +192,36 @@ class PageArchive:
         self.low.scatter_reduce_(1, pages, exact, "amin")
         self.high.scatter_reduce_(1, pages, exact, "amax")
         self.tokens += count
+
+    def _write_token(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`_write_piece` of one token (a decode step): the same writes, its slot and page as Python ints."""
+        token = self.tokens
+        slot = token % self.capacity
+        page = slot // self.page_size
+        if token % self.page_size == 0:  # the token starts a page: the ring page's old page is gone
+            self.token_index[page * self.page_size : (page + 1) * self.page_size] = NOTHING
+            self.summary[:, page, self.head_dim :] = float("inf")  # low
+            self.summary[:, page, : self.head_dim] = float("-inf")  # high
+        writes = [(self.keys, keys), (self.values, values)]
+        if self.quantized:
+            (key_codes, key_scales), (value_codes, value_scales) = quantize(keys), quantize(values)
+            writes = [
+                (self.keys, key_codes),
+                (self.values, value_codes),
+                (self.key_scales, key_scales),
+                (self.value_scales, value_scales),
+            ]
+        for target, data in writes:
+            if self.region is None:
+                target[:, slot] = data[:, 0]
+            else:
+                self.region.write(target, token, data)
+        self.token_index[slot] = token
+        exact = keys[:, 0].float()  # [n_kv, head_dim]: the summaries from the keys as they came
+        low, high = self.low[:, page], self.high[:, page]
+        torch.minimum(low, exact, out=low)
+        torch.maximum(high, exact, out=high)
+        self.tokens += 1
 
     def _summarise(self, pages: torch.Tensor) -> None:
         """Recompute the min/max keys of ring `pages` [n] from the tokens they hold (stored keys)."""
@@ -279,3 +314,61 @@ class PageArchive:
             pad = torch.zeros(n_kv, slots - count, dtype=chosen.dtype, device=device)
             chosen, valid = torch.cat([chosen, pad], 1), torch.cat([valid, pad.bool()], 1)
         return chosen, valid
+
+    def choose_one(
+        self, query: torch.Tensor, resident: torch.Tensor, slots: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`choose` for a one-token step (decode) in fewer and smaller ops: the same tokens in the same order.
+
+        query: [n_kv_heads, group, head_dim], the token's unrotated queries; resident: [n_kv_heads, n] token
+        indices of S, every one an entry (no -1), the newest archived token (the step's own) among them in
+        every head. Returns archive slots [n_kv_heads, slots] and which hold a chosen token; the valid ones are
+        `choose(query, resident, self.tokens - 1, slots)`'s, in its order (where `valid` is False the slot
+        numbers may differ: they are never read).
+
+        Why the same: the step's token is the only archived one not older than it, and it is resident, so a
+        candidate is an archived token not in S; only the ring slots written so far (`used` pages) can hold
+        one, and pages without a candidate rank below every page with one, so ranking the used pages alone
+        keeps their order; the first `slots` candidates in reading order are found by a stable sort.
+        """
+        n_kv, size = self.n_kv_heads, self.page_size
+        used = min(self.pages, -(-self.tokens // size))
+        span = used * size
+        # A ring slot is blocked if empty or holding a token of S (resident tokens still archived mark their
+        # slot; the others land on the spare column `span`). Scattering only True, duplicates are harmless.
+        resident_slots = resident % self.capacity
+        marks = self.token_index.take(resident_slots) == resident
+        blocked = torch.empty(n_kv, span + size, dtype=torch.bool, device=query.device)  # + a spare page
+        blocked[:, :span] = self.token_index[:span] == NOTHING
+        blocked.scatter_(1, torch.where(marks, resident_slots, span), True)
+        has_candidate = blocked.logical_not_().view(n_kv, used + 1, size)[:, :used].any(dim=2)
+        candidate = blocked[:, :span]  # [n_kv, span], True where a candidate (negated in place above)
+        bound = best_page_bound(query.float(), self.summary[:, :used])
+        bound = torch.where(has_candidate, bound, float("-inf"))
+        page_start = self.token_index.view(self.pages, size)[:used, 0]
+        top = min(slots, used)
+        pages = torch.topk(rank_key(bound, page_start, self.tokens), top, dim=1, sorted=True).indices
+        offset = torch.arange(size, device=query.device)
+        in_order = (pages.unsqueeze(-1) * size + offset).flatten(1)  # [n_kv, top * size]
+        usable = candidate.gather(1, in_order)
+        picked = torch.sort(usable.logical_not(), dim=1, stable=True).indices[:, :slots]  # usable first
+        chosen, valid = in_order.gather(1, picked), usable.gather(1, picked)
+        if chosen.shape[1] < slots:
+            pad = torch.zeros(n_kv, slots - chosen.shape[1], dtype=chosen.dtype, device=chosen.device)
+            chosen, valid = torch.cat([chosen, pad], 1), torch.cat([valid, pad.bool()], 1)
+        return chosen, valid
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of archive `slots` [n_kv_heads, r] (one row per KV head), in the compute dtype:
+        ([n_kv_heads, r, head_dim], same). `read` with every head's slots at once, by row number."""
+        n_kv, count = slots.shape
+        rows = (slots + self._head_rows).view(-1)  # [n_kv * r] rows of [n_kv * capacity]
+        keys = self.keys.view(-1, self.head_dim).index_select(0, rows)
+        values = self.values.view(-1, self.head_dim).index_select(0, rows)
+        if self.quantized:
+            keys = dequantize(keys, self.key_scales.view(-1).index_select(0, rows), self.dtype)
+            values = dequantize(values, self.value_scales.view(-1).index_select(0, rows), self.dtype)
+        else:
+            keys, values = keys.to(self.dtype), values.to(self.dtype)
+        self.release()
+        return keys.view(n_kv, count, self.head_dim), values.view(n_kv, count, self.head_dim)

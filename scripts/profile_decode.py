@@ -6,6 +6,10 @@ Reads `--context` tokens of War and Peace (chunks of 256), then profiles `--step
 output projection apart), and the rest (norms, RoPE of q/k, MLP activation, residuals, embedding, Python).
 
     python scripts/profile_decode.py --context 4096 --budget 0.1 --threads 1
+    python scripts/profile_decode.py --context 4096 --budget 410 --policies h2o recall --ops --parts
+
+`--policies` names the caches profiled (default: h2o and plain transformers); `recall` splits its cache time
+further with `--parts` (archive write, page choice, read-back, the rest of the step).
 
 `--ops` also counts the tensor ops one decode step dispatches in the cache code of one layer (the second:
 the first builds the pass's shared tables), views and no-op casts aside.
@@ -89,8 +93,8 @@ def count_ops(model, cache, token: int, layer) -> collections.Counter:
     try:
         decode(model, cache, token, 1)
     finally:
-        for name in inner:
-            delattr(layer, name)
+        for name, method in inner.items():
+            setattr(layer, name, method)
     return counter.ops
 
 
@@ -102,8 +106,12 @@ def shares(prof, steps: int) -> dict[str, float]:
     cache = total.get("cache:update", 0.0) + total.get("cache:attend", 0.0)
     linear = total.get("aten::linear", 0.0)
     head = total.get("lm_head", 0.0)
-    return {"step": step, "cache and attention": cache, "linears (30 layers)": linear - head,
-            "output projection": head, "rest": step - cache - linear}  # fmt: skip
+    parts = {"step": step, "cache and attention": cache, "linears (30 layers)": linear - head,
+             "output projection": head, "rest": step - cache - linear}  # fmt: skip
+    for label in ("recall:archive_write", "recall:choose", "recall:read_back"):
+        if label in total:
+            parts[f"  of the cache: {label.split(':')[1]}"] = total[label]
+    return parts
 
 
 def main() -> None:
@@ -116,12 +124,16 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--rows", type=int, default=0, help="also print the profiler's top N ops")
     parser.add_argument("--ops", action="store_true", help="count one layer's tensor ops per decode step")
+    parser.add_argument("--policies", nargs="+", default=["h2o", "plain"], help="h2o, recall, plain")
+    parser.add_argument(
+        "--parts", action="store_true", help="recall: time its archive write, choice, read-back"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from transformers import DynamicCache
 
-    from h2o_cli.cache import H2OCache, H2OLayer
+    from h2o_cli.cache import H2OCache
     from h2o_cli.config import CacheSettings
     from h2o_cli.models import load_model
 
@@ -130,8 +142,6 @@ def main() -> None:
     ids = tokenizer(book.read_text(encoding="utf-8")[:200_000])["input_ids"][: args.context]
     fraction = float(args.budget) if float(args.budget) <= 1 else None
     budget = max(2, round(args.context * fraction)) if fraction else int(args.budget)
-    labelled(H2OLayer, "update", "cache:update")
-    labelled(H2OLayer, "attend", "cache:attend")
     labelled(DynamicCache, "update", "cache:update")
     head = model.lm_head
     head_forward = head.forward
@@ -144,10 +154,18 @@ def main() -> None:
         with record_function("cache:attend"):
             return sdpa(*a, **k)
 
-    print(f"threads {args.threads}, context {args.context}, h2o budget {budget}, chunk {args.chunk}")
-    for name in ("h2o", "plain"):
-        if name == "h2o":
-            cache = H2OCache(model, CacheSettings(budget=budget, chunk=args.chunk))
+    print(f"threads {args.threads}, context {args.context}, budget {budget}, chunk {args.chunk}")
+    for name in args.policies:
+        if name != "plain":
+            model.set_attn_implementation("sdpa")  # H2OCache switches it to h2o
+            cache = H2OCache(model, CacheSettings(budget=budget, chunk=args.chunk, policy=name))
+            for layer in cache.layers:  # per instance: a subclass's super() calls are not ranged twice
+                labelled(layer, "update", "cache:update")
+                labelled(layer, "attend", "cache:attend")
+                if name == "recall" and args.parts:
+                    labelled(layer.archive, "write", "recall:archive_write")
+                    labelled(layer.archive, "choose", "recall:choose")
+                    labelled(layer, "_read_back", "recall:read_back")
         else:
             model.set_attn_implementation("sdpa")
             cache = DynamicCache(config=model.config)
@@ -155,9 +173,9 @@ def main() -> None:
             AttentionInterface._global_mapping["sdpa"] = ranged_sdpa
         token = prefill(model, cache, ids, args.chunk)
         token = decode(model, cache, token, args.warmup)
-        if args.ops and name == "h2o":
+        if args.ops and name != "plain":
             ops = count_ops(model, cache, token, cache.layers[1])
-            print(f"h2o: {sum(ops.values())} tensor ops per layer call: {dict(ops.most_common())}")
+            print(f"{name}: {sum(ops.values())} tensor ops per layer call: {dict(ops.most_common())}")
         started = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             decode(model, cache, token, args.steps)
