@@ -450,7 +450,12 @@ class RecallLayer(H2OLayer):
         )
         increments = probs[:, :, :active].sum(dim=1)  # [n_kv, active]: S only (r = 0 is h2o)
         store.accumulate(increments, increments, 1)
-        store.evict(self.policy)
+        policy = self.policy
+        if policy.kernel_victim and store.length - store.budget == 1:  # as H2OLayer's step
+            limit = store.length - policy.recent_slots
+            store.drop(lowest_outside_recent(store.scores[:, :active], store.rank[:, :active], limit))
+        else:
+            store.evict(policy)
         return output.to(query.dtype).view(1, 1, -1, head_dim)
 
     def _step_tables(self, position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
