@@ -72,8 +72,7 @@ def order_key(bound: torch.Tensor, page_start: torch.Tensor, candidate: torch.Te
     bits, and minus the page's start the low ones."""
     bits = (bound + 0.0).view(torch.int32)
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # finite and ±inf: |.| < 2**31 - 2**23
-    key = ordered * 2**32 - page_start
-    return key.masked_fill_(~candidate, torch.iinfo(torch.int64).min)
+    return torch.where(candidate, ordered * 2**32 - page_start, torch.iinfo(torch.int64).min)
 
 
 class PageArchive:
@@ -122,6 +121,7 @@ class PageArchive:
         self.tokens = 0  # tokens written so far (the next token's index)
         # [n_kv_heads, 1]: each KV head's first row in the K/V seen as [n_kv_heads * capacity, head_dim].
         self._head_rows = torch.arange(n_kv_heads, device=device).unsqueeze(1) * capacity
+        self._page_offsets = torch.arange(page_size, device=device)
 
     @staticmethod
     def stored_bytes(
@@ -161,6 +161,11 @@ class PageArchive:
             return 0
         newest_page_start = (self.tokens - 1) // self.page_size * self.page_size
         return max(0, newest_page_start + self.page_size - self.capacity)
+
+    @property
+    def span(self) -> int:
+        """Ring slots written so far (whole pages): every archived token lies below it."""
+        return min(self.pages, -(-self.tokens // self.page_size)) * self.page_size
 
     def held(self) -> int:
         """Tokens archived now."""
@@ -347,9 +352,8 @@ class PageArchive:
         keeps their order (`order_key` is `rank_key`'s order); the first `slots` candidates in reading order are
         found by a running count.
         """
-        n_kv, size = self.n_kv_heads, self.page_size
-        used = min(self.pages, -(-self.tokens // size))
-        span = used * size
+        n_kv, size, span = self.n_kv_heads, self.page_size, self.span
+        used = span // size
         # A ring slot is blocked if empty or holding a token of S (resident tokens still archived mark their
         # slot; the others land on the spare column `span`). Scattering only True, duplicates are harmless.
         resident_slots = resident % self.capacity
@@ -363,30 +367,31 @@ class PageArchive:
         page_start = self.token_index.view(self.pages, size)[:used, 0]
         key = order_key(bound, page_start, has_candidate)
         pages = torch.topk(key, min(slots, used), dim=1, sorted=True).indices
-        offset = torch.arange(size, device=query.device)
-        in_order = (pages.unsqueeze(-1) * size + offset).flatten(1)  # [n_kv, top * size]
+        in_order = (pages.unsqueeze(-1) * size + self._page_offsets).flatten(1)  # [n_kv, top * size]
         usable = candidate.gather(1, in_order)
         # The first `slots` usable slots in reading order: each goes to its running count among them (the
         # rest to a spare column); slots left without one stay 0 and invalid, as `choose` pads.
         place = usable.cumsum(dim=1)  # 1-based
-        count = place[:, -1:]
-        target = torch.where(usable & (place <= slots), place - 1, slots)
+        target = torch.where(usable, place - 1, slots).clamp_max_(slots)
         chosen = torch.zeros(n_kv, slots + 1, dtype=torch.int64, device=query.device)
         chosen = chosen.scatter_(1, target, in_order)[:, :slots]
-        valid = torch.arange(slots, device=query.device) < count
+        valid = torch.arange(slots, device=query.device) < place[:, -1:]
         return chosen, valid
 
-    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of archive `slots` [n_kv_heads, r] (one row per KV head), in the compute dtype:
-        ([n_kv_heads, r, head_dim], same). `read` with every head's slots at once, by row number."""
-        n_kv, count = slots.shape
-        rows = (slots + self._head_rows).view(-1)  # [n_kv * r] rows of [n_kv * capacity]
-        keys = self.keys.view(-1, self.head_dim).index_select(0, rows)
-        values = self.values.view(-1, self.head_dim).index_select(0, rows)
-        if self.quantized:
-            keys = dequantize(keys, self.key_scales.view(-1).index_select(0, rows), self.dtype)
-            values = dequantize(values, self.value_scales.view(-1).index_select(0, rows), self.dtype)
-        else:
-            keys, values = keys.to(self.dtype), values.to(self.dtype)
+    def read_into(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the K and V of archive `slots` [n_kv_heads, r] (one row per KV head) into `keys`, `values`
+        [n_kv_heads, r, head_dim] (contiguous, the compute dtype): `read` with every head's slots at once."""
+        rows = (slots + self._head_rows).view(-1)  # [n_kv * r] rows of the K/V seen as [n_kv * capacity, d]
+        for stored, scales, target in (
+            (self.keys, self.key_scales, keys),
+            (self.values, self.value_scales, values),
+        ):
+            out = target.view(-1, self.head_dim)
+            if self.quantized:
+                codes = stored.view(-1, self.head_dim).index_select(0, rows)
+                out.copy_(dequantize(codes, scales.view(-1).index_select(0, rows), self.dtype))
+            elif stored.dtype == target.dtype:
+                torch.index_select(stored.view(-1, self.head_dim), 0, rows, out=out)
+            else:
+                out.copy_(stored.view(-1, self.head_dim).index_select(0, rows))
         self.release()
-        return keys.view(n_kv, count, self.head_dim), values.view(n_kv, count, self.head_dim)

@@ -442,8 +442,10 @@ class RecallLayer(H2OLayer):
         grouped = (query[0, :, 0] @ query_map).view(n_kv, -1, 2 * head_dim)
         output, probs = recall_step_attention(
             grouped,
-            torch.cat([store.key_states(active), self.recall_keys], dim=1),
-            torch.cat([store.value_states(active), self.recall_values], dim=1),
+            store.key_states(active),
+            store.value_states(active),
+            self.recall_keys,
+            self.recall_values,
             key_positions,
             self.rope.step_table(cos_table.shape[0], cos_table.dtype, query.device),
             present,
@@ -464,27 +466,26 @@ class RecallLayer(H2OLayer):
         return self.rope.table(max(position + 1, self.store.slots) + slots, self.store.compute_dtype, device)
 
     def _read_all(self, chosen: torch.Tensor, valid: torch.Tensor, full: bool) -> torch.Tensor:
-        """`_read_back` for a RAM archive: every chosen token read from the archive in one gather (a hit's
-        values are the archive's own, so the slots end up the same). Returns the hits (a 0-d tensor)."""
-        wanted = self.archive.token_index.take(chosen)  # [n_kv, r] token indices
+        """`_read_back` for a RAM archive: every chosen token read from the archive in one row gather (a
+        hit's K/V are the archive's own, so the slots end up the same). Returns the hits (a 0-d tensor)."""
+        archive = self.archive
+        wanted = archive.token_index.take(chosen)  # [n_kv, r] token indices
         if not full:
             wanted.masked_fill_(~valid, -1)
-        hits = self._hits(wanted, valid)
-        keys, values = self.archive.gather(chosen)
+        # Hits: the slots' tokens so far, placed at their ring slots (they were archived at the last step, so
+        # no two share one, all below `span`; empty slots go to a spare column), read at the chosen slots.
+        held, span = self.recall_index, archive.span
+        before = torch.full((held.shape[0], span + 1), -1, dtype=held.dtype, device=held.device)
+        before.scatter_(1, torch.where(held >= 0, held % archive.capacity, span), held)
+        hit = before.gather(1, chosen) == wanted
+        hits = (hit if full else hit & valid).sum()
+        archive.read_into(chosen, self.recall_keys, self.recall_values)
         if not full:
             empty = ~valid.unsqueeze(-1)
-            keys.masked_fill_(empty, 0)
-            values.masked_fill_(empty, 0)
-        self.recall_keys.copy_(keys)
-        self.recall_values.copy_(values)
+            self.recall_keys.masked_fill_(empty, 0)
+            self.recall_values.masked_fill_(empty, 0)
         self.recall_index.copy_(wanted)
         return hits
-
-    def _hits(self, wanted: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """How many of the `wanted` token indices [n_kv, r] (where `valid`) the recall slots hold now."""
-        held = self.recall_index.sort(dim=1).values
-        place = torch.searchsorted(held, wanted).clamp_max_(held.shape[1] - 1)
-        return ((held.gather(1, place) == wanted) & valid).sum()
 
     def _read_back(self, chosen: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Fill the recall slots with archive slots `chosen` [n_kv, r] where `valid`, in that order (empty: 0).

@@ -100,23 +100,30 @@ def recall_step_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
+    recalled_keys: torch.Tensor,
+    recalled_values: torch.Tensor,
     key_positions: torch.Tensor,
     step_table: torch.Tensor,
     present: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`h2o_cli.decode_step.step_attention` over `S ∪ R`, with the recall slots that hold nothing left out.
+    """`h2o_cli.decode_step.step_attention` over `S ∪ R` (one softmax), the recall slots that hold nothing left
+    out; S's and R's K/V are read where they lie (no concatenation).
 
     query: [n_kv_heads, group, 2 * head_dim] (`expand`'s form, rotated, scaled); keys, values:
-    [n_kv_heads, n + r, head_dim] unrotated, S's n entries then the r recall slots; key_positions:
-    [n_kv_heads, n + r]; present: [n_kv_heads, r] bool, or None when every recall slot holds a token.
-    Returns output [n_kv_heads, group, head_dim] and probabilities [n_kv_heads, group, n + r] (float32): the
-    softmax over exactly the entries present (an empty slot gets probability 0)."""
-    n_kv_heads, slots, head_dim = keys.shape
-    terms = step_table.index_select(0, key_positions.reshape(-1)).view(n_kv_heads, slots, 2, head_dim)
-    terms.mul_(keys.unsqueeze(2))  # [a·c, b·s] and [a·s, b·c] (see step_attention)
-    logits = torch.bmm(query, terms.view(n_kv_heads, slots, 2 * head_dim).transpose(1, 2))
+    [n_kv_heads, n, head_dim] S's entries and recalled_keys, recalled_values: [n_kv_heads, r, head_dim] the
+    recall slots, all unrotated; key_positions: [n_kv_heads, n + r] (S's, then R's); present:
+    [n_kv_heads, r] bool, or None when every recall slot holds a token. Returns output
+    [n_kv_heads, group, head_dim] and probabilities [n_kv_heads, group, n + r] (float32): the softmax over
+    exactly the entries present (an empty slot gets probability 0)."""
+    n_kv_heads, n, head_dim = keys.shape
+    total = key_positions.shape[1]
+    terms = step_table.index_select(0, key_positions.reshape(-1)).view(n_kv_heads, total, 2, head_dim)
+    terms[:, :n].mul_(keys.unsqueeze(2))  # [a·c, b·s] and [a·s, b·c] of each key (see step_attention)
+    terms[:, n:].mul_(recalled_keys.unsqueeze(2))
+    logits = torch.bmm(query, terms.view(n_kv_heads, total, 2 * head_dim).transpose(1, 2))
     if present is not None:
-        recall = logits[:, :, slots - present.shape[1] :]
-        recall.masked_fill_(~present.unsqueeze(1), float("-inf"))
+        logits[:, :, n:].masked_fill_(~present.unsqueeze(1), float("-inf"))
     probs = torch.softmax(logits.float(), dim=-1)  # [n_kv, group, n + r]
-    return torch.bmm(probs.to(values.dtype), values), probs
+    weights = probs.to(values.dtype)
+    output = torch.bmm(weights[:, :, :n], values)
+    return output.baddbmm_(weights[:, :, n:], recalled_values), probs
