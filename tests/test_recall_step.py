@@ -1,0 +1,193 @@
+"""The recall policy's one-token decode step (h2o_cli.recall_step, `RecallLayer._step_on_one_thread`) against
+the chunk path it replaces for decode, the naive simulation (tests/naive.py), and `PageArchive.choose`."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from conftest import feed_against_naive
+from test_recall import N_HEADS, N_KV, HEAD_DIM, make_recall_layer
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from h2o_cli.archive import PageArchive, order_key, rank_key
+from h2o_cli.cache import H2OCache, RecallLayer
+from h2o_cli.config import CacheSettings
+
+
+@pytest.fixture
+def step_calls(monkeypatch):
+    """Counts the one-token steps taken (`RecallLayer._step_on_one_thread`)."""
+    calls = collections.Counter()
+    inner = RecallLayer._step_on_one_thread
+
+    def counted(self, *args):
+        calls["step"] += 1
+        return inner(self, *args)
+
+    monkeypatch.setattr(RecallLayer, "_step_on_one_thread", counted)
+    return calls
+
+
+def run(model, cache, ids, prefill: int, chunk: int, after_step=None):
+    """A chunked prefill of `ids[:prefill]`, then one token per call. Returns the logits [1, n, vocab]."""
+    logits = []
+    with torch.inference_mode():
+        for start in range(0, prefill, chunk):
+            logits.append(model(ids[:, start : min(start + chunk, prefill)], cache=cache).logits)
+        for step in range(prefill, ids.shape[1]):
+            logits.append(model(ids[:, step : step + 1], cache=cache).logits)
+            if after_step is not None:
+                after_step(cache)
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("positions", ["rolling", "original"])
+@pytest.mark.parametrize("archive", ["ram", "disk", "int8"])
+@pytest.mark.parametrize("prefill", [14, 60], ids=["slots-partly-empty", "slots-full"])
+def test_decode_step_equals_the_chunk_path(tiny_pair, tmp_path, step_calls, positions, archive, prefill):
+    """After a chunked prefill, decode by the one-token step and by the chunk path (`_step_path` off): the
+    same logits to float tolerance, and bit for bit the same recalled tokens, resident sets and statistics."""
+    _, model = tiny_pair
+    ids = torch.randint(0, 128, (1, prefill + 40), generator=torch.Generator().manual_seed(11))
+    options = dict(budget=24, policy="recall", chunk=8, positions=positions, page_size=3, archive_max=48)
+    if archive == "disk":
+        options["archive"] = f"{tmp_path}/"
+    if archive == "int8":
+        options["archive_bits"] = 8
+    fast, slow = H2OCache(model, CacheSettings(**options)), H2OCache(model, CacheSettings(**options))
+    for layer in slow.layers:
+        layer._step_path = False  # every call through `_attend_written`, the chunk path
+    partly_empty = []
+
+    def note(cache):
+        partly_empty.append(cache.layers[0].recalled < cache.policy.recall_slots)
+
+    want = run(model, slow, ids, prefill, 8)
+    got = run(model, fast, ids, prefill, 8, note)
+    assert step_calls["step"] == 40 * len(fast.layers)  # every decode call of every layer took the step
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for number, (mine, theirs) in enumerate(zip(fast.layers, slow.layers, strict=True)):
+        assert torch.equal(mine.recall_index, theirs.recall_index)
+        # The first layer gets the same keys (its input is the embedding): its recalled K/V bit for bit.
+        exact = dict(rtol=0, atol=0) if number == 0 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine.recall_keys, theirs.recall_keys, **exact)
+        torch.testing.assert_close(mine.recall_values, theirs.recall_values, **exact)
+        for head in range(mine.store.n_kv_heads):
+            kept = mine.store.token_index[head][mine.store.valid[head]].sort().values
+            assert torch.equal(kept, theirs.store.token_index[head][theirs.store.valid[head]].sort().values)
+        assert (mine.recalled, mine.hits, mine.steps) == (theirs.recalled, theirs.hits, theirs.steps)
+        assert mine.recalled_total == pytest.approx(theirs.recalled_total)
+        assert mine.hits_total == pytest.approx(theirs.hits_total)
+    figures = ("recalled_per_step", "recall_hits", "archive_reads_per_step", "archive_tokens", "archive_reach")
+    mine, theirs = fast.archive_summary(), slow.archive_summary()
+    assert [mine[key] for key in figures] == pytest.approx([theirs[key] for key in figures])
+    # The ring (48 tokens) wraps during decode; the slots start partly empty with a short prefill only.
+    assert mine["archive_reach"] > 0 and mine["recall_hits"] > 0
+    assert any(partly_empty) == (prefill == 14) and not partly_empty[-1]
+    fast.close()
+    slow.close()
+
+
+@pytest.mark.parametrize("positions", ["rolling", "original"])
+@pytest.mark.parametrize("ratio", [0.5, 0.75])
+def test_decode_step_after_chunks_matches_the_naive_simulation(step_calls, positions, ratio):
+    """Chunks, then decode by the one-token step: outputs and resident sets follow docs/spec.md literally
+    (the naive simulation has no cap, so neither has the archive here; the cap is tested against the chunk
+    path above)."""
+    torch.manual_seed(12)
+    settings = CacheSettings(
+        budget=8, chunk=9, policy="recall", positions=positions, recall_ratio=ratio, page_size=3, archive_max=60
+    )
+    layer, inv_freq = make_recall_layer(settings)
+    feed_against_naive(layer, settings, inv_freq, [9, 9, 5] + [1] * 30, N_HEADS)
+    assert step_calls["step"] == 30
+    assert layer.archive.oldest == 0 and layer.recalled == layer.policy.recall_slots
+
+
+def planted_archive(seed: int, tokens: int, capacity: int = 48, size: int = 4) -> PageArchive:
+    """An archive past its ring's wrap whose keys repeat, so that many pages share a bound (ties by age)."""
+    generator = torch.Generator().manual_seed(seed)
+    archive = PageArchive(N_KV, HEAD_DIM, capacity, size, torch.float32, torch.device("cpu"))
+    base = torch.randn(N_KV, 5, HEAD_DIM, generator=generator)
+    pick = torch.randint(0, 5, (tokens,), generator=generator)
+    keys = base[:, pick]  # tokens drawn from five keys: equal page summaries are common
+    keys[:, ::7] = 0.0  # and zero keys: bounds of exactly 0.0 (or -0.0)
+    for start in range(0, tokens, 5):
+        archive.write(keys[:, start : start + 5], keys[:, start : start + 5])
+    return archive
+
+
+@pytest.mark.parametrize("tokens", [9, 30, 75, 130])
+@pytest.mark.parametrize("slots", [1, 6, 40])
+def test_choose_one_is_choose_for_one_query(tokens, slots):
+    """`choose_one` picks `choose`'s tokens in `choose`'s order (the newest token resident, as in a step)."""
+    for seed in range(6):
+        archive = planted_archive(seed, tokens)
+        generator = torch.Generator().manual_seed(100 + seed)
+        query = torch.randn(N_KV, 3, HEAD_DIM, generator=generator)
+        if seed % 2:
+            query = -query.abs()  # negative queries: negative bounds
+        resident = torch.stack([torch.randperm(tokens - 1, generator=generator)[:5] for _ in range(N_KV)])
+        resident = torch.cat([resident, torch.full((N_KV, 1), tokens - 1)], dim=1)  # the step's own token
+        want, want_valid = archive.choose(query, resident, tokens - 1, slots)
+        got, got_valid = archive.choose_one(query, resident, slots)
+        assert torch.equal(got_valid, want_valid)
+        for head in range(N_KV):
+            assert torch.equal(got[head][got_valid[head]], want[head][want_valid[head]]), (seed, head)
+
+
+def test_order_key_orders_pages_as_rank_key():
+    """One int64 key gives `rank_key`'s order: larger bound first, ties (also -0.0 and 0.0) to the older page,
+    adjacent float32 bounds never crossed, pages without a candidate last."""
+    one = torch.tensor(1.0)
+    above = torch.nextafter(one, torch.tensor(2.0))
+    values = [one, above, one, torch.tensor(float("-inf")), torch.tensor(0.0), -above, torch.tensor(-0.0),
+              torch.tensor(-1e-40), torch.tensor(1e-40), torch.tensor(3e38), -one]  # fmt: skip
+    bound = torch.stack(values)[None].float()
+    page_start = torch.tensor([5, 900, 2, 1, 30, 3, 10, 40, 50, 60, 0])
+    candidate = torch.ones_like(bound, dtype=torch.bool)
+    candidate[0, 9] = False  # the largest bound, but no candidate: last
+    want = torch.argsort(rank_key(bound.masked_fill(~candidate, float("-inf")), page_start, 901), descending=True)
+    got = torch.argsort(order_key(bound, page_start, candidate), descending=True)
+    assert got[0, :-2].tolist() == want[0, :-2].tolist()  # the last two: the pages of -inf (either order)
+    assert got[0].tolist()[:5] == [1, 2, 0, 8, 6]  # 0.0 (page 30) ties -0.0 (page 10): the older first
+    assert got[0, -1] == 9 or got[0, -2] == 9
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts reads of a tensor's value into Python (`float(t)`, `int(t)`, `.item()`, `bool(t)`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "_local_scalar_dense":
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_full_decode_step_reads_nothing_back_and_the_statistics_wait_until_read(tiny_pair, monkeypatch):
+    """With every recall slot filled, a decode call turns no tensor into a Python number (no host sync):
+    the statistics are summed as tensors and turned into floats only when read."""
+    _, model = tiny_pair
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(13))
+    cache = H2OCache(model, CacheSettings(budget=16, policy="recall", chunk=8, page_size=2, archive_max=64))
+    run(model, cache, ids[:, :60], 60, 8)
+    counter = ScalarReads()
+    for name in ("update", "attend"):  # the cache's own calls, not the model's
+        inner = getattr(RecallLayer, name)
+
+        def counted(self, *args, _inner=inner, **kwargs):
+            with counter:
+                return _inner(self, *args, **kwargs)
+
+        monkeypatch.setattr(RecallLayer, name, counted)
+    with torch.inference_mode():
+        for step in range(60, 70):
+            model(ids[:, step : step + 1], cache=cache)
+    assert counter.reads == 0
+    layer = cache.layers[1]
+    assert layer.recalled == 8.0 and layer.steps == 8 + 10 and 0 <= layer.hits <= 8.0 < layer.hits_total
