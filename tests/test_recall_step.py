@@ -8,7 +8,7 @@ import collections
 import pytest
 import torch
 from conftest import feed_against_naive
-from test_recall import N_HEADS, N_KV, HEAD_DIM, make_recall_layer
+from test_recall import HEAD_DIM, N_HEADS, N_KV, make_recall_layer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from h2o_cli.archive import PageArchive, order_key, rank_key
@@ -80,10 +80,16 @@ def test_decode_step_equals_the_chunk_path(tiny_pair, tmp_path, step_calls, posi
         assert (mine.recalled, mine.hits, mine.steps) == (theirs.recalled, theirs.hits, theirs.steps)
         assert mine.recalled_total == pytest.approx(theirs.recalled_total)
         assert mine.hits_total == pytest.approx(theirs.hits_total)
-    figures = ("recalled_per_step", "recall_hits", "archive_reads_per_step", "archive_tokens", "archive_reach")
+    figures = (
+        "recalled_per_step",
+        "recall_hits",
+        "archive_reads_per_step",
+        "archive_tokens",
+        "archive_reach",
+    )
     mine, theirs = fast.archive_summary(), slow.archive_summary()
     assert [mine[key] for key in figures] == pytest.approx([theirs[key] for key in figures])
-    # The ring (48 tokens) wraps during decode; the slots start partly empty with a short prefill only.
+    # The ring wraps during decode; the slots start partly empty with a short prefill only.
     assert mine["archive_reach"] > 0 and mine["recall_hits"] > 0
     assert any(partly_empty) == (prefill == 14) and not partly_empty[-1]
     fast.close()
@@ -98,12 +104,42 @@ def test_decode_step_after_chunks_matches_the_naive_simulation(step_calls, posit
     path above)."""
     torch.manual_seed(12)
     settings = CacheSettings(
-        budget=8, chunk=9, policy="recall", positions=positions, recall_ratio=ratio, page_size=3, archive_max=60
+        budget=8,
+        chunk=9,
+        policy="recall",
+        positions=positions,
+        recall_ratio=ratio,
+        page_size=3,
+        archive_max=60,
     )
     layer, inv_freq = make_recall_layer(settings)
     feed_against_naive(layer, settings, inv_freq, [9, 9, 5] + [1] * 30, N_HEADS)
     assert step_calls["step"] == 30
     assert layer.archive.oldest == 0 and layer.recalled == layer.policy.recall_slots
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_rolling_step_positions_rank_each_heads_entries_by_token_index(full):
+    """Against the rule written out per head (docs/spec.md): rank E_q = S ∪ R by token index; a head with
+    fewer entries is shifted up so that every head's query sits at the same position (the chunk path's)."""
+    from h2o_cli.recall_step import rolling_step_positions
+
+    generator = torch.Generator().manual_seed(15)
+    for _ in range(20):
+        tokens = torch.randperm(200, generator=generator)[: 3 * 14].view(3, 14)  # disjoint S and R per head
+        resident, recalled = tokens[:, :6].clone(), tokens[:, 6:].clone()
+        resident[:, 0] = 500  # the query's own token, the newest
+        if not full:
+            recalled[torch.rand(recalled.shape, generator=generator) < 0.4] = -1  # a different count per head
+        positions, query_position = rolling_step_positions(resident, recalled, full)
+        counts = [6 + int((row >= 0).sum()) for row in recalled]
+        assert query_position == max(counts) - 1
+        for head in range(3):
+            entries = [int(t) for t in torch.cat([resident[head], recalled[head]]) if t >= 0]
+            shift = max(counts) - counts[head]
+            for column, token in enumerate(torch.cat([resident[head], recalled[head]]).tolist()):
+                if token >= 0:
+                    assert positions[head, column] == sorted(entries).index(token) + shift
 
 
 def planted_archive(seed: int, tokens: int, capacity: int = 48, size: int = 4) -> PageArchive:
@@ -149,7 +185,9 @@ def test_order_key_orders_pages_as_rank_key():
     page_start = torch.tensor([5, 900, 2, 1, 30, 3, 10, 40, 50, 60, 0])
     candidate = torch.ones_like(bound, dtype=torch.bool)
     candidate[0, 9] = False  # the largest bound, but no candidate: last
-    want = torch.argsort(rank_key(bound.masked_fill(~candidate, float("-inf")), page_start, 901), descending=True)
+    want = torch.argsort(
+        rank_key(bound.masked_fill(~candidate, float("-inf")), page_start, 901), descending=True
+    )
     got = torch.argsort(order_key(bound, page_start, candidate), descending=True)
     assert got[0, :-2].tolist() == want[0, :-2].tolist()  # the last two: the pages of -inf (either order)
     assert got[0].tolist()[:5] == [1, 2, 0, 8, 6]  # 0.0 (page 30) ties -0.0 (page 10): the older first
