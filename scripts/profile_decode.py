@@ -9,7 +9,7 @@ output projection apart), and the rest (norms, RoPE of q/k, MLP activation, resi
     python scripts/profile_decode.py --context 4096 --budget 410 --policies h2o recall --ops --parts
 
 `--policies` names the caches profiled (default: h2o and plain transformers); `recall` splits its cache time
-further with `--parts` (archive write, page choice, read-back, the rest of the step).
+further with `--parts` (archive write, page choice and the page bound inside it, read-back).
 
 `--ops` also counts the tensor ops one decode step dispatches in the cache code of one layer (the second:
 the first builds the pass's shared tables), views and no-op casts aside.
@@ -108,7 +108,7 @@ def shares(prof, steps: int) -> dict[str, float]:
     head = total.get("lm_head", 0.0)
     parts = {"step": step, "cache and attention": cache, "linears (30 layers)": linear - head,
              "output projection": head, "rest": step - cache - linear}  # fmt: skip
-    for label in ("recall:archive_write", "recall:choose", "recall:read_back"):
+    for label in ("recall:archive_write", "recall:choose", "recall:page_bound", "recall:read_back"):
         if label in total:
             parts[f"  of the cache: {label.split(':')[1]}"] = total[label]
     return parts
@@ -165,7 +165,13 @@ def main() -> None:
                 if name == "recall" and args.parts:
                     labelled(layer.archive, "write", "recall:archive_write")
                     labelled(layer.archive, "choose", "recall:choose")
+                    labelled(layer.archive, "choose_one", "recall:choose")
                     labelled(layer, "_read_back", "recall:read_back")
+                    labelled(layer, "_read_all", "recall:read_back")
+            if name == "recall" and args.parts:  # inside the page choice: the bound over every written page
+                import h2o_cli.archive
+
+                labelled(h2o_cli.archive, "best_page_bound", "recall:page_bound")
         else:
             model.set_attn_implementation("sdpa")
             cache = DynamicCache(config=model.config)
