@@ -42,8 +42,7 @@ def best_page_bound(query: torch.Tensor, summary: torch.Tensor, block: int = 128
     signed = torch.cat([query.clamp_min(0), query.clamp_max(0)], dim=2)  # [n_kv, m, 2d]
     best = None
     for start in range(0, signed.shape[1], block):
-        # [n_kv, block, pages]: the queries as the left operand (a few rows) runs faster than as the right.
-        bounds = torch.bmm(signed[:, start : start + block], summary.transpose(1, 2)).amax(dim=1)
+        bounds = torch.bmm(summary, signed[:, start : start + block].transpose(1, 2)).amax(dim=2)
         best = bounds if best is None else torch.maximum(best, bounds)
     return best
 
