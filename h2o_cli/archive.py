@@ -235,7 +235,7 @@ class PageArchive:
                 target[:, slot] = data[:, 0]
             else:
                 self.region.write(target, token, data)
-        self.token_index[slot] = token
+        self.token_index[slot : slot + 1].fill_(token)
         exact = keys[:, 0].float()  # [n_kv, head_dim]: the summaries from the keys as they came
         low, high = self.low[:, page], self.high[:, page]
         torch.minimum(low, exact, out=low)
@@ -368,12 +368,13 @@ class PageArchive:
         pages = torch.topk(key, min(slots, used), dim=1, sorted=True).indices
         in_order = (pages.unsqueeze(-1) * size + self._page_offsets).flatten(1)  # [n_kv, top * size]
         usable = candidate.gather(1, in_order)
-        # The first `slots` usable slots in reading order: each goes to its running count among them (the
-        # rest to a spare column); slots left without one stay 0 and invalid, as `choose` pads.
+        # The first `slots` usable slots in reading order: each goes to column 1 + its running count among
+        # them; the others to spare columns (0, and `slots + 1` past the first `slots`); columns left without
+        # one stay 0 and invalid, as `choose` pads.
         place = usable.cumsum(dim=1)  # 1-based
-        target = torch.where(usable, place - 1, slots).clamp_max_(slots)
-        chosen = torch.zeros(n_kv, slots + 1, dtype=torch.int64, device=query.device)
-        chosen = chosen.scatter_(1, target, in_order)[:, :slots]
+        target = (place * usable).clamp_max_(slots + 1)
+        chosen = torch.zeros(n_kv, slots + 2, dtype=torch.int64, device=query.device)
+        chosen = chosen.scatter_(1, target, in_order)[:, 1 : slots + 1]
         valid = torch.arange(slots, device=query.device) < place[:, -1:]
         return chosen, valid
 

@@ -29,14 +29,15 @@ class RecallCounts:
 
     def reset(self) -> None:
         self._last: tuple = (0, 0)
-        self._recalled_sum = self._hits_sum = 0
+        self._sums = [[0, 0], [0, 0]]  # recalled, hits: [what came as Python ints, what came as tensors]
         self.steps = 0
 
     def add(self, recalled, hits) -> None:
         """One step's counts over the KV heads: `recalled` tokens in the recall slots, `hits` of them kept."""
         self._last = (recalled, hits)
-        self._recalled_sum = self._recalled_sum + recalled
-        self._hits_sum = self._hits_sum + hits
+        for sums, count in zip(self._sums, self._last, strict=True):
+            part = 0 if isinstance(count, int) else 1  # ints add in Python: no tensor op
+            sums[part] = sums[part] + count
         self.steps += 1
 
     def _mean(self, count) -> float:
@@ -55,11 +56,11 @@ class RecallCounts:
     @property
     def recalled_total(self) -> float:
         """`recalled` summed over every step since the start."""
-        return self._mean(self._recalled_sum)
+        return self._mean(sum(self._sums[0]))
 
     @property
     def hits_total(self) -> float:
-        return self._mean(self._hits_sum)
+        return self._mean(sum(self._sums[1]))
 
 
 def recall_is_full(held: int, length: int, slots: int) -> bool:
