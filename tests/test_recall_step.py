@@ -229,3 +229,27 @@ def test_a_full_decode_step_reads_nothing_back_and_the_statistics_wait_until_rea
     assert counter.reads == 0
     layer = cache.layers[1]
     assert layer.recalled == 8.0 and layer.steps == 8 + 10 and 0 <= layer.hits <= 8.0 < layer.hits_total
+
+
+def test_a_recall_decode_call_stays_within_its_op_budget(tiny_pair):
+    """A full decode call of a layer (not the first: the pass's maps exist), a page starting, computes with at
+    most 112 tensor ops (108 now); the chunk path takes 168 for the same call (issue 11: ops bound the step)."""
+    from test_decode_step import OpCounter
+
+    _, model = tiny_pair
+    ids = torch.randint(0, 128, (1, 63), generator=torch.Generator().manual_seed(13))
+    cache = H2OCache(model, CacheSettings(budget=16, policy="recall", chunk=8, page_size=2, archive_max=64))
+    run(model, cache, ids[:, :62], 60, 8)
+    layer, counter = cache.layers[1], OpCounter()
+    for name in ("update", "attend"):
+        inner = getattr(layer, name)
+
+        def counted(*args, _inner=inner, **kwargs):
+            with counter:
+                return _inner(*args, **kwargs)
+
+        setattr(layer, name, counted)
+    with torch.inference_mode():
+        model(ids[:, 62:63], cache=cache)
+    assert layer.archive.tokens == 63 and layer.recalled == 8.0  # a page started; the slots are full
+    assert sum(counter.ops.values()) <= 112, dict(counter.ops)
