@@ -118,6 +118,7 @@ class PageArchive:
         self.summary = torch.zeros(n_kv_heads, self.pages, 2 * head_dim, dtype=torch.float32, device=device)
         self.high, self.low = self.summary[..., :head_dim], self.summary[..., head_dim:]
         self.tokens = 0  # tokens written so far (the next token's index)
+        self._floor = 0  # no older token is held (raised by a rewind past pages the ring dropped)
         # [n_kv_heads, 1]: each KV head's first row in the K/V seen as [n_kv_heads * capacity, head_dim].
         self._head_rows = torch.arange(n_kv_heads, device=device).unsqueeze(1) * capacity
         self._page_offsets = torch.arange(page_size, device=device)
@@ -159,7 +160,7 @@ class PageArchive:
         if self.tokens == 0:
             return 0
         newest_page_start = (self.tokens - 1) // self.page_size * self.page_size
-        return max(0, newest_page_start + self.page_size - self.capacity)
+        return max(0, newest_page_start + self.page_size - self.capacity, self._floor)
 
     @property
     def span(self) -> int:
@@ -274,7 +275,7 @@ class PageArchive:
     def reset(self) -> None:
         """Forget every token (the buffers stay)."""
         self.token_index.fill_(NOTHING)
-        self.tokens = 0
+        self.tokens = self._floor = 0
 
     def rewind(self, tokens: int) -> None:
         """Forget the tokens from index `tokens` on (a scorer going back to a snapshot). Pages the ring dropped
@@ -283,6 +284,10 @@ class PageArchive:
         touched = torch.unique(newer.nonzero().flatten() // self.page_size)
         self.token_index[newer] = NOTHING
         self.tokens = tokens
+        # What is left is a run of the newest tokens before `tokens`, maybe shorter than the ring's reach
+        # (the pages dropped for the forgotten ones): `oldest` and `held` stay exact.
+        held = self.token_index[self.token_index != NOTHING]
+        self._floor = int(held.min()) if held.numel() else tokens
         if touched.numel():
             self._summarise(touched)
 

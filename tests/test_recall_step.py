@@ -253,3 +253,17 @@ def test_a_recall_decode_call_stays_within_its_op_budget(tiny_pair):
         model(ids[:, 62:63], cache=cache)
     assert layer.archive.tokens == 63 and layer.recalled == 8.0  # a page started; the slots are full
     assert sum(counter.ops.values()) <= 112, dict(counter.ops)
+
+
+def test_held_tokens_stay_exact_after_a_rewind_past_dropped_pages():
+    """`recall_is_full` counts on `held()`: after a scorer's rewind the ring holds fewer tokens than its reach
+    (pages dropped for the forgotten tokens do not come back), and `oldest`/`held` say so."""
+    archive = PageArchive(N_KV, HEAD_DIM, 12, 3, torch.float32, torch.device("cpu"))
+    archive.write(torch.randn(N_KV, 30, HEAD_DIM), torch.randn(N_KV, 30, HEAD_DIM))
+    for rewind_to, kept in ((25, range(18, 25)), (19, [18]), (10, [])):
+        archive.rewind(rewind_to)
+        held = sorted(t for t in archive.token_index.tolist() if t >= 0)
+        assert held == list(kept) and archive.held() == len(held)
+        assert archive.oldest == (held[0] if held else rewind_to)
+    archive.write(torch.randn(N_KV, 4, HEAD_DIM), torch.randn(N_KV, 4, HEAD_DIM))  # tokens 10..13
+    assert archive.oldest == 10 and archive.held() == 4
