@@ -61,6 +61,19 @@ def rank_key(bound: torch.Tensor, page_start: torch.Tensor, tokens: int) -> torc
     return bound.double() + torch.nan_to_num(ulp * 0.25 * (1.0 - youth), nan=0.0, posinf=0.0)
 
 
+def order_key(bound: torch.Tensor, page_start: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+    """`rank_key`'s order as one int64 per (KV head, page), in fewer ops: larger bound first, then the older
+    page; pages without a candidate (`candidate` False) last.
+
+    bound: [n_kv_heads, pages] float32 (any value where `candidate` is False); page_start: [pages] token index
+    of each page's first token (below 2**31). The float's bits, made monotone in its value (negative floats
+    have their magnitude bits flipped; -0.0 is first made +0.0, equal to it as a float), fill the high 32
+    bits, and minus the page's start the low ones."""
+    bits = (bound + 0.0).view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # finite and ±inf: |.| < 2**31 - 2**23
+    return torch.where(candidate, ordered * 2**32 - page_start, torch.iinfo(torch.int64).min)
+
+
 class PageArchive:
     """One layer's archive: K/V `[n_kv_heads, capacity, head_dim]` in a ring, summaries per (page, KV head).
 
@@ -105,6 +118,10 @@ class PageArchive:
         self.summary = torch.zeros(n_kv_heads, self.pages, 2 * head_dim, dtype=torch.float32, device=device)
         self.high, self.low = self.summary[..., :head_dim], self.summary[..., head_dim:]
         self.tokens = 0  # tokens written so far (the next token's index)
+        self._floor = 0  # no older token is held (raised by a rewind past pages the ring dropped)
+        # [n_kv_heads, 1]: each KV head's first row in the K/V seen as [n_kv_heads * capacity, head_dim].
+        self._head_rows = torch.arange(n_kv_heads, device=device).unsqueeze(1) * capacity
+        self._page_offsets = torch.arange(page_size, device=device)
 
     @staticmethod
     def stored_bytes(
@@ -143,7 +160,12 @@ class PageArchive:
         if self.tokens == 0:
             return 0
         newest_page_start = (self.tokens - 1) // self.page_size * self.page_size
-        return max(0, newest_page_start + self.page_size - self.capacity)
+        return max(0, newest_page_start + self.page_size - self.capacity, self._floor)
+
+    @property
+    def span(self) -> int:
+        """Ring slots written so far (whole pages): every archived token lies below it."""
+        return min(self.pages, -(-self.tokens // self.page_size)) * self.page_size
 
     def held(self) -> int:
         """Tokens archived now."""
@@ -151,6 +173,9 @@ class PageArchive:
 
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Archive the next tokens' K/V `[n_kv_heads, n, head_dim]` (unrotated), dropping the oldest pages."""
+        if keys.shape[1] == 1:
+            self._write_token(keys, values)
+            return
         # A piece of at most capacity - page_size tokens never wraps onto the ring page it started on, so the
         # pages it empties hold no token of the same piece.
         step = self.capacity - self.page_size
@@ -188,6 +213,36 @@ class PageArchive:
         self.high.scatter_reduce_(1, pages, exact, "amax")
         self.tokens += count
 
+    def _write_token(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`_write_piece` of one token (a decode step): the same writes, its slot and page as Python ints."""
+        token = self.tokens
+        slot = token % self.capacity
+        page = slot // self.page_size
+        if token % self.page_size == 0:  # the token starts a page: the ring page's old page is gone
+            self.token_index[page * self.page_size : (page + 1) * self.page_size] = NOTHING
+            self.summary[:, page, self.head_dim :] = float("inf")  # low
+            self.summary[:, page, : self.head_dim] = float("-inf")  # high
+        writes = [(self.keys, keys), (self.values, values)]
+        if self.quantized:
+            (key_codes, key_scales), (value_codes, value_scales) = quantize(keys), quantize(values)
+            writes = [
+                (self.keys, key_codes),
+                (self.values, value_codes),
+                (self.key_scales, key_scales),
+                (self.value_scales, value_scales),
+            ]
+        for target, data in writes:
+            if self.region is None:
+                target[:, slot] = data[:, 0]
+            else:
+                self.region.write(target, token, data)
+        self.token_index[slot : slot + 1].fill_(token)
+        exact = keys[:, 0].float()  # [n_kv, head_dim]: the summaries from the keys as they came
+        low, high = self.low[:, page], self.high[:, page]
+        torch.minimum(low, exact, out=low)
+        torch.maximum(high, exact, out=high)
+        self.tokens += 1
+
     def _summarise(self, pages: torch.Tensor) -> None:
         """Recompute the min/max keys of ring `pages` [n] from the tokens they hold (stored keys)."""
         held = (self.token_index.view(self.pages, self.page_size)[pages] != NOTHING).view(
@@ -220,7 +275,7 @@ class PageArchive:
     def reset(self) -> None:
         """Forget every token (the buffers stay)."""
         self.token_index.fill_(NOTHING)
-        self.tokens = 0
+        self.tokens = self._floor = 0
 
     def rewind(self, tokens: int) -> None:
         """Forget the tokens from index `tokens` on (a scorer going back to a snapshot). Pages the ring dropped
@@ -229,6 +284,10 @@ class PageArchive:
         touched = torch.unique(newer.nonzero().flatten() // self.page_size)
         self.token_index[newer] = NOTHING
         self.tokens = tokens
+        # What is left is a run of the newest tokens before `tokens`, maybe shorter than the ring's reach
+        # (the pages dropped for the forgotten ones): `oldest` and `held` stay exact.
+        held = self.token_index[self.token_index != NOTHING]
+        self._floor = int(held.min()) if held.numel() else tokens
         if touched.numel():
             self._summarise(touched)
 
@@ -279,3 +338,65 @@ class PageArchive:
             pad = torch.zeros(n_kv, slots - count, dtype=chosen.dtype, device=device)
             chosen, valid = torch.cat([chosen, pad], 1), torch.cat([valid, pad.bool()], 1)
         return chosen, valid
+
+    def choose_one(
+        self, query: torch.Tensor, resident: torch.Tensor, slots: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`choose` for a one-token step (decode) in fewer and smaller ops: the same tokens in the same order.
+
+        query: [n_kv_heads, group, head_dim], the token's unrotated queries; resident: [n_kv_heads, n] token
+        indices of S, every one an entry (no -1), the newest archived token (the step's own) among them in
+        every head. Returns archive slots [n_kv_heads, slots] and which hold a chosen token; the valid ones are
+        `choose(query, resident, self.tokens - 1, slots)`'s, in its order (where `valid` is False the slot
+        numbers may differ: they are never read).
+
+        Why the same: the step's token is the only archived one not older than it, and it is resident, so a
+        candidate is an archived token not in S; only the ring slots written so far (`used` pages) can hold
+        one, and pages without a candidate rank below every page with one, so ranking the used pages alone
+        keeps their order (`order_key` is `rank_key`'s order); the first `slots` candidates in reading order are
+        found by a running count.
+        """
+        n_kv, size, span = self.n_kv_heads, self.page_size, self.span
+        used = span // size
+        # A ring slot is blocked if empty or holding a token of S (resident tokens still archived mark their
+        # slot; the others land on the spare column `span`). Scattering only True, duplicates are harmless.
+        resident_slots = resident % self.capacity
+        marks = self.token_index.take(resident_slots) == resident
+        blocked = torch.empty(n_kv, span + size, dtype=torch.bool, device=query.device)  # + a spare page
+        blocked[:, :span] = self.token_index[:span] == NOTHING
+        blocked.scatter_(1, torch.where(marks, resident_slots, span), True)
+        has_candidate = blocked.logical_not_().view(n_kv, used + 1, size)[:, :used].any(dim=2)
+        candidate = blocked[:, :span]  # [n_kv, span], True where a candidate (negated in place above)
+        bound = best_page_bound(query.float(), self.summary[:, :used])
+        page_start = self.token_index.view(self.pages, size)[:used, 0]
+        key = order_key(bound, page_start, has_candidate)
+        pages = torch.topk(key, min(slots, used), dim=1, sorted=True).indices
+        in_order = (pages.unsqueeze(-1) * size + self._page_offsets).flatten(1)  # [n_kv, top * size]
+        usable = candidate.gather(1, in_order)
+        # The first `slots` usable slots in reading order: each goes to column 1 + its running count among
+        # them; the others to spare columns (0, and `slots + 1` past the first `slots`); columns left without
+        # one stay 0 and invalid, as `choose` pads.
+        place = usable.cumsum(dim=1)  # 1-based
+        target = (place * usable).clamp_max_(slots + 1)
+        chosen = torch.zeros(n_kv, slots + 2, dtype=torch.int64, device=query.device)
+        chosen = chosen.scatter_(1, target, in_order)[:, 1 : slots + 1]
+        valid = torch.arange(slots, device=query.device) < place[:, -1:]
+        return chosen, valid
+
+    def read_into(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the K and V of archive `slots` [n_kv_heads, r] (one row per KV head) into `keys`, `values`
+        [n_kv_heads, r, head_dim] (contiguous, the compute dtype): `read` with every head's slots at once."""
+        rows = (slots + self._head_rows).view(-1)  # [n_kv * r] rows of the K/V seen as [n_kv * capacity, d]
+        for stored, scales, target in (
+            (self.keys, self.key_scales, keys),
+            (self.values, self.value_scales, values),
+        ):
+            out = target.view(-1, self.head_dim)
+            if self.quantized:
+                codes = stored.view(-1, self.head_dim).index_select(0, rows)
+                out.copy_(dequantize(codes, scales.view(-1).index_select(0, rows), self.dtype))
+            elif stored.dtype == target.dtype:
+                torch.index_select(stored.view(-1, self.head_dim), 0, rows, out=out)
+            else:
+                out.copy_(stored.view(-1, self.head_dim).index_select(0, rows))
+        self.release()

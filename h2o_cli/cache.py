@@ -23,6 +23,7 @@ from h2o_cli.models.families import check_family, text_config
 from h2o_cli.policies import make_policy
 from h2o_cli.policies.base import lowest_outside_recent
 from h2o_cli.positions import Rope, unrotate
+from h2o_cli.recall_step import RecallCounts, recall_is_full, recall_step_attention, rolling_step_positions
 from h2o_cli.store import LayerStore
 from h2o_cli.threads import DecodeThreads
 
@@ -34,6 +35,7 @@ class H2OLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
+    step_keys_by_map = True  # the decode step unrotates the new keys by a matmul (False: as the chunk path)
 
     def __init__(
         self,
@@ -58,9 +60,9 @@ class H2OLayer(CacheLayerMixin):
         self._model_rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of the chunk
         self._chunk = 0
         self._new_states: tuple[torch.Tensor, torch.Tensor] | None = None  # the call's K/V, unrotated
-        # One-token calls on the torch path take `_attend_step` (h2o_cli.decode_step); recall has its own step.
+        # One-token calls on the torch path take `_attend_step` (h2o_cli.decode_step; recall's: recall_step).
         self.maps = maps or DecodeMaps()
-        self._step_path = not policy.recalls and store.compute_dtype in (torch.float32, torch.float64)
+        self._step_path = store.compute_dtype in (torch.float32, torch.float64)
         self._step = False  # this call takes it
         self._native: native.StepBuffers | bool | None = (
             None  # the C step's buffers; False: not for this layer
@@ -119,7 +121,7 @@ class H2OLayer(CacheLayerMixin):
             and not use_triton(key_states.device, self.settings.kernels)
             and self.maps.usable(*self._step_tables(self._new_position(), key_states.device))
         )
-        if self._step:  # [n_kv_heads, 1, head_dim] by one matmul with the pass's unrotation matrix
+        if self._step and self.step_keys_by_map:  # [n_kv_heads, 1, head_dim] by one matmul with U
             keys = (key_states[0, :, 0] @ self.maps.unrotation(cos, sin)).unsqueeze(1)
         else:
             keys = unrotate(key_states[0], cos, sin)
@@ -345,9 +347,14 @@ class RecallLayer(H2OLayer):
     """A layer of the `recall` policy (docs/spec.md): `H2OLayer`'s store holds S, managed as `h2o`; every
     token is also written to a `PageArchive`, and each step refills `recall_slots` slots per KV head from it.
 
-    The step always runs on the torch reference (also on CUDA): pass 1 chooses the recalled tokens with the
-    chunk's queries, pass 2 attends over S, them and the chunk with the exact softmax, scores S only, evicts.
+    The step runs on the torch reference (also on CUDA): pass 1 chooses the recalled tokens with the chunk's
+    queries, pass 2 attends over S, them and the chunk with the exact softmax, scores S only, evicts. A
+    one-token call takes the same steps in far fewer ops (`_step_on_one_thread`, h2o_cli.recall_step).
     """
+
+    # The new keys are unrotated elementwise, as the chunk path does, so the archive, its page summaries and
+    # hence the page choice are bit for bit the chunk path's.
+    step_keys_by_map = False
 
     def add_archive(
         self,
@@ -367,9 +374,30 @@ class RecallLayer(H2OLayer):
         self.recall_keys = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)
         self.recall_values = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)
         self.recall_index = torch.full(shape, -1, dtype=torch.int64, device=device)  # token index, -1 = empty
-        self.recalled = 0.0  # tokens recalled per KV head in the last step (the mean over heads)
-        self.hits = 0.0  # of them, already in the recall slots the step before (not read again)
-        self.recalled_total, self.hits_total, self.steps = 0.0, 0.0, 0  # over every step since the start
+        self.counts = RecallCounts(store.n_kv_heads)
+
+    @property
+    def recalled(self) -> float:
+        """Tokens recalled per KV head in the last step (the mean over heads)."""
+        return self.counts.recalled
+
+    @property
+    def hits(self) -> float:
+        """Of them, already in the recall slots the step before (not read again)."""
+        return self.counts.hits
+
+    @property
+    def recalled_total(self) -> float:
+        """`recalled` summed over every step since the start."""
+        return self.counts.recalled_total
+
+    @property
+    def hits_total(self) -> float:
+        return self.counts.hits_total
+
+    @property
+    def steps(self) -> int:
+        return self.counts.steps
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs=None, **extra):
         """As `H2OLayer.update`, and archive the call's unrotated K/V (write-through, before any eviction)."""
@@ -382,15 +410,12 @@ class RecallLayer(H2OLayer):
         Returns [1, chunk, n_heads, head_dim]."""
         chunk, store = query.shape[1], self.store
         n_kv, active, first = store.n_kv_heads, store.active, store.tokens_seen - chunk
-        slots = self.recall_index.shape[1]
+        slots, hits = self.recall_index.shape[1], 0
         if slots:  # pass 1: the chunk's queries choose archived tokens, read back into the recall slots
             grouped = query.reshape(n_kv, -1, store.head_dim)  # [n_kv, group * chunk, d]
             chosen, valid = self.archive.choose(grouped, store.token_index[:, :active], first, slots)
-            self._read_back(chosen, valid)
-        self.recalled = float((self.recall_index >= 0).sum()) / n_kv
-        self.recalled_total += self.recalled
-        self.hits_total += self.hits
-        self.steps += 1
+            hits = self._read_back(chosen, valid)
+        self.counts.add((self.recall_index >= 0).sum(), hits)
         # Pass 2: E_q = S ∪ R ∪ {chunk tokens <= q}; R is older than the chunk, so every query sees all of it.
         token_index = torch.cat([store.token_index[:, :active], self.recall_index], dim=1)
         present = token_index >= 0
@@ -430,11 +455,96 @@ class RecallLayer(H2OLayer):
         store.evict(self.policy)
         return output.transpose(0, 1).unsqueeze(0)
 
-    def _read_back(self, chosen: torch.Tensor, valid: torch.Tensor) -> None:
+    def _step_on_one_thread(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The recall step of one token (decode) on the torch path (`update` chose it; `attend` packed S into
+        its lowest slots): pass 1 by `PageArchive.choose_one`, pass 2 by one softmax over S and R at the
+        positions of `rolling_step_positions` or token indices, S's scores, eviction. The chunk path's result
+        (docs/spec.md; h2o_cli.recall_step says why each part is the same). query: [1, n_heads, 1, head_dim]
+        rotated by the model. Returns [1, 1, n_heads, head_dim]."""
+        store, archive = self.store, self.archive
+        keys, values = self._new_states
+        cos, sin = self._model_rotation
+        self._chunk, self._new_states, self._step = 0, None, False
+        store.write(keys, values)
+        active, n_kv, head_dim = store.active, store.n_kv_heads, store.head_dim  # active == length: packed
+        resident = store.token_index[:, :active]
+        slots = self.recall_index.shape[1]
+        full = recall_is_full(archive.held(), store.length, slots)
+        if slots:
+            # As the chunk path: the query unrotated elementwise, so the page bounds are bit for bit its own.
+            unrotated = unrotate(query[0, :, 0], cos.to(query.dtype), sin.to(query.dtype))
+            chosen, valid = archive.choose_one(unrotated.view(n_kv, -1, head_dim), resident, slots)
+            if archive.region is None:
+                hits = self._read_all(chosen, valid, full)
+            else:  # a file archive reads only the tokens new to the recall slots
+                hits = self._read_back(chosen, valid)
+            self.counts.add(slots * n_kv if full else valid.sum(), hits)
+        else:
+            self.counts.add(0, 0)
+        present = None if full else self.recall_index >= 0
+        if self.positions == "rolling":
+            key_positions, position = rolling_step_positions(resident, self.recall_index, full)
+        else:
+            key_positions = torch.cat([resident, self.recall_index.clamp_min(0)], dim=1)
+            position = store.tokens_seen - 1
+        cos_table, sin_table = self.rope.table(
+            max(position + 1, store.slots), store.compute_dtype, query.device
+        )
+        query_map = self.maps.query(cos, sin, position, scaling, cos_table, sin_table)
+        grouped = (query[0, :, 0] @ query_map).view(n_kv, -1, 2 * head_dim)
+        output, probs = recall_step_attention(
+            grouped,
+            store.key_states(active),
+            store.value_states(active),
+            self.recall_keys,
+            self.recall_values,
+            key_positions,
+            self.rope.step_table(cos_table.shape[0], cos_table.dtype, query.device),
+            present,
+        )
+        increments = probs[:, :, :active].sum(dim=1)  # [n_kv, active]: S only (r = 0 is h2o)
+        store.accumulate(increments, increments, 1)
+        policy = self.policy
+        if policy.kernel_victim and store.length - store.budget == 1:  # as H2OLayer's step
+            limit = store.length - policy.recent_slots
+            store.drop(lowest_outside_recent(store.scores[:, :active], store.rank[:, :active], limit))
+        else:
+            store.evict(policy)
+        return output.to(query.dtype).view(1, 1, -1, head_dim)
+
+    def _step_tables(self, position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `H2OLayer._step_tables`, with room for the recall slots' positions."""
+        slots = self.recall_index.shape[1]
+        return self.rope.table(max(position + 1, self.store.slots) + slots, self.store.compute_dtype, device)
+
+    def _read_all(self, chosen: torch.Tensor, valid: torch.Tensor, full: bool) -> torch.Tensor:
+        """`_read_back` for a RAM archive: every chosen token read from the archive in one row gather (a
+        hit's K/V are the archive's own, so the slots end up the same). Returns the hits (a 0-d tensor)."""
+        archive = self.archive
+        wanted = archive.token_index.take(chosen)  # [n_kv, r] token indices
+        if not full:
+            wanted.masked_fill_(~valid, -1)
+        # Hits: the slots' tokens so far, placed at their ring slots (they were archived at the last step, so
+        # no two share one, all below `span`; empty slots go to a spare column), read at the chosen slots.
+        held, span = self.recall_index, archive.span
+        before = torch.full((held.shape[0], span + 1), -1, dtype=held.dtype, device=held.device)
+        before.scatter_(1, torch.where(held >= 0, held % archive.capacity, span), held)
+        hit = before.gather(1, chosen) == wanted
+        hits = (hit if full else hit & valid).sum()
+        archive.read_into(chosen, self.recall_keys, self.recall_values)
+        if not full:
+            empty = ~valid.unsqueeze(-1)
+            self.recall_keys.masked_fill_(empty, 0)
+            self.recall_values.masked_fill_(empty, 0)
+        self.recall_index.copy_(wanted)
+        return hits
+
+    def _read_back(self, chosen: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Fill the recall slots with archive slots `chosen` [n_kv, r] where `valid`, in that order (empty: 0).
 
         A token already in a recall slot (a hit: chosen again) is moved from there; only the others are read
-        from the archive, so a disk archive reads just the pages that are new to the slots."""
+        from the archive, so a disk archive reads just the pages that are new to the slots.
+        Returns the hits summed over KV heads (a 0-d tensor)."""
         wanted = torch.where(valid, self.archive.token_index[chosen], -1)  # [n_kv, r] token indices
         held, order = self.recall_index.sort(dim=1)
         place = torch.searchsorted(held, wanted).clamp_max(held.shape[1] - 1)
@@ -447,13 +557,13 @@ class RecallLayer(H2OLayer):
         self.recall_keys.copy_(keys.masked_fill_(empty, 0))
         self.recall_values.copy_(values.masked_fill_(empty, 0))
         self.recall_index.copy_(wanted)
-        self.hits = float(hit.sum()) / hit.shape[0]
+        return hit.sum()
 
     def reset(self) -> None:
         super().reset()
         self.archive.reset()
         self.recall_index.fill_(-1)
-        self.recalled, self.hits, self.recalled_total, self.hits_total, self.steps = 0.0, 0.0, 0.0, 0.0, 0
+        self.counts.reset()
 
 
 def compute_dtype(model) -> torch.dtype:

@@ -7,9 +7,13 @@ output projection apart), and the rest (norms, RoPE of q/k, MLP activation, resi
 
     python scripts/profile_decode.py --context 4096 --budget 0.1 --threads 1
     python scripts/profile_decode.py --context 4096 --budget 0.1 --threads 1 --wall   # no profiler
+    python scripts/profile_decode.py --context 4096 --budget 410 --policies h2o recall --ops --parts
 
-`--wall` times the same split with the clock alone (rounds alternating h2o and plain): the profiler's cost per op
-inflates a step made of many small ops, and it cannot see inside the C decode step (`--kernels native`).
+`--wall` times the h2o/plain split with the clock alone (rounds alternating h2o and plain): the profiler's cost
+per op inflates a step made of many small ops, and it cannot see inside the C decode step (`--kernels native`).
+
+`--policies` names the caches profiled (default: h2o and plain transformers); `recall` splits its cache time
+further with `--parts` (archive write, page choice and the page bound inside it, read-back).
 
 `--ops` also counts the tensor ops one decode step dispatches in the cache code of one layer (the second:
 the first builds the pass's shared tables), views and no-op casts aside.
@@ -94,8 +98,8 @@ def count_ops(model, cache, token: int, layer) -> collections.Counter:
     try:
         decode(model, cache, token, 1)
     finally:
-        for name in inner:
-            delattr(layer, name)
+        for name, method in inner.items():
+            setattr(layer, name, method)
     return counter.ops
 
 
@@ -107,8 +111,12 @@ def shares(prof, steps: int) -> dict[str, float]:
     cache = total.get("cache:update", 0.0) + total.get("cache:attend", 0.0)
     linear = total.get("aten::linear", 0.0)
     head = total.get("lm_head", 0.0)
-    return {"step": step, "cache and attention": cache, "linears (30 layers)": linear - head,
-            "output projection": head, "rest": step - cache - linear}  # fmt: skip
+    parts = {"step": step, "cache and attention": cache, "linears (30 layers)": linear - head,
+             "output projection": head, "rest": step - cache - linear}  # fmt: skip
+    for label in ("recall:archive_write", "recall:choose", "recall:page_bound", "recall:read_back"):
+        if label in total:
+            parts[f"  of the cache: {label.split(':')[1]}"] = total[label]
+    return parts
 
 
 class WallClock:
@@ -195,12 +203,16 @@ def main() -> None:
     parser.add_argument("--wall", action="store_true", help="wall-clock split instead of the profiler")
     parser.add_argument("--rounds", type=int, default=3, help="--wall: alternating rounds of --steps each")
     parser.add_argument("--kernels", default="auto", help="h2o's --kernels (torch: the torch decode step)")
+    parser.add_argument("--policies", nargs="+", default=["h2o", "plain"], help="h2o, recall, plain")
+    parser.add_argument(
+        "--parts", action="store_true", help="recall: time its archive write, choice, read-back"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from transformers import DynamicCache
 
-    from h2o_cli.cache import H2OCache, H2OLayer
+    from h2o_cli.cache import H2OCache
     from h2o_cli.config import CacheSettings
     from h2o_cli.models import load_model
 
@@ -213,8 +225,6 @@ def main() -> None:
         print(f"threads {args.threads}, context {args.context}, h2o budget {budget}, kernels {args.kernels}")
         wall_split(model, ids, budget, args)
         return
-    labelled(H2OLayer, "update", "cache:update")
-    labelled(H2OLayer, "attend", "cache:attend")
     labelled(DynamicCache, "update", "cache:update")
     head = model.lm_head
     head_forward = head.forward
@@ -227,10 +237,26 @@ def main() -> None:
         with record_function("cache:attend"):
             return sdpa(*a, **k)
 
-    print(f"threads {args.threads}, context {args.context}, h2o budget {budget}, chunk {args.chunk}")
-    for name in ("h2o", "plain"):
-        if name == "h2o":
-            cache = H2OCache(model, CacheSettings(budget=budget, chunk=args.chunk, kernels=args.kernels))
+    print(f"threads {args.threads}, context {args.context}, budget {budget}, chunk {args.chunk}")
+    for name in args.policies:
+        if name != "plain":
+            model.set_attn_implementation("sdpa")  # H2OCache switches it to h2o
+            cache = H2OCache(
+                model, CacheSettings(budget=budget, chunk=args.chunk, policy=name, kernels=args.kernels)
+            )
+            for layer in cache.layers:  # per instance: a subclass's super() calls are not ranged twice
+                labelled(layer, "update", "cache:update")
+                labelled(layer, "attend", "cache:attend")
+                if name == "recall" and args.parts:
+                    labelled(layer.archive, "write", "recall:archive_write")
+                    labelled(layer.archive, "choose", "recall:choose")
+                    labelled(layer.archive, "choose_one", "recall:choose")
+                    labelled(layer, "_read_back", "recall:read_back")
+                    labelled(layer, "_read_all", "recall:read_back")
+            if name == "recall" and args.parts:  # inside the page choice: the bound over every written page
+                import h2o_cli.archive
+
+                labelled(h2o_cli.archive, "best_page_bound", "recall:page_bound")
         else:
             model.set_attn_implementation("sdpa")
             cache = DynamicCache(config=model.config)
@@ -238,9 +264,9 @@ def main() -> None:
             AttentionInterface._global_mapping["sdpa"] = ranged_sdpa
         token = prefill(model, cache, ids, args.chunk)
         token = decode(model, cache, token, args.warmup)
-        if args.ops and name == "h2o":
+        if args.ops and name != "plain":
             ops = count_ops(model, cache, token, cache.layers[1])
-            print(f"h2o: {sum(ops.values())} tensor ops per layer call: {dict(ops.most_common())}")
+            print(f"{name}: {sum(ops.values())} tensor ops per layer call: {dict(ops.most_common())}")
         started = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             decode(model, cache, token, args.steps)

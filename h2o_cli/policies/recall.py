@@ -97,10 +97,6 @@ class RecallPolicy(HeavyHitterPolicy):
     def recent_slots(self) -> int:
         return self.resident - self.heavy_slots
 
-    @property
-    def kernel_victim(self) -> bool:
-        return False  # the recall step runs on the torch reference, never the fused decode kernel
-
     def kept_tokens(self, span: int) -> int:
         return self.resident
 
