@@ -191,15 +191,7 @@ class PageArchive:
         page_slots[starting] = NOTHING  # these ring pages now begin a new page: the old one is gone
         self.low[:, starting] = float("inf")
         self.high[:, starting] = float("-inf")
-        writes = [(self.keys, keys), (self.values, values)]
-        if self.quantized:
-            (key_codes, key_scales), (value_codes, value_scales) = quantize(keys), quantize(values)
-            writes = [
-                (self.keys, key_codes),
-                (self.values, value_codes),
-                (self.key_scales, key_scales),
-                (self.value_scales, value_scales),
-            ]
+        writes = self._writes(keys, values)
         for target, data in writes:
             if self.region is None:
                 target.index_copy_(1, slots, data.to(target.dtype))
@@ -213,6 +205,19 @@ class PageArchive:
         self.high.scatter_reduce_(1, pages, exact, "amax")
         self.tokens += count
 
+    def _writes(self, keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(storage tensor, data) pairs for K/V `[n_kv_heads, n, head_dim]`: as given, or int8 codes and
+        their scales for an int8 archive."""
+        if not self.quantized:
+            return [(self.keys, keys), (self.values, values)]
+        (key_codes, key_scales), (value_codes, value_scales) = quantize(keys), quantize(values)
+        return [
+            (self.keys, key_codes),
+            (self.values, value_codes),
+            (self.key_scales, key_scales),
+            (self.value_scales, value_scales),
+        ]
+
     def _write_token(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """`_write_piece` of one token (a decode step): the same writes, its slot and page as Python ints."""
         token = self.tokens
@@ -222,15 +227,7 @@ class PageArchive:
             self.token_index[page * self.page_size : (page + 1) * self.page_size] = NOTHING
             self.summary[:, page, self.head_dim :] = float("inf")  # low
             self.summary[:, page, : self.head_dim] = float("-inf")  # high
-        writes = [(self.keys, keys), (self.values, values)]
-        if self.quantized:
-            (key_codes, key_scales), (value_codes, value_scales) = quantize(keys), quantize(values)
-            writes = [
-                (self.keys, key_codes),
-                (self.values, value_codes),
-                (self.key_scales, key_scales),
-                (self.value_scales, value_scales),
-            ]
+        writes = self._writes(keys, values)
         for target, data in writes:
             if self.region is None:
                 target[:, slot] = data[:, 0]

@@ -287,16 +287,22 @@ def test_a_disk_archive_keeps_the_peak_rss_flat_where_a_ram_archive_grows(tmp_pa
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "kernels")])
     runs = {archive: rss_probe(archive, env) for archive in ("ram", "disk")}  # at once: half the wait
     reports = {archive: json.loads(run.communicate(timeout=600)[0]) for archive, run in runs.items()}
-    growth = {
+    growth = {  # the peak: what the issue bounds
         archive: report["peak_rss_bytes"]["2048"] - report["peak_rss_bytes"]["512"]
+        for archive, report in reports.items()
+    }
+    # What is resident now: a transient peak before 512 tokens (seen under load) cannot hide the RAM archive.
+    resident = {
+        archive: report["rss_bytes"]["2048"] - report["rss_bytes"]["512"]
         for archive, report in reports.items()
     }
     archive_growth = 1536 * 64 * 1024
     for report in reports.values():
         assert report["archive_token_bytes"] == 64 * 1024
         assert report["archive_tokens"] == 2048  # the cap (4,096) exceeds the stream
-    assert growth["ram"] > 0.8 * archive_growth, growth
+    assert resident["ram"] > 0.8 * archive_growth, resident
     assert growth["disk"] < 0.15 * archive_growth, growth
+    assert resident["disk"] < 0.15 * archive_growth, resident
     assert reports["disk"]["archive_disk_bytes"] > archive_growth
     assert not os.listdir(tmp_path / "archive")
 

@@ -18,6 +18,19 @@ from h2o_cli.store import LayerStore
 N_HEADS, N_KV, HEAD_DIM = 6, 2, 16
 
 
+def naive_settings(positions: str, ratio: float, archive_max: int) -> CacheSettings:
+    """The small recall cache the layer-vs-naive tests share: budget 8, chunks up to 9, pages of 3."""
+    return CacheSettings(
+        budget=8,
+        chunk=9,
+        policy="recall",
+        positions=positions,
+        recall_ratio=ratio,
+        page_size=3,
+        archive_max=archive_max,
+    )
+
+
 def make_recall_layer(settings: CacheSettings) -> tuple[RecallLayer, torch.Tensor]:
     config = tiny_config(
         hidden_size=N_HEADS * HEAD_DIM, num_attention_heads=N_HEADS, num_key_value_heads=N_KV
@@ -37,15 +50,7 @@ def make_recall_layer(settings: CacheSettings) -> tuple[RecallLayer, torch.Tenso
 def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
     """Outputs, the resident set and the recalled tokens follow docs/spec.md literally (tests/naive.py)."""
     torch.manual_seed(2)
-    settings = CacheSettings(
-        budget=8,
-        chunk=9,
-        policy="recall",
-        positions=positions,
-        recall_ratio=ratio,
-        page_size=3,
-        archive_max=96,
-    )
+    settings = naive_settings(positions, ratio, archive_max=96)
     layer, inv_freq = make_recall_layer(settings)
     feed_against_naive(layer, settings, inv_freq, chunks, N_HEADS)
     store = layer.store

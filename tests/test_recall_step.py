@@ -8,7 +8,7 @@ import collections
 import pytest
 import torch
 from conftest import feed_against_naive
-from test_recall import HEAD_DIM, N_HEADS, N_KV, make_recall_layer
+from test_recall import HEAD_DIM, N_HEADS, N_KV, make_recall_layer, naive_settings
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from h2o_cli.archive import PageArchive, order_key, rank_key
@@ -103,15 +103,7 @@ def test_decode_step_after_chunks_matches_the_naive_simulation(step_calls, posit
     (the naive simulation has no cap, so neither has the archive here; the cap is tested against the chunk
     path above)."""
     torch.manual_seed(12)
-    settings = CacheSettings(
-        budget=8,
-        chunk=9,
-        policy="recall",
-        positions=positions,
-        recall_ratio=ratio,
-        page_size=3,
-        archive_max=60,
-    )
+    settings = naive_settings(positions, ratio, archive_max=60)
     layer, inv_freq = make_recall_layer(settings)
     feed_against_naive(layer, settings, inv_freq, [9, 9, 5] + [1] * 30, N_HEADS)
     assert step_calls["step"] == 30
