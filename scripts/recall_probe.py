@@ -26,6 +26,7 @@ import torch
 from recall_grid import MAX_NEW_TOKENS, NEEDLE, QUESTION, haystacks, settings_of  # scripts/ on sys.path
 
 from h2o_cli.archive import PageArchive, best_page_bound
+from h2o_cli.positions import rotate
 
 
 def needle_tokens(tokenizer, text: str, key: str, head: int) -> tuple[list[int], list[int]]:
@@ -51,6 +52,7 @@ class Probe:
         self.needle = self.key = torch.empty(0, dtype=torch.int64)  # stream indices: the sentence, the digits
         self.rows: list[dict] = []
         self.layer_of: dict[int, int] = {}
+        self.rope = None  # the model's `Rope` (its tables), set per run
         inner = PageArchive.choose
 
         def choose(archive, query, resident, before, slots):
@@ -70,6 +72,15 @@ class Probe:
         bound = best_page_bound(query.float(), archive.summary[:, :used])  # [n_kv, used]
         keys = archive.keys[:, : used * size].float()  # RAM archive in the compute dtype
         exact = torch.einsum("hmd,htd->hmt", query.float(), keys).amax(dim=1)  # [n_kv, tokens]
+        # The same with RoPE at the original positions (query i of the chunk at `before + i % chunk`, each key at
+        # its token index): what a position-aware page score would rank by.
+        chunk = query.shape[1] // self.group
+        cos, sin = self.rope.table(before + chunk, torch.float32, query.device)
+        at = before + torch.arange(query.shape[1], device=query.device) % chunk
+        where = index.clamp_min(0)
+        rotated = torch.einsum(
+            "hmd,htd->hmt", rotate(query.float(), cos[at], sin[at]), rotate(keys, cos[where], sin[where])
+        ).amax(dim=1)
         recalled = torch.where(valid, archive.token_index[chosen], -1)
         take = max(1, slots // size)  # pages the recall slots hold
         for head in range(archive.n_kv_heads):
@@ -83,7 +94,8 @@ class Probe:
                    "in_r": int(in_r.sum()), "key": len(self.key), "key_in": int(key_in.sum()), "candidate_pages": int(page_ok.sum()), "take": take}  # fmt: skip
             if needle_page.any():
                 exact_page = exact[head].masked_fill(~candidate, -math.inf).view(used, size).amax(dim=1)
-                for name, score in (("bound", bound[head]), ("exact", exact_page)):
+                rotated_page = rotated[head].masked_fill(~candidate, -math.inf).view(used, size).amax(dim=1)
+                for name, score in (("bound", bound[head]), ("exact", exact_page), ("rotated", rotated_page)):
                     score = score.masked_fill(~page_ok, -math.inf)
                     best = score[needle_page].max()
                     row[f"rank_{name}"] = int((score > best).sum())  # pages ranked above the needle's best
@@ -105,6 +117,8 @@ def summarise(rows: list[dict], take: int) -> dict:
         "exact_inside": statistics.mean(r["rank_exact"] < take for r in ranked) if ranked else None,
         "median_rank_bound": statistics.median(r["rank_bound"] for r in ranked) if ranked else None,
         "median_rank_exact": statistics.median(r["rank_exact"] for r in ranked) if ranked else None,
+        "rotated_inside": statistics.mean(r["rank_rotated"] < take for r in ranked) if ranked else None,
+        "median_rank_rotated": statistics.median(r["rank_rotated"] for r in ranked) if ranked else None,
         "candidate_pages": statistics.median(r["candidate_pages"] for r in rows),
     }
 
@@ -115,23 +129,34 @@ def table(paths: list[Path]) -> str:
     lines = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
     out = [
         "| text tokens | runs | answered | heads holding a passkey token | needle page in the recall cut: "
-        "exact / bound | needle page rank: exact / bound (median) | candidate pages | pages recalled |",
+        "exact / bound / exact with RoPE | needle page rank: exact / bound / exact with RoPE (median) | "
+        "candidate pages | pages recalled |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for length in sorted({line["length"] for line in lines}):
         runs = [line for line in lines if line["length"] == length]
         ranked = [line for line in runs if line["bound_inside"] is not None]
 
-        def mean(key: str, group: list[dict]) -> float:
-            return statistics.mean(line[key] for line in group)
+        def mean(key: str, group: list[dict]) -> float | None:
+            values = [line[key] for line in group if line.get(key) is not None]
+            return statistics.mean(values) if values else None
+
+        def median(key: str, group: list[dict]) -> float | None:
+            values = [line[key] for line in group if line.get(key) is not None]
+            return statistics.median(values) if values else None
+
+        def rotated(value, spec: str) -> str:  # lines from before the RoPE column have none
+            return "–" if value is None else format(value, spec)
 
         pages = statistics.median(line["candidate_pages"] for line in runs)
         out.append(
             f"| {length:,} | {len(runs)} | {sum(line['correct'] for line in runs)}/{len(runs)} | "
             f"{mean('heads_with_a_key_token', runs):.0%} | {mean('exact_inside', ranked):.0%} / "
-            f"{mean('bound_inside', ranked):.0%} | "
+            f"{mean('bound_inside', ranked):.0%} / {rotated(mean('rotated_inside', ranked), '.0%')} | "
             f"{statistics.median(line['median_rank_exact'] for line in ranked):.0f} / "
-            f"{statistics.median(line['median_rank_bound'] for line in ranked):.0f} | {pages:,.0f} | "
+            f"{statistics.median(line['median_rank_bound'] for line in ranked):.0f} / "
+            f"{rotated(median('median_rank_rotated', ranked), '.0f')} | "
+            f"{pages:,.0f} | "
             f"{runs[0].get('take', round(runs[0]['budget'] * 0.5) // 4):,} |"  # older lines: the defaults
         )
     return "\n".join(out)
@@ -177,7 +202,7 @@ def main() -> None:
                 budget = max(2, round(len(ids) * args.budget))
                 settings = settings_of(args.policy, budget, args.chunk)
                 cache = H2OCache(model, settings, span=sum(map(len, pieces)) + MAX_NEW_TOKENS)
-                probe.rows, probe.layer_of = [], {}
+                probe.rows, probe.layer_of, probe.rope = [], {}, cache.layers[0].rope
                 needle, digits = needle_tokens(tokenizer, text, key, len(pieces[0]))
                 probe.needle, probe.key = torch.tensor(needle), torch.tensor(digits)
                 probe.question = sum(map(len, pieces[:-1]))  # the question's chunk(s) start here
