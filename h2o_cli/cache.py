@@ -64,9 +64,8 @@ class H2OLayer(CacheLayerMixin):
         self.maps = maps or DecodeMaps()
         self._step_path = store.compute_dtype in (torch.float32, torch.float64)
         self._step = False  # this call takes it
-        self._native: native.StepBuffers | bool | None = (
-            None  # the C step's buffers; False: not for this layer
-        )
+        # The C step's fixed arguments (`_native_buffers`); None: not looked at yet, False: not for this layer.
+        self._native: native.StepBuffers | bool | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
@@ -192,10 +191,12 @@ class H2OLayer(CacheLayerMixin):
                 self._native = native.StepBuffers(store, n_heads // store.n_kv_heads)
         return self._native or None
 
-    def _native_step(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """`_step_on_one_thread` as one C call: the store is full, so the write takes the one hole (or the
-        slot above the packed entries) and exactly one entry is evicted, by the `kernel_victim` rule."""
-        store, policy = self.store, self.policy
+    def _take_step(
+        self, query: torch.Tensor, scaling: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The one-token call `update` left: (new keys, values, the query in `expand` form at the token's
+        cache position, scaled, grouped by KV head, and the key table `step_attention` reads). Clears the
+        call; read before the token is written (its position is the store's length or token count)."""
         keys, values = self._new_states
         cos, sin = self._model_rotation
         self._chunk, self._new_states, self._step = 0, None, False
@@ -203,7 +204,26 @@ class H2OLayer(CacheLayerMixin):
         query_map, step_table = self.maps.per_pass(
             cos, (position, scaling), lambda: self._step_maps(cos, sin, position, scaling, query.device)
         )
+        store = self.store
         grouped = (query[0, :, 0] @ query_map).view(store.n_kv_heads, -1, 2 * store.head_dim)
+        return keys, values, grouped, step_table
+
+    def _evict_after_step(self) -> None:
+        """Eviction after a one-token step: with one entry over budget under the `kernel_victim` rule, one
+        min over the packed slots (no priority array); otherwise the policy's own `evict`."""
+        store, policy = self.store, self.policy
+        if policy.kernel_victim and store.length - store.budget == 1:
+            views = store.first_slots(store.active)
+            limit = store.length - policy.recent_slots
+            store.drop(lowest_outside_recent(views["scores"], views["rank"], limit))
+        else:
+            store.evict(policy)
+
+    def _native_step(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """`_step_on_one_thread` as one C call: the store is full, so the write takes the one hole (or the
+        slot above the packed entries) and exactly one entry is evicted, by the `kernel_victim` rule."""
+        store, policy = self.store, self.policy
+        keys, values, grouped, step_table = self._take_step(query, scaling)
         output = native.decode_step(
             self._native,
             grouped,
@@ -217,32 +237,21 @@ class H2OLayer(CacheLayerMixin):
         return output.to(query.dtype).view(1, 1, -1, store.head_dim)
 
     def _step_on_one_thread(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        store, policy = self.store, self.policy
-        keys, values = self._new_states
-        cos, sin = self._model_rotation
-        self._chunk, self._new_states, self._step = 0, None, False
-        position = self._new_position()
+        store = self.store
+        keys, values, grouped, step_table = self._take_step(query, scaling)
         store.write(keys, values)
         # Every slot below `active` holds an entry now: `attend` packed a chunk's holes, at most one was left
         # (by the last eviction), and the write filled the lowest free slot. So no mask, clamp or validity test.
         active = store.active
         views = store.first_slots(active)
         key_positions = views["rank"] if self.positions == "rolling" else views["token_index"]
-        query_map, step_table = self.maps.per_pass(
-            cos, (position, scaling), lambda: self._step_maps(cos, sin, position, scaling, query.device)
-        )
-        grouped = (query[0, :, 0] @ query_map).view(store.n_kv_heads, -1, 2 * store.head_dim)
         output, probs = step_attention(
             grouped, store.key_states(active), store.value_states(active), key_positions, step_table
         )
         increments = views["last_probs"]  # one query: its probabilities are also the last ones
         torch.sum(probs, dim=1, out=increments)
-        store.accumulate(increments, increments, 1, decay=policy.decay_per_query)
-        if policy.kernel_victim and store.length - store.budget == 1:  # no priority array to build
-            limit = store.length - policy.recent_slots
-            store.drop(lowest_outside_recent(views["scores"], views["rank"], limit))
-        else:
-            store.evict(policy)
+        store.accumulate(increments, increments, 1, decay=self.policy.decay_per_query)
+        self._evict_after_step()
         return output.to(query.dtype).view(1, 1, -1, store.head_dim)
 
     def _step_maps(
@@ -487,10 +496,7 @@ class RecallLayer(H2OLayer):
         else:
             key_positions = torch.cat([resident, self.recall_index.clamp_min(0)], dim=1)
             position = store.tokens_seen - 1
-        cos_table, sin_table = self.rope.table(
-            max(position + 1, store.slots), store.compute_dtype, query.device
-        )
-        query_map = self.maps.query(cos, sin, position, scaling, cos_table, sin_table)
+        query_map, step_table = self._step_maps(cos, sin, position, scaling, query.device)
         grouped = (query[0, :, 0] @ query_map).view(n_kv, -1, 2 * head_dim)
         output, probs = recall_step_attention(
             grouped,
@@ -499,17 +505,12 @@ class RecallLayer(H2OLayer):
             self.recall_keys,
             self.recall_values,
             key_positions,
-            self.rope.step_table(cos_table.shape[0], cos_table.dtype, query.device),
+            step_table,
             present,
         )
         increments = probs[:, :, :active].sum(dim=1)  # [n_kv, active]: S only (r = 0 is h2o)
         store.accumulate(increments, increments, 1)
-        policy = self.policy
-        if policy.kernel_victim and store.length - store.budget == 1:  # as H2OLayer's step
-            limit = store.length - policy.recent_slots
-            store.drop(lowest_outside_recent(store.scores[:, :active], store.rank[:, :active], limit))
-        else:
-            store.evict(policy)
+        self._evict_after_step()
         return output.to(query.dtype).view(1, 1, -1, head_dim)
 
     def _step_tables(self, position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,12 +14,13 @@ What is different, and why each is exact (the same sums, only float rounding dif
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
 from h2o_cli.positions import rotate, unrotate
+from h2o_cli.threads import torch_threads
 
 
 def expand(rotated: torch.Tensor) -> torch.Tensor:
@@ -29,20 +30,11 @@ def expand(rotated: torch.Tensor) -> torch.Tensor:
     return torch.cat([first, -first, second, second], dim=-1)
 
 
-@contextmanager
-def one_thread() -> Iterator[None]:
+def one_thread() -> AbstractContextManager[None]:
     """Run the enclosed torch ops on one thread. A decode step's ops take microseconds each; with more
     threads every op above torch's grain size pays the pool's fork/join (and a sleeping thread's wake-up
     under OMP_WAIT_POLICY=PASSIVE), which costs more than the op. Switching is a store of a number."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return torch_threads(1)
 
 
 class DecodeMaps:

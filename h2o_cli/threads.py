@@ -26,6 +26,20 @@ PROBES = 3  # timed steps of each candidate before a choice
 RECHECK = 64  # steps between two timings of the candidate not chosen
 
 
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run the enclosed torch ops on `count` threads; torch's count is restored after (also on an error)."""
+    before = torch.get_num_threads()
+    if count == before:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class DecodeThreads:
     """Chooses the torch thread count of each decode step (`step`); one per cache, so the choice outlives a
     chat turn. `measure=False` (a GPU model): `auto` keeps torch's count. `clock` is for tests."""
@@ -78,16 +92,10 @@ class DecodeThreads:
         """Run the enclosed decode step on the chosen thread count (torch's count is restored after).
         `timed=False`: a step that is not typical (the first after a prefill packs the cache) is not
         counted."""
-        configured = torch.get_num_threads()
-        threads = self.pick(configured)
-        if threads != configured:
-            torch.set_num_threads(threads)
+        threads = self.pick(torch.get_num_threads())
         started = self.clock()
-        try:
+        with torch_threads(threads):
             yield threads
-        finally:
-            if threads != configured:
-                torch.set_num_threads(configured)
         elapsed = self.clock() - started  # only a step that finished is counted
         self.steps += 1
         if timed:

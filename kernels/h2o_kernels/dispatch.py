@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from h2o_kernels import decode, prefill
+from h2o_kernels import decode, native, prefill
 
 KERNELS = ("auto", "torch", "triton", "native")
 ENV = "H2O_KERNELS"
@@ -64,11 +64,7 @@ def use_native(device: torch.device, kernels: str = "auto") -> bool:
     if device.type != "cpu":
         return False
     choice = kernels_choice(kernels)
-    if choice not in ("auto", "native"):
-        return False
-    from h2o_kernels import native
-
-    return native.available(explicit=choice == "native")
+    return choice in ("auto", "native") and native.available(explicit=choice == "native")
 
 
 def fall_back(error: BaseException) -> None:

@@ -28,6 +28,9 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fPIC", 
 ENV_CC = "CC"
 logger = logging.getLogger("h2o_kernels")
 
+# The store's buffers the C function takes, in its argument order.
+STORE_BUFFERS = ("keys", "values", "scores", "seen", "last_probs", "token_index", "rank", "valid")
+
 _INT, _PTR, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 ARGTYPES = [_INT] * 5 + [_PTR] * 12 + [_INT] * 4 + [_FLOAT] + [_PTR] * 3
 
@@ -120,19 +123,15 @@ class StepBuffers:
     """The fixed arguments of one store's C step: its buffers' addresses (they never move) and scratch."""
 
     def __init__(self, store, group: int) -> None:
-        for name in ("keys", "values", "scores", "seen", "last_probs", "token_index", "rank", "valid"):
-            tensor = getattr(store, name)
-            assert tensor.is_contiguous() and tensor.device.type == "cpu"
+        buffers = [getattr(store, name) for name in STORE_BUFFERS]
+        assert all(tensor.is_contiguous() and tensor.device.type == "cpu" for tensor in buffers)
         assert store.keys.dtype == torch.float32
         self.store = store
         self.scratch = torch.empty(
             group * (store.slots + 1) + (group + 1) * store.head_dim, dtype=torch.float32
         )
         self.victims = torch.empty(store.n_kv_heads, dtype=torch.int64)
-        self.pointers = tuple(
-            getattr(store, name).data_ptr()
-            for name in ("keys", "values", "scores", "seen", "last_probs", "token_index", "rank", "valid")
-        )
+        self.pointers = tuple(tensor.data_ptr() for tensor in buffers)
 
 
 def decode_step(
