@@ -93,6 +93,17 @@ def feed_against_naive(layer, settings, inv_freq, chunks, n_heads: int, after_ch
             after_chunk(store)
 
 
+def run_stream(model, settings, ids: torch.Tensor, chunk: int):
+    """`ids` [1, n] through a fresh `H2OCache(model, settings)` in chunks of `chunk`: (logits [1, n, vocab],
+    the cache)."""
+    from h2o_cli.cache import H2OCache
+
+    cache = H2OCache(model, settings)
+    with torch.no_grad():
+        logits = [model(ids[:, s : s + chunk], cache=cache).logits for s in range(0, ids.shape[1], chunk)]
+    return torch.cat(logits, 1), cache
+
+
 @pytest.fixture
 def tiny_pair():
     """(reference model with sdpa attention, identical model for the H2O cache). Separate configs, same weights."""

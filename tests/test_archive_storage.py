@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, run_stream
 from test_cli_stream import h2o_in_process, one_error_line
 from typer.testing import CliRunner
 
@@ -26,15 +26,6 @@ from h2o_cli.kvquant import dequantize, quantize
 from h2o_cli.policies.recall import archive_cap
 
 MiB = 2**20
-
-
-def run_stream(
-    model, settings: CacheSettings, ids: torch.Tensor, chunk: int
-) -> tuple[torch.Tensor, H2OCache]:
-    cache = H2OCache(model, settings)
-    with torch.no_grad():
-        logits = [model(ids[:, s : s + chunk], cache=cache).logits for s in range(0, ids.shape[1], chunk)]
-    return torch.cat(logits, 1), cache
 
 
 @pytest.mark.parametrize(

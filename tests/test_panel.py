@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from conftest import run_stream
 from rich.console import Console
 
 from h2o_cli.chat.snapshot import CacheSnapshot
@@ -116,17 +117,13 @@ def test_recall_mark_sits_exactly_in_the_cells_of_recalled_tokens():
 def test_the_panel_of_a_live_recall_cache_marks_its_recall_slots(tiny_pair):
     """A tiny model streams 240 tokens with `recall` (archive of 160): the snapshot reads each layer's recall
     slots and the archive's reach, and each strip marks exactly the cells of its head's recalled tokens."""
-    from h2o_cli.cache import H2OCache
     from h2o_cli.chat.snapshot import take_snapshot
     from h2o_cli.config import CacheSettings
 
     _, model = tiny_pair
     settings = CacheSettings(budget=32, policy="recall", chunk=8, page_size=8, archive_max=160)
-    cache = H2OCache(model, settings)
     ids = torch.randint(0, 128, (1, 240), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        for start in range(0, 240, 8):
-            model(ids[:, start : start + 8], cache=cache)
+    _, cache = run_stream(model, settings, ids, 8)
     snapshot = take_snapshot(cache)
     # The archive keeps whole pages of 8 in a ring of 160 tokens: after 240 tokens, pages 10..29 (80..239).
     assert snapshot.archive_oldest == 80

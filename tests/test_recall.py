@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import feed_against_naive, tiny_config
+from conftest import feed_against_naive, run_stream, tiny_config
 from naive import inv_freq_of
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -194,12 +194,9 @@ def test_recall_past_the_models_window_with_rolling_positions(tiny_pair):
     before position 256 are still recalled at the end."""
     _, model = tiny_pair
     settings = CacheSettings(budget=64, policy="recall", chunk=8, page_size=8, archive_max=1024)
-    cache = H2OCache(model, settings)
     ids = torch.randint(0, 128, (1, 600), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        for start in range(0, 600, 8):
-            logits = model(ids[:, start : start + 8], cache=cache).logits
-    assert torch.isfinite(logits).all() and cache.tokens_seen == 600
+    logits, cache = run_stream(model, settings, ids, 8)
+    assert torch.isfinite(logits[:, -8:]).all() and cache.tokens_seen == 600
     early = [int((layer.recall_index[(layer.recall_index >= 0)] < 256).sum()) for layer in cache.layers]
     assert sum(early) > 0, "no token from before the model's window was recalled"
     assert cache.archive_summary()["archive_oldest"] == 0
