@@ -364,7 +364,7 @@ class PageArchive:
         blocked.scatter_(1, torch.where(marks, resident_slots, span), True)
         has_candidate = blocked.logical_not_().view(n_kv, used + 1, size)[:, :used].any(dim=2)
         candidate = blocked[:, :span]  # [n_kv, span], True where a candidate (negated in place above)
-        bound = best_page_bound(query.float(), self.summary[:, :used])
+        bound = self.step_bounds(query)
         page_start = self.token_index.view(self.pages, size)[:used, 0]
         key = order_key(bound, page_start, has_candidate)
         pages = torch.topk(key, min(slots, used), dim=1, sorted=True).indices
@@ -379,6 +379,11 @@ class PageArchive:
         chosen = chosen.scatter_(1, target, in_order)[:, 1 : slots + 1]
         valid = torch.arange(slots, device=query.device) < place[:, -1:]
         return chosen, valid
+
+    def step_bounds(self, query: torch.Tensor) -> torch.Tensor:
+        """The page bounds `choose_one` ranks by, for the ring pages written so far: query [n_kv_heads, group,
+        head_dim] (unrotated). Returns [n_kv_heads, span // page_size] float32 (the C step's input)."""
+        return best_page_bound(query.float(), self.summary[:, : self.span // self.page_size])
 
     def read_into(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write the K and V of archive `slots` [n_kv_heads, r] (one row per KV head) into `keys`, `values`

@@ -384,6 +384,8 @@ class RecallLayer(H2OLayer):
         self.recall_values = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)
         self.recall_index = torch.full(shape, -1, dtype=torch.int64, device=device)  # token index, -1 = empty
         self.counts = RecallCounts(store.n_kv_heads)
+        # The C step's fixed arguments (`_recall_buffers`); None: not looked at yet, False: not for this layer.
+        self._native_recall: native.RecallBuffers | bool | None = None
 
     @property
     def recalled(self) -> float:
@@ -470,6 +472,8 @@ class RecallLayer(H2OLayer):
         positions of `rolling_step_positions` or token indices, S's scores, eviction. The chunk path's result
         (docs/spec.md; h2o_cli.recall_step says why each part is the same). query: [1, n_heads, 1, head_dim]
         rotated by the model. Returns [1, 1, n_heads, head_dim]."""
+        if self.store.length == self.store.budget and self._recall_buffers(query.shape[1]) is not None:
+            return self._native_recall_step(query, scaling)
         store, archive = self.store, self.archive
         keys, values = self._new_states
         cos, sin = self._model_rotation
@@ -511,6 +515,62 @@ class RecallLayer(H2OLayer):
         increments = probs[:, :, :active].sum(dim=1)  # [n_kv, active]: S only (r = 0 is h2o)
         store.accumulate(increments, increments, 1)
         self._evict_after_step()
+        return output.to(query.dtype).view(1, 1, -1, head_dim)
+
+    def _recall_buffers(self, n_heads: int) -> native.RecallBuffers | None:
+        """The C step's fixed arguments when it can run this layer (h2o_kernels.native, recall_step.c): a
+        `kernel_victim` policy, float32 store and a float32 archive in RAM on the CPU, `--kernels auto` or
+        `native` with a C compiler; else None (the torch step)."""
+        if self._native_recall is None:
+            store, archive = self.store, self.archive
+            self._native_recall = False
+            if (
+                self.policy.kernel_victim
+                and store.keys.dtype == store.compute_dtype == torch.float32
+                and archive.region is None
+                and archive.keys.dtype == archive.dtype == torch.float32
+                and use_native(store.keys.device, self.settings.kernels)
+            ):
+                self._native_recall = native.RecallBuffers(self, n_heads // store.n_kv_heads)
+        return self._native_recall or None
+
+    def _native_recall_step(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """`_step_on_one_thread` as two C calls (recall_step.c) for a full S: the page bounds by torch
+        (`PageArchive.step_bounds`), then `recall_choose` (the rest of `choose_one` and the read into the
+        recall slots), the query map for the position that leaves, and `recall_decode_step` (write, attention
+        over S ∪ R, S's scores, eviction). The same recalled tokens as the torch step, the rest to float
+        rounding."""
+        store, archive, policy = self.store, self.archive, self.policy
+        keys, values = self._new_states
+        cos, sin = self._model_rotation
+        self._chunk, self._new_states, self._step = 0, None, False
+        n_kv, head_dim, buffers = store.n_kv_heads, store.head_dim, self._native_recall
+        most = 0  # recall slots of the fullest head
+        if self.recall_index.shape[1]:
+            unrotated = unrotate(query[0, :, 0], cos.to(query.dtype), sin.to(query.dtype))
+            recalled, hits = native.recall_choose(
+                buffers, archive.step_bounds(unrotated.view(n_kv, -1, head_dim))
+            )
+            most = int(buffers.counts.max())
+            self.counts.add(recalled, hits)
+        else:
+            self.counts.add(0, 0)
+        rolling = self.positions == "rolling"
+        # The query's position: its rank in E_q (S after the write, and the fullest head's R), or its index.
+        position = store.length + most if rolling else store.tokens_seen
+        query_map, step_table = self._step_maps(cos, sin, position, scaling, query.device)
+        grouped = (query[0, :, 0] @ query_map).view(n_kv, -1, 2 * head_dim)
+        output = native.recall_step(
+            buffers,
+            grouped,
+            keys,
+            values,
+            step_table,
+            rolling=rolling,
+            limit=store.length + 1 - policy.recent_slots,
+            decay=policy.decay_per_query,
+            entries=position + 1,
+        )
         return output.to(query.dtype).view(1, 1, -1, head_dim)
 
     def _step_tables(self, position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

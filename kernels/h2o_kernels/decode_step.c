@@ -4,52 +4,10 @@
  * entries all lie below `active` with at most one hole there (the state a decode step runs in once the cache
  * is full), a policy whose victim is the lowest score outside the recent window, ties to the oldest
  * (`kernel_victim`), and exactly one entry over budget after the write. float32 only. The Python side
- * (h2o_kernels/native.py) checks those conditions and keeps the store's counters.
- *
- * Every array is row-major and contiguous; `slots` is the store's row length (its preallocation). Only the
- * float rounding differs from the torch path: sums run in another order, and exp is a polynomial (2 ulp).
+ * (h2o_kernels/native.py) checks those conditions and keeps the store's counters. The parts it shares with
+ * recall's step (recall_step.c) are in step_common.h.
  */
-#include <math.h>
-#include <stdint.h>
-
-/* a·b over n floats. `omp simd reduction` lets the compiler keep one partial sum per vector lane and add
- * them at the end (a fixed order for a given build: the result does not change from call to call). */
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < n; i++) total += a[i] * b[i];
-    return total;
-}
-
-/* The sum of n floats (as `dot`). */
-static inline float sum(const float *a, int64_t n) {
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < n; i++) total += a[i];
-    return total;
-}
-
-/* e**x for x <= 0 (a softmax's logits minus their maximum), within 2 ulp of the exact value, written without
- * a branch or a call so that a loop over it is vectorised: x = n ln2 + r with |r| <= ln2/2 (n rounded by the
- * 1.5 * 2**23 trick), e**r by Cephes' degree-6 polynomial, times 2**n built in the exponent bits. Below -87
- * (where e**x leaves float32's normal range) it is 0, also for -inf (a masked logit): the bits are masked. */
-static inline float exp_nonpositive(float x) {
-    const float clamped = x < -87.0f ? -87.0f : x;
-    const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    const int32_t keep = -(int32_t)(x >= -87.0f);
-    const int32_t bits = (((int32_t)n + 127) << 23) & keep;
-    float scale;
-    __builtin_memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
-}
+#include "step_common.h"
 
 /* Returns the store's new `active` (one past the highest slot holding an entry). */
 int64_t h2o_decode_step(
@@ -70,101 +28,34 @@ int64_t h2o_decode_step(
     float *restrict scratch,          /* [group, slots + 1]: probabilities, then the row of rotated-key terms */
     int64_t *restrict victims)        /* [n_kv]: the evicted slot of each head */
 {
-    const int64_t half = head_dim / 2, width = 2 * head_dim;
-    int64_t new_active = active;
-    for (int64_t g = 0; g < n_kv; g++) { /* write into the lowest free slot */
-        uint8_t *v = valid + g * slots;
-        int64_t free = 0;
-        while (free < slots && v[free]) free++;
-        if (free >= slots) return -1; /* no free slot: the caller broke the contract */
-        const int64_t at = g * slots + free;
-        for (int64_t i = 0; i < head_dim; i++) {
-            keys[at * head_dim + i] = new_key[g * head_dim + i];
-            values[at * head_dim + i] = new_value[g * head_dim + i];
-        }
-        token_index[at] = tokens_seen;
-        rank[at] = length;
-        scores[at] = 0.0f;
-        seen[at] = 0.0f;
-        v[free] = 1;
-        if (free + 1 > new_active) new_active = free + 1;
-    }
-    const int64_t count = new_active;
+    const int64_t count = write_lowest_free(n_kv, head_dim, slots, active, new_key, new_value, keys, values,
+                                            scores, seen, token_index, rank, valid, tokens_seen, length);
+    if (count < 0) return -1; /* no free slot: the caller broke the contract */
+    const int64_t width = 2 * head_dim;
     float *restrict rotated = scratch + group * count; /* [head_dim]: one key rotated at its position */
     float *restrict halves = rotated + head_dim;         /* [group, head_dim]: each query's q1, q2 side by side */
     for (int64_t g = 0; g < n_kv; g++) {
         const uint8_t *v = valid + g * slots;
         const int64_t *positions = (rolling ? rank : token_index) + g * slots;
-        for (int64_t j = 0; j < group; j++)
-            for (int64_t i = 0; i < half; i++) {
-                halves[j * head_dim + i] = query[(g * group + j) * width + i];
-                halves[j * head_dim + half + i] = query[(g * group + j) * width + head_dim + i];
-            }
-        /* logits: the key's halves a, b rotated by (c, s) are (a c - b s, b c + a s); the query's are q1, q2 */
+        query_halves(query + g * group * width, group, head_dim, halves);
         for (int64_t s = 0; s < count; s++) {
             if (!v[s]) {
                 for (int64_t j = 0; j < group; j++) scratch[j * count + s] = -INFINITY;
                 continue;
             }
-            const float *restrict k = keys + (g * slots + s) * head_dim;
-            const float *restrict row = table + positions[s] * width;
-            for (int64_t i = 0; i < half; i++) {
-                const float a = k[i], b = k[half + i], c = row[i], sn = row[half + i];
-                rotated[i] = a * c - b * sn;
-                rotated[half + i] = b * c + a * sn;
-            }
-            for (int64_t j = 0; j < group; j++) scratch[j * count + s] = dot(halves + j * head_dim, rotated, head_dim);
+            key_logits(keys + (g * slots + s) * head_dim, table + positions[s] * width, halves, group, head_dim,
+                       rotated, scratch + s, count);
         }
-        /* softmax per query */
-        for (int64_t j = 0; j < group; j++) {
-            float *p = scratch + j * count, top = -INFINITY;
-#pragma omp simd reduction(max : top)
-            for (int64_t s = 0; s < count; s++) top = p[s] > top ? p[s] : top;
-#pragma omp simd
-            for (int64_t s = 0; s < count; s++) p[s] = exp_nonpositive(p[s] - top);
-            const float inverse = 1.0f / sum(p, count);
-#pragma omp simd
-            for (int64_t s = 0; s < count; s++) p[s] *= inverse; /* a masked slot's is 0 */
-        }
-        /* outputs = Σ p[s] · value[s]: one pass over the values for all the group's queries */
+        softmax_rows(scratch, group, count, count); /* a masked slot's probability is 0 */
         float *restrict out = output + g * group * head_dim;
         for (int64_t i = 0; i < group * head_dim; i++) out[i] = 0.0f;
-        for (int64_t s = 0; s < count; s++) {
-            const float *restrict value = values + (g * slots + s) * head_dim;
-            for (int64_t j = 0; j < group; j++) {
-                const float weight = scratch[j * count + s];
-                float *restrict o = out + j * head_dim;
-#pragma omp simd
-                for (int64_t i = 0; i < head_dim; i++) o[i] += weight * value[i];
-            }
-        }
-        float *score = scores + g * slots, *last = last_probs + g * slots, *saw = seen + g * slots;
-        const int64_t *r = rank + g * slots;
-        int64_t victim = -1;
-        float lowest = INFINITY;
-        for (int64_t s = 0; s < count; s++) {
-            float sum = 0.0f;
-            for (int64_t j = 0; j < group; j++) sum += scratch[j * count + s];
-            if (decay != 1.0f) score[s] *= decay;
-            score[s] += sum;
-            last[s] = sum;
-            if (!v[s]) continue;
-            saw[s] += 1.0f;
-            if (r[s] < limit && (victim < 0 || score[s] < lowest || (score[s] == lowest && r[s] < r[victim]))) {
-                victim = s;
-                lowest = score[s];
-            }
-        }
-        victims[g] = victim;
-        if (victim < 0) return -2; /* no entry outside the recent window: the caller broke the contract */
-        /* drop it; ranks stay dense: every entry younger than it moves down one */
-        const int64_t gone = r[victim];
-        int64_t *ranks = rank + g * slots;
-        for (int64_t s = 0; s < slots; s++) ranks[s] -= ranks[s] > gone;
-        valid[g * slots + victim] = 0;
-        token_index[g * slots + victim] = -1;
+        add_weighted_values(scratch, count, values + g * slots * head_dim, count, group, head_dim, out);
+        victims[g] = score_and_evict(scratch, count, group, count, slots, decay, scores + g * slots,
+                                     last_probs + g * slots, seen + g * slots, rank + g * slots,
+                                     valid + g * slots, token_index + g * slots, limit);
+        if (victims[g] < 0) return -2; /* no entry outside the recent window: the caller broke the contract */
     }
-    return new_active;
+    return count;
 }
 
 /* `exp_nonpositive` over an array, exported for its accuracy test (tests/test_native_step.py). */

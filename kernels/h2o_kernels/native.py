@@ -1,4 +1,5 @@
-"""The CPU decode step as one C function (`decode_step.c`), built on first use with the system's C compiler.
+"""The CPU decode steps as C functions (`decode_step.c` for `h2o`, `recall_step.c` for `recall`, sharing
+`step_common.h`), built on first use with the system's C compiler.
 
 A decode step of a full cache is ~40 tiny tensor ops per layer on the torch path; each costs microseconds of
 dispatch, so on a CPU the bookkeeping, not the arithmetic, is what a step pays for (docs/benchmarks.md). The C
@@ -23,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("decode_step.c")
+FOLDER = Path(__file__).parent
+SOURCES = (FOLDER / "decode_step.c", FOLDER / "recall_step.c")  # compiled together into one library
+HEADERS = (FOLDER / "step_common.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11")
 ENV_CC = "CC"
 logger = logging.getLogger("h2o_kernels")
@@ -33,6 +36,9 @@ STORE_BUFFERS = ("keys", "values", "scores", "seen", "last_probs", "token_index"
 
 _INT, _PTR, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 ARGTYPES = [_INT] * 5 + [_PTR] * 12 + [_INT] * 4 + [_FLOAT] + [_PTR] * 3
+# recall_step.c: `recall_choose` and `recall_decode_step` (h2o_decode_step's arguments, then R's).
+CHOOSE_ARGTYPES = [_INT] * 4 + [_PTR] * 2 + [_INT] * 4 + [_PTR] * 4 + [_INT] + [_PTR] * 8
+RECALL_ARGTYPES = ARGTYPES[:22] + [_INT] + [_PTR] * 4 + [_INT] + [_PTR] * 4
 
 
 def cache_folder() -> Path:
@@ -60,14 +66,14 @@ def compiler() -> str | None:
 
 
 def build(folder: Path | None = None) -> Path:
-    """The shared library for this source, compiler and CPU, compiled unless already there. Raises
+    """The shared library for these sources, compiler and CPU, compiled unless already there. Raises
     `RuntimeError` (no compiler) or `subprocess.CalledProcessError` (the compiler failed)."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC)")
-    source = SOURCE.read_bytes()
+    texts = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), cc.encode(), cpu_signature().encode()])
+        b"\0".join([*texts, " ".join(FLAGS).encode(), cc.encode(), cpu_signature().encode()])
     )
     folder = folder or cache_folder()
     target = folder / f"h2o_decode_step-{key.hexdigest()[:16]}.so"
@@ -77,7 +83,7 @@ def build(folder: Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(dir=folder) as scratch:  # built aside, then renamed: no torn library
         built = Path(scratch) / target.name
         subprocess.run(
-            [cc, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+            [cc, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -95,6 +101,10 @@ def library() -> ctypes.CDLL:
     lib.h2o_decode_step.restype = _INT
     lib.h2o_exp_nonpositive.argtypes = [_PTR, _PTR, _INT]  # its e**x, for the accuracy test
     lib.h2o_exp_nonpositive.restype = None
+    lib.recall_choose.argtypes = CHOOSE_ARGTYPES
+    lib.recall_choose.restype = _INT
+    lib.recall_decode_step.argtypes = RECALL_ARGTYPES
+    lib.recall_decode_step.restype = _INT
     return lib
 
 
@@ -162,5 +172,82 @@ def decode_step(
     )  # fmt: skip
     if active < 0:
         raise RuntimeError(f"C decode step refused the store's state (code {active})")
+    store.stepped(active)
+    return output
+
+
+class RecallBuffers:
+    """The fixed arguments of one `RecallLayer`'s C step: the store's (`StepBuffers`), its archive's and
+    recall slots' addresses, and scratch (the archive is a float32 ring in RAM: its buffers never move)."""
+
+    def __init__(self, layer, group: int) -> None:
+        store, archive = layer.store, layer.archive
+        self.step = StepBuffers(store, group)
+        assert archive.region is None and archive.keys.dtype == torch.float32
+        tensors = (archive.token_index, archive.keys, archive.values)
+        tensors += (layer.recall_keys, layer.recall_values, layer.recall_index)
+        assert all(tensor.is_contiguous() for tensor in tensors)
+        self.layer = layer
+        self.archive_pointers = tuple(tensor.data_ptr() for tensor in tensors[:3])
+        self.recall_pointers = tuple(tensor.data_ptr() for tensor in tensors[3:])
+        recall, slots, head_dim = layer.recall_index.shape[1], store.slots, store.head_dim
+        self.candidate = torch.empty(archive.capacity, dtype=torch.uint8)
+        self.previous = torch.full((archive.capacity,), -1, dtype=torch.int64)  # -1 between calls
+        self.pages = torch.empty(archive.pages, 2, dtype=torch.int64)
+        self.chosen = torch.empty(max(recall, 1), dtype=torch.int64)
+        self.counts = torch.zeros(store.n_kv_heads, dtype=torch.int64)
+        self.scratch = torch.empty(group * (slots + recall) + (group + 1) * head_dim, dtype=torch.float32)
+        self.order = torch.empty(2 * slots + 3 * recall, dtype=torch.int64)
+
+
+def recall_choose(buffers: RecallBuffers, bound: torch.Tensor) -> tuple[int, int]:
+    """Pass 1 of a one-token recall step (recall_step.c): from the page bounds on, `PageArchive.choose_one`
+    and the read into the recall slots, for the token the step is about to write (`store.tokens_seen`, already
+    archived). bound: [n_kv_heads, used pages] float32 (`best_page_bound`). Returns (tokens recalled, hits),
+    summed over KV heads; `buffers.counts` holds each head's."""
+    layer = buffers.layer
+    store, archive = layer.store, layer.archive
+    bound = bound.contiguous()
+    used = bound.shape[1]
+    hits = library().recall_choose(
+        store.n_kv_heads, store.head_dim, store.slots, store.active,
+        store.token_index.data_ptr(), store.valid.data_ptr(), store.tokens_seen,
+        archive.capacity, archive.page_size, used,
+        *buffers.archive_pointers, bound.data_ptr(), layer.recall_index.shape[1], *buffers.recall_pointers,
+        buffers.candidate.data_ptr(), buffers.previous.data_ptr(), buffers.pages.data_ptr(),
+        buffers.chosen.data_ptr(), buffers.counts.data_ptr(),
+    )  # fmt: skip
+    return int(buffers.counts.sum()), hits
+
+
+def recall_step(
+    buffers: RecallBuffers,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    table: torch.Tensor,
+    rolling: bool,
+    limit: int,
+    decay: float,
+    entries: int,
+) -> torch.Tensor:
+    """Pass 2 of a one-token recall step (recall_step.c) after `recall_choose`: `decode_step` over S and the
+    recall slots (`entries`: the query's position + 1 with rolling positions). Returns the output
+    [n_kv_heads, group, head_dim] float32 and updates the store's counters."""
+    layer = buffers.layer
+    store = layer.store
+    n_kv, group, _ = query.shape
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    output = torch.empty(n_kv, group, store.head_dim, dtype=torch.float32)
+    active = library().recall_decode_step(
+        n_kv, group, store.head_dim, store.slots, store.active,
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), table.data_ptr(),
+        *buffers.step.pointers,
+        int(rolling), store.tokens_seen, store.length, limit, decay,
+        layer.recall_index.shape[1], *buffers.recall_pointers, buffers.counts.data_ptr(), entries,
+        output.data_ptr(), buffers.scratch.data_ptr(), buffers.order.data_ptr(), buffers.step.victims.data_ptr(),
+    )  # fmt: skip
+    if active < 0:
+        raise RuntimeError(f"C recall step refused the store's state (code {active})")
     store.stepped(active)
     return output

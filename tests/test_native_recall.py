@@ -1,0 +1,149 @@
+"""The `recall` policy's one-token step in C (h2o_kernels/recall_step.c, `RecallLayer._native_recall_step`)
+against its torch step (`--kernels torch`): the same recalled tokens in the same order, the same resident sets
+and statistics, and the outputs and scores to float tolerance, call by call; and where the torch step stays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import feed_chunk, tiny_config
+from h2o_kernels import native
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from h2o_cli.cache import H2OCache, RecallLayer
+from h2o_cli.config import CacheSettings
+from h2o_cli.positions import Rope
+from h2o_cli.store import LayerStore
+
+N_HEADS, N_KV, HEAD_DIM = 6, 2, 16
+needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
+
+
+def make_layer(kernels: str, budget: int = 20, archive_max: int = 64, page_size: int = 4, **extra):
+    config = tiny_config(
+        hidden_size=N_HEADS * HEAD_DIM, num_attention_heads=N_HEADS, num_key_value_heads=N_KV
+    )
+    settings = CacheSettings(
+        budget=budget,
+        chunk=6,
+        policy="recall",
+        page_size=page_size,
+        archive_max=archive_max,
+        kernels=kernels,
+        **extra,
+    ).resolved(512)
+    resident = settings.budget - round(settings.budget * settings.recall_ratio)
+    store = LayerStore(N_KV, HEAD_DIM, resident, 6, torch.float32, torch.device("cpu"))
+    layer = RecallLayer(store, settings, Rope(LlamaRotaryEmbedding(config), HEAD_DIM), 512)
+    layer.add_archive(settings.archive_max, torch.float32, torch.device("cpu"))
+    return layer
+
+
+def same_state(c_layer: RecallLayer, torch_layer: RecallLayer, where) -> None:
+    assert torch.equal(c_layer.recall_index, torch_layer.recall_index), where
+    torch.testing.assert_close(c_layer.recall_keys, torch_layer.recall_keys, rtol=0, atol=0)
+    torch.testing.assert_close(c_layer.recall_values, torch_layer.recall_values, rtol=0, atol=0)
+    ours, theirs = c_layer.store, torch_layer.store
+    for name in ("valid", "token_index", "rank"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), (name, where)
+    for name in ("scores", "seen", "last_probs"):
+        torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=2e-5, atol=2e-5)
+    assert (ours.length, ours.tokens_seen, ours.evictions, ours.active) == (
+        theirs.length,
+        theirs.tokens_seen,
+        theirs.evictions,
+        theirs.active,
+    )
+    assert (c_layer.recalled, c_layer.hits, c_layer.steps) == (
+        torch_layer.recalled,
+        torch_layer.hits,
+        torch_layer.steps,
+    ), where
+
+
+def run_both(steps: int, chunks=(6, 5), tie_keys: bool = False, **options):
+    """The same chunks (a prefill, then one-token steps) through a torch-step and a C-step layer, comparing
+    the outputs and the whole state after each call. `tie_keys`: most keys are zero (exactly so after the
+    model's rotation is undone), so many pages share their summaries and hence their bounds (ties: by age)."""
+    torch_layer, c_layer = make_layer("torch", **options), make_layer("native", **options)
+    torch.manual_seed(7)
+    start, not_full = 0, 0
+    for chunk in [*chunks] + [1] * steps:
+        q = torch.randn(N_HEADS, chunk, HEAD_DIM) * 2
+        k = torch.randn(N_KV, chunk, HEAD_DIM) * 2
+        if tie_keys:
+            k[:, torch.rand(chunk) < 0.8] = 0.0
+        v = torch.randn(N_KV, chunk, HEAD_DIM)
+        want = feed_chunk(torch_layer, q, k, v, start)
+        got = feed_chunk(c_layer, q, k, v, start)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+        same_state(c_layer, torch_layer, start)
+        not_full += chunk == 1 and bool((c_layer.recall_index < 0).any())
+        start += chunk
+    return torch_layer, c_layer, not_full
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"positions": "original"},
+        {"heavy_ratio": 0.8},
+        {"recall_ratio": 0.75, "page_size": 3, "archive_max": 48},
+        {"budget": 40, "archive_max": 64, "page_size": 1},
+    ],
+    ids=["rolling", "original", "mostly-heavy", "page-3", "page-1"],
+)
+def test_c_recall_step_equals_the_torch_step(options):
+    """150 steps: the archive of 64 tokens wraps many times (its oldest pages dropped), and the early steps
+    find fewer candidates than recall slots (heads whose R is not full)."""
+    torch_layer, c_layer, not_full = run_both(150, **options)
+    assert isinstance(c_layer._native_recall, native.RecallBuffers)  # the C path ran, not a fallback
+    assert torch_layer._native_recall is False
+    assert c_layer.archive.tokens > 2 * c_layer.archive.capacity  # the ring wrapped
+    assert c_layer.recalled_total > 0 and c_layer.hits_total > 0
+
+
+@needs_compiler
+@pytest.mark.parametrize("positions", ["rolling", "original"])
+def test_c_recall_step_with_partly_empty_recall_slots(positions):
+    """A prefill of one token: S fills (and the C step starts) while the archive holds fewer candidates than
+    recall slots, so the heads' R fill over several steps; the positions shift as the chunk path's."""
+    _, _, not_full = run_both(40, chunks=(1,), budget=24, archive_max=128, positions=positions)
+    assert not_full > 0
+
+
+@needs_compiler
+def test_c_recall_step_breaks_bound_ties_as_the_torch_step():
+    """Pages of one token, most of them zero keys: those pages' bounds are all 0, ranked oldest first."""
+    torch_layer, c_layer, _ = run_both(120, tie_keys=True, page_size=1, archive_max=48)
+    zero_pages = (c_layer.archive.summary == 0).all(dim=2)
+    assert (zero_pages.sum(dim=1) > c_layer.recall_index.shape[1]).all()  # more tied pages than slots
+
+
+@needs_compiler
+@pytest.mark.parametrize("options", [{"archive_bits": 8}, {"archive_bits": 16}, {"kernels": "torch"}])
+def test_int8_16bit_or_file_archives_keep_the_torch_step(tiny_pair, tmp_path, options):
+    """Archives other than a float32 one in RAM (and `--kernels torch`) take the torch step."""
+    _, model = tiny_pair
+    cache = H2OCache(model, CacheSettings(budget=24, policy="recall", chunk=8, **options))
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        model(ids[:, :30], cache=cache)
+        for step in range(30, 40):
+            model(ids[:, step : step + 1], cache=cache)
+    assert all(layer._native_recall is False for layer in cache.layers)
+
+
+@needs_compiler
+def test_file_archive_keeps_the_torch_step(tiny_pair, tmp_path):
+    _, model = tiny_pair
+    cache = H2OCache(model, CacheSettings(budget=24, policy="recall", chunk=8, archive=f"{tmp_path}/"))
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        model(ids[:, :30], cache=cache)
+        for step in range(30, 40):
+            model(ids[:, step : step + 1], cache=cache)
+    assert all(layer._native_recall is False for layer in cache.layers)
+    cache.close()
