@@ -13,7 +13,8 @@ output projection apart), and the rest (norms, RoPE of q/k, MLP activation, resi
 per op inflates a step made of many small ops, and it cannot see inside the C decode step (`--kernels native`).
 
 `--policies` names the caches profiled (default: h2o and plain transformers); `recall` splits its cache time
-further with `--parts` (archive write, page choice and the page bound inside it, read-back).
+further with `--parts` (archive write, page choice and the page bound inside it, read-back; with the C step,
+`c_choose` is the choice after the bound with the read-back, `c_step` the attention, scores and eviction).
 
 `--ops` also counts the tensor ops one decode step dispatches in the cache code of one layer (the second:
 the first builds the pass's shared tables), views and no-op casts aside.
@@ -113,7 +114,8 @@ def shares(prof, steps: int) -> dict[str, float]:
     head = total.get("lm_head", 0.0)
     parts = {"step": step, "cache and attention": cache, "linears (30 layers)": linear - head,
              "output projection": head, "rest": step - cache - linear}  # fmt: skip
-    for label in ("recall:archive_write", "recall:choose", "recall:page_bound", "recall:read_back"):
+    for label in ("recall:archive_write", "recall:choose", "recall:page_bound", "recall:read_back",
+                  "recall:c_choose", "recall:c_step"):  # fmt: skip
         if label in total:
             parts[f"  of the cache: {label.split(':')[1]}"] = total[label]
     return parts
@@ -205,7 +207,9 @@ def main() -> None:
     parser.add_argument("--kernels", default="auto", help="h2o's --kernels (torch: the torch decode step)")
     parser.add_argument("--policies", nargs="+", default=["h2o", "plain"], help="h2o, recall, plain")
     parser.add_argument(
-        "--parts", action="store_true", help="recall: time its archive write, choice, read-back"
+        "--parts",
+        action="store_true",
+        help="recall: time its archive write, choice, read-back (and the C step's two calls)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -254,9 +258,14 @@ def main() -> None:
                     labelled(layer, "_read_back", "recall:read_back")
                     labelled(layer, "_read_all", "recall:read_back")
             if name == "recall" and args.parts:  # inside the page choice: the bound over every written page
+                from h2o_kernels import native
+
                 import h2o_cli.archive
 
                 labelled(h2o_cli.archive, "best_page_bound", "recall:page_bound")
+                # The C step (a full S, float32 RAM archive): its choice and read-back, and the rest of it.
+                labelled(native, "recall_choose", "recall:c_choose")
+                labelled(native, "recall_step", "recall:c_step")
         else:
             model.set_attn_implementation("sdpa")
             cache = DynamicCache(config=model.config)

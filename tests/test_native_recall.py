@@ -147,3 +147,44 @@ def test_file_archive_keeps_the_torch_step(tiny_pair, tmp_path):
             model(ids[:, step : step + 1], cache=cache)
     assert all(layer._native_recall is False for layer in cache.layers)
     cache.close()
+
+
+@needs_compiler
+@pytest.mark.model
+@pytest.mark.parametrize("positions", ["rolling", "original"])
+def test_c_recall_step_on_the_embedded_model(smollm, excerpt, positions):
+    """The embedded model reads a text through a torch-step cache; every layer call is also given, with the
+    same inputs, to the same layer of a C-step cache: the same recalled tokens and resident sets, outputs and
+    scores to float tolerance, over 200 decode calls on a ring of 128 tokens that wraps."""
+    model, tokenizer = smollm
+    ids = tokenizer(excerpt)["input_ids"][:400]
+    options = dict(budget=64, policy="recall", chunk=32, page_size=4, archive_max=128, positions=positions)
+    leading = H2OCache(model, CacheSettings(**options, kernels="torch"))
+    shadow = H2OCache(model, CacheSettings(**options, kernels="native"))
+    compared = []
+    for theirs, mine in zip(leading.layers, shadow.layers, strict=True):
+
+        def update(key_states, value_states, *args, kwargs=None, _theirs=theirs, _mine=mine, **extra):
+            result = type(_theirs).update(_theirs, key_states, value_states, *args, kwargs=kwargs, **extra)
+            _mine.update(
+                key_states, value_states, kwargs={"position_ids": (kwargs or {}).get("position_ids")}
+            )
+            return result
+
+        def attend(query, scaling, _theirs=theirs, _mine=mine):
+            want = type(_theirs).attend(_theirs, query, scaling)
+            got = _mine.attend(query, scaling)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            same_state(_mine, _theirs, _theirs.store.tokens_seen)
+            compared.append(query.shape[2])
+            return want
+
+        theirs.update, theirs.attend = update, attend
+    with torch.no_grad():
+        for start in range(0, 200, 32):
+            model(torch.tensor([ids[start : min(start + 32, 200)]]), cache=leading)
+        for step in range(200, 400):
+            model(torch.tensor([ids[step : step + 1]]), cache=leading)
+    assert compared.count(1) == 200 * len(leading.layers)
+    assert all(isinstance(layer._native_recall, native.RecallBuffers) for layer in shadow.layers)
+    assert shadow.layers[0].archive.tokens > 2 * shadow.layers[0].archive.capacity
