@@ -413,7 +413,11 @@ class RecallLayer(H2OLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs=None, **extra):
         """As `H2OLayer.update`, and archive the call's unrotated K/V (write-through, before any eviction)."""
         result = super().update(key_states, value_states, *args, kwargs=kwargs, **extra)
-        self.archive.write(*self._new_states)
+        keys, values = self._new_states
+        if keys.shape[1] == 1 and self._step and self._recall_buffers() is not None:
+            native.archive_token(self._native_recall, keys, values)  # one C call for the same writes
+        else:
+            self.archive.write(keys, values)
         return result
 
     def _attend_written(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -472,7 +476,7 @@ class RecallLayer(H2OLayer):
         positions of `rolling_step_positions` or token indices, S's scores, eviction. The chunk path's result
         (docs/spec.md; h2o_cli.recall_step says why each part is the same). query: [1, n_heads, 1, head_dim]
         rotated by the model. Returns [1, 1, n_heads, head_dim]."""
-        if self.store.length == self.store.budget and self._recall_buffers(query.shape[1]) is not None:
+        if self.store.length == self.store.budget and self._recall_buffers() is not None:
             return self._native_recall_step(query, scaling)
         store, archive = self.store, self.archive
         keys, values = self._new_states
@@ -517,7 +521,7 @@ class RecallLayer(H2OLayer):
         self._evict_after_step()
         return output.to(query.dtype).view(1, 1, -1, head_dim)
 
-    def _recall_buffers(self, n_heads: int) -> native.RecallBuffers | None:
+    def _recall_buffers(self) -> native.RecallBuffers | None:
         """The C step's fixed arguments when it can run this layer (h2o_kernels.native, recall_step.c): a
         `kernel_victim` policy, float32 store and a float32 archive in RAM on the CPU, `--kernels auto` or
         `native` with a C compiler; else None (the torch step)."""
@@ -531,7 +535,7 @@ class RecallLayer(H2OLayer):
                 and archive.keys.dtype == archive.dtype == torch.float32
                 and use_native(store.keys.device, self.settings.kernels)
             ):
-                self._native_recall = native.RecallBuffers(self, n_heads // store.n_kv_heads)
+                self._native_recall = native.RecallBuffers(self)
         return self._native_recall or None
 
     def _native_recall_step(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -548,10 +552,9 @@ class RecallLayer(H2OLayer):
         most = 0  # recall slots of the fullest head
         if self.recall_index.shape[1]:
             unrotated = unrotate(query[0, :, 0], cos.to(query.dtype), sin.to(query.dtype))
-            recalled, hits = native.recall_choose(
-                buffers, archive.step_bounds(unrotated.view(n_kv, -1, head_dim))
-            )
-            most = int(buffers.counts.max())
+            bounds = archive.step_bounds(unrotated.view(n_kv, -1, head_dim))
+            recalled, hits = native.recall_choose(buffers, bounds)
+            most = buffers.totals[1]
             self.counts.add(recalled, hits)
         else:
             self.counts.add(0, 0)

@@ -40,6 +40,13 @@ def make_layer(kernels: str, budget: int = 20, archive_max: int = 64, page_size:
 
 
 def same_state(c_layer: RecallLayer, torch_layer: RecallLayer, where) -> None:
+    ours, theirs = c_layer.archive, torch_layer.archive  # the C archive write: bit for bit
+    assert ours.tokens == theirs.tokens and torch.equal(ours.token_index, theirs.token_index), where
+    held = ours.token_index >= 0
+    assert torch.equal(ours.keys[:, held], theirs.keys[:, held]), where
+    assert torch.equal(ours.values[:, held], theirs.values[:, held]), where
+    used = ours.span // ours.page_size
+    assert torch.equal(ours.summary[:, :used], theirs.summary[:, :used]), where
     assert torch.equal(c_layer.recall_index, torch_layer.recall_index), where
     torch.testing.assert_close(c_layer.recall_keys, torch_layer.recall_keys, rtol=0, atol=0)
     torch.testing.assert_close(c_layer.recall_values, torch_layer.recall_values, rtol=0, atol=0)

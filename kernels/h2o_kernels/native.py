@@ -37,7 +37,8 @@ STORE_BUFFERS = ("keys", "values", "scores", "seen", "last_probs", "token_index"
 _INT, _PTR, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 ARGTYPES = [_INT] * 5 + [_PTR] * 12 + [_INT] * 4 + [_FLOAT] + [_PTR] * 3
 # recall_step.c: `recall_choose` and `recall_decode_step` (h2o_decode_step's arguments, then R's).
-CHOOSE_ARGTYPES = [_INT] * 4 + [_PTR] * 2 + [_INT] * 4 + [_PTR] * 4 + [_INT] + [_PTR] * 8
+CHOOSE_ARGTYPES = [_INT] * 4 + [_PTR] * 2 + [_INT] * 4 + [_PTR] * 4 + [_INT] + [_PTR] * 9
+ARCHIVE_ARGTYPES = [_INT] * 5 + [_PTR] * 6
 RECALL_ARGTYPES = ARGTYPES[:22] + [_INT] + [_PTR] * 4 + [_INT] + [_PTR] * 4
 
 
@@ -105,6 +106,8 @@ def library() -> ctypes.CDLL:
     lib.recall_choose.restype = _INT
     lib.recall_decode_step.argtypes = RECALL_ARGTYPES
     lib.recall_decode_step.restype = _INT
+    lib.recall_archive_token.argtypes = ARCHIVE_ARGTYPES
+    lib.recall_archive_token.restype = None
     return lib
 
 
@@ -180,9 +183,9 @@ class RecallBuffers:
     """The fixed arguments of one `RecallLayer`'s C step: the store's (`StepBuffers`), its archive's and
     recall slots' addresses, and scratch (the archive is a float32 ring in RAM: its buffers never move)."""
 
-    def __init__(self, layer, group: int) -> None:
+    def __init__(self, layer) -> None:
         store, archive = layer.store, layer.archive
-        self.step = StepBuffers(store, group)
+        self.step: StepBuffers | None = None  # sized by the query heads per KV head, at the first step
         assert archive.region is None and archive.keys.dtype == torch.float32
         tensors = (archive.token_index, archive.keys, archive.values)
         tensors += (layer.recall_keys, layer.recall_values, layer.recall_index)
@@ -196,15 +199,37 @@ class RecallBuffers:
         self.pages = torch.empty(archive.pages, 2, dtype=torch.int64)
         self.chosen = torch.empty(max(recall, 1), dtype=torch.int64)
         self.counts = torch.zeros(store.n_kv_heads, dtype=torch.int64)
-        self.scratch = torch.empty(group * (slots + recall) + (group + 1) * head_dim, dtype=torch.float32)
+        self.totals = (ctypes.c_int64 * 2)()  # read without a tensor op: recalled, the most of one head
+        self.summary_pointer = archive.summary.data_ptr()
         self.order = torch.empty(2 * slots + 3 * recall, dtype=torch.int64)
+        self.scratch = torch.empty(0, dtype=torch.float32)
+
+    def for_group(self, group: int) -> RecallBuffers:
+        """Size the step's buffers for `group` query heads per KV head (once)."""
+        if self.step is None or self.group != group:
+            store, recall = self.layer.store, self.layer.recall_index.shape[1]
+            self.step, self.group = StepBuffers(store, group), group
+            size = group * (store.slots + recall) + (group + 1) * store.head_dim
+            self.scratch = torch.empty(size, dtype=torch.float32)
+        return self
+
+
+def archive_token(buffers: RecallBuffers, key: torch.Tensor, value: torch.Tensor) -> None:
+    """`PageArchive.write` of one token (recall_step.c): key, value [n_kv_heads, 1, head_dim] unrotated."""
+    archive = buffers.layer.archive
+    key, value = key.contiguous(), value.contiguous()
+    library().recall_archive_token(
+        archive.n_kv_heads, archive.head_dim, archive.capacity, archive.page_size, archive.tokens,
+        key.data_ptr(), value.data_ptr(), *buffers.archive_pointers, buffers.summary_pointer,
+    )  # fmt: skip
+    archive.tokens += 1
 
 
 def recall_choose(buffers: RecallBuffers, bound: torch.Tensor) -> tuple[int, int]:
     """Pass 1 of a one-token recall step (recall_step.c): from the page bounds on, `PageArchive.choose_one`
     and the read into the recall slots, for the token the step is about to write (`store.tokens_seen`, already
     archived). bound: [n_kv_heads, used pages] float32 (`best_page_bound`). Returns (tokens recalled, hits),
-    summed over KV heads; `buffers.counts` holds each head's."""
+    summed over KV heads; `buffers.counts` holds each head's, `buffers.totals[1]` the most of one head."""
     layer = buffers.layer
     store, archive = layer.store, layer.archive
     bound = bound.contiguous()
@@ -215,9 +240,9 @@ def recall_choose(buffers: RecallBuffers, bound: torch.Tensor) -> tuple[int, int
         archive.capacity, archive.page_size, used,
         *buffers.archive_pointers, bound.data_ptr(), layer.recall_index.shape[1], *buffers.recall_pointers,
         buffers.candidate.data_ptr(), buffers.previous.data_ptr(), buffers.pages.data_ptr(),
-        buffers.chosen.data_ptr(), buffers.counts.data_ptr(),
+        buffers.chosen.data_ptr(), buffers.counts.data_ptr(), buffers.totals,
     )  # fmt: skip
-    return int(buffers.counts.sum()), hits
+    return buffers.totals[0], hits
 
 
 def recall_step(
@@ -237,6 +262,7 @@ def recall_step(
     layer = buffers.layer
     store = layer.store
     n_kv, group, _ = query.shape
+    buffers = buffers.for_group(group)
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     output = torch.empty(n_kv, group, store.head_dim, dtype=torch.float32)
     active = library().recall_decode_step(

@@ -1,4 +1,5 @@
-/* The `recall` policy's one-token decode step on the CPU: two C calls per layer around one torch matmul.
+/* The `recall` policy's one-token decode step on the CPU: a C call for the archive write (`update`), then two
+ * per layer around torch's page bounds and query matrix.
  *
  * `recall_choose` is `PageArchive.choose_one` from the page bounds on (h2o_cli/archive.py) and
  * `RecallLayer._read_all`: the candidates (archived tokens not in S), the pages that hold one ranked by
@@ -86,6 +87,41 @@ static inline int64_t order_key(float bound, int64_t page_start) {
     return ordered * 4294967296LL - page_start;
 }
 
+/* `PageArchive._write_token`: archive one token's K/V (unrotated) at ring slot `token % capacity`; a token
+ * that starts a page first empties its ring page (token indices -1, summary high -inf, low +inf); the page's
+ * per-channel max and min take the key (`torch.maximum`/`minimum`: a NaN wins). */
+void recall_archive_token(
+    int64_t n_kv, int64_t head_dim, int64_t capacity, int64_t page_size, int64_t token,
+    const float *restrict new_key, const float *restrict new_value,           /* [n_kv, head_dim] */
+    int64_t *restrict archive_index,                                          /* [capacity] */
+    float *restrict archive_keys, float *restrict archive_values,             /* [n_kv, capacity, head_dim] */
+    float *restrict summary)                    /* [n_kv, capacity / page_size, 2 * head_dim]: [high, low] */
+{
+    const int64_t slot = token % capacity, page = slot / page_size, pages = capacity / page_size;
+    if (token % page_size == 0) {
+        for (int64_t o = 0; o < page_size; o++) archive_index[page * page_size + o] = -1;
+        for (int64_t g = 0; g < n_kv; g++) {
+            float *restrict bounds = summary + (g * pages + page) * 2 * head_dim;
+            for (int64_t i = 0; i < head_dim; i++) {
+                bounds[i] = -INFINITY;
+                bounds[head_dim + i] = INFINITY;
+            }
+        }
+    }
+    for (int64_t g = 0; g < n_kv; g++) {
+        const float *restrict k = new_key + g * head_dim;
+        __builtin_memcpy(archive_keys + (g * capacity + slot) * head_dim, k, head_dim * sizeof(float));
+        __builtin_memcpy(archive_values + (g * capacity + slot) * head_dim, new_value + g * head_dim,
+                         head_dim * sizeof(float));
+        float *restrict high = summary + (g * pages + page) * 2 * head_dim, *restrict low = high + head_dim;
+        for (int64_t i = 0; i < head_dim; i++) {
+            high[i] = (k[i] > high[i] || k[i] != k[i]) ? k[i] : high[i];
+            low[i] = (k[i] < low[i] || k[i] != k[i]) ? k[i] : low[i];
+        }
+    }
+    archive_index[slot] = token;
+}
+
 /* Returns the hits summed over heads (chosen tokens that the recall slots held before); counts[g] is how many
  * recall slots of head g now hold a token (they come first; the rest are zero with index -1). */
 int64_t recall_choose(
@@ -103,10 +139,12 @@ int64_t recall_choose(
     int64_t *restrict previous,  /* [capacity] scratch: -1 everywhere between calls */
     Pair *restrict pages,        /* [used] scratch */
     int64_t *restrict chosen,    /* [recall] scratch */
-    int64_t *restrict counts)    /* [n_kv] */
+    int64_t *restrict counts,    /* [n_kv] */
+    int64_t *restrict totals)    /* [2]: recall slots filled over all heads, and the most of one head */
 {
     const int64_t span = used * page_size;
     int64_t hits = 0;
+    totals[0] = totals[1] = 0;
     for (int64_t g = 0; g < n_kv; g++) {
         /* candidates: written ring slots whose token is neither in S nor the step's own */
         for (int64_t s = 0; s < span; s++) candidate[s] = archive_index[s] >= 0;
@@ -154,6 +192,8 @@ int64_t recall_choose(
             }
         }
         counts[g] = count;
+        totals[0] += count;
+        if (count > totals[1]) totals[1] = count;
     }
     return hits;
 }
