@@ -193,7 +193,7 @@ class RecallBuffers:
         self.layer = layer
         self.archive_pointers = tuple(tensor.data_ptr() for tensor in tensors[:3])
         self.recall_pointers = tuple(tensor.data_ptr() for tensor in tensors[3:])
-        recall, slots, head_dim = layer.recall_index.shape[1], store.slots, store.head_dim
+        recall, slots = layer.recall_index.shape[1], store.slots
         self.candidate = torch.empty(archive.capacity, dtype=torch.uint8)
         self.previous = torch.full((archive.capacity,), -1, dtype=torch.int64)  # -1 between calls
         self.pages = torch.empty(archive.pages, 2, dtype=torch.int64)
