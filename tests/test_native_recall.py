@@ -162,9 +162,9 @@ def test_file_archive_keeps_the_torch_step(tiny_pair, tmp_path):
 def test_c_recall_step_on_the_embedded_model(smollm, excerpt, positions):
     """The embedded model reads a text through a torch-step cache; every layer call is also given, with the
     same inputs, to the same layer of a C-step cache: the same recalled tokens and resident sets, outputs and
-    scores to float tolerance, over 200 decode calls on a ring of 128 tokens that wraps."""
+    scores to float tolerance, over 160 decode calls on a ring of 128 tokens that wraps."""
     model, tokenizer = smollm
-    ids = tokenizer(excerpt)["input_ids"][:400]
+    ids = tokenizer(excerpt)["input_ids"][:320]
     options = dict(budget=64, policy="recall", chunk=32, page_size=4, archive_max=128, positions=positions)
     leading = H2OCache(model, CacheSettings(**options, kernels="torch"))
     shadow = H2OCache(model, CacheSettings(**options, kernels="native"))
@@ -188,10 +188,24 @@ def test_c_recall_step_on_the_embedded_model(smollm, excerpt, positions):
 
         theirs.update, theirs.attend = update, attend
     with torch.no_grad():
-        for start in range(0, 200, 32):
-            model(torch.tensor([ids[start : min(start + 32, 200)]]), cache=leading)
-        for step in range(200, 400):
+        for start in range(0, 160, 32):
+            model(torch.tensor([ids[start : start + 32]]), cache=leading)
+        for step in range(160, 320):
             model(torch.tensor([ids[step : step + 1]]), cache=leading)
-    assert compared.count(1) == 200 * len(leading.layers)
+    assert compared.count(1) == 160 * len(leading.layers)
     assert all(isinstance(layer._native_recall, native.RecallBuffers) for layer in shadow.layers)
     assert shadow.layers[0].archive.tokens > 2 * shadow.layers[0].archive.capacity
+
+
+def test_without_a_compiler_the_torch_recall_step_runs(monkeypatch, tmp_path):
+    """`--kernels native` and no C compiler: the torch step, with the same results as `--kernels torch`."""
+    monkeypatch.setenv("H2O_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    native.library.cache_clear()
+    native.available.cache_clear()
+    try:
+        _, c_layer, _ = run_both(20)
+    finally:
+        native.library.cache_clear()
+        native.available.cache_clear()
+    assert c_layer._native_recall is False

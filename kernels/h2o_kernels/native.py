@@ -186,6 +186,7 @@ class RecallBuffers:
     def __init__(self, layer) -> None:
         store, archive = layer.store, layer.archive
         self.step: StepBuffers | None = None  # sized by the query heads per KV head, at the first step
+        self.group = 0
         assert archive.region is None and archive.keys.dtype == torch.float32
         tensors = (archive.token_index, archive.keys, archive.values)
         tensors += (layer.recall_keys, layer.recall_values, layer.recall_index)
@@ -206,7 +207,7 @@ class RecallBuffers:
 
     def for_group(self, group: int) -> RecallBuffers:
         """Size the step's buffers for `group` query heads per KV head (once)."""
-        if self.step is None or self.group != group:
+        if self.group != group:
             store, recall = self.layer.store, self.layer.recall_index.shape[1]
             self.step, self.group = StepBuffers(store, group), group
             size = group * (store.slots + recall) + (group + 1) * store.head_dim
