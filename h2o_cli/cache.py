@@ -358,7 +358,8 @@ class RecallLayer(H2OLayer):
 
     The step runs on the torch reference (also on CUDA): pass 1 chooses the recalled tokens with the chunk's
     queries, pass 2 attends over S, them and the chunk with the exact softmax, scores S only, evicts. A
-    one-token call takes the same steps in far fewer ops (`_step_on_one_thread`, h2o_cli.recall_step).
+    one-token call takes the same steps in far fewer ops (`_step_on_one_thread`, h2o_cli.recall_step), or as
+    C calls on the CPU once S is full (`_native_recall_step`, h2o_kernels/recall_step.c).
     """
 
     # The new keys are unrotated elementwise, as the chunk path does, so the archive, its page summaries and

@@ -10,6 +10,10 @@
   head's R is full (`recall_is_full`: known from Python counts alone) the query's rank `|S| + r - 1` needs no
   read-back from the tensors;
 - attention over S and R is one softmax over both (`recall_step_attention`).
+
+On the CPU with a float32 archive in RAM and a full S, `RecallLayer._native_recall_step` runs the same step as
+C calls (h2o_kernels/recall_step.c) with the page bounds still from torch; this module stays the reference the
+tests compare it with (tests/test_native_recall.py).
 """
 
 from __future__ import annotations
