@@ -210,3 +210,30 @@ def test_without_a_compiler_the_torch_recall_step_runs(monkeypatch, tmp_path):
         native.library.cache_clear()
         native.available.cache_clear()
     assert c_layer._native_recall is False
+
+
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+@pytest.mark.parametrize("positions", ["rolling", "original"])
+def test_both_decode_steps_equal_the_chunk_path(tiny_pair, positions, kernels):
+    """With a RAM archive under `auto` the C step now takes a full S's decode calls, so the torch step is held
+    to the chunk path here too (tests/test_recall_step.py's check, one setting): bit for bit the same recalled
+    tokens and resident sets, logits to float tolerance."""
+    from test_recall_step import run
+
+    _, model = tiny_pair
+    ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(11))
+    options = dict(budget=24, policy="recall", chunk=8, positions=positions, page_size=3, archive_max=48)
+    fast = H2OCache(model, CacheSettings(**options, kernels=kernels))
+    slow = H2OCache(model, CacheSettings(**options))
+    for layer in slow.layers:
+        layer._step_path = False  # every call through `_attend_written`, the chunk path
+    torch.testing.assert_close(
+        run(model, fast, ids, 60, 8), run(model, slow, ids, 60, 8), rtol=1e-5, atol=1e-5
+    )
+    for mine, theirs in zip(fast.layers, slow.layers, strict=True):
+        assert (mine._native_recall is not False) == (kernels == "native" and native.compiler() is not None)
+        assert torch.equal(mine.recall_index, theirs.recall_index)
+        for head in range(mine.store.n_kv_heads):
+            kept = mine.store.token_index[head][mine.store.valid[head]].sort().values
+            assert torch.equal(kept, theirs.store.token_index[head][theirs.store.valid[head]].sort().values)
+        assert (mine.recalled_total, mine.hits_total) == (theirs.recalled_total, theirs.hits_total)
