@@ -520,10 +520,10 @@ class RecallLayer(H2OLayer):
     def _page_query(self, query: torch.Tensor, chunk: int) -> torch.Tensor:
         """The queries (unrotated, any shape [..., head_dim]) that score archive pages, in float32: as they are
         (`--page-score unrotated`) or rotated by the mean rotation over the distances the policy gives for a
-        chunk of `chunk` tokens (`positional`; docs/spec.md, recall). Elementwise, so a one-token step scores
-        bit for bit as a chunk of one."""
+        chunk of `chunk` tokens (`positional`; docs/spec.md, recall), the chunk already archived. Elementwise,
+        so a one-token step scores bit for bit as a chunk of one."""
         query = query.float()
-        distances = self.policy.score_distances(self.positions == "rolling", chunk, self.store.tokens_seen)
+        distances = self.policy.score_distances(self.positions == "rolling", chunk, self.archive.tokens)
         if distances is None:
             return query
         return rotate(query, *self.rope.mean_rotation(*distances, query.device))
