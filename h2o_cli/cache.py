@@ -22,7 +22,7 @@ from h2o_cli.memory import ModelShape
 from h2o_cli.models.families import check_family, text_config
 from h2o_cli.policies import make_policy
 from h2o_cli.policies.base import lowest_outside_recent
-from h2o_cli.positions import Rope, unrotate
+from h2o_cli.positions import Rope, rotate, unrotate
 from h2o_cli.recall_step import RecallCounts, recall_is_full, recall_step_attention, rolling_step_positions
 from h2o_cli.store import LayerStore
 from h2o_cli.threads import DecodeThreads
@@ -428,7 +428,9 @@ class RecallLayer(H2OLayer):
         n_kv, active, first = store.n_kv_heads, store.active, store.tokens_seen - chunk
         slots, hits = self.recall_index.shape[1], 0
         if slots:  # pass 1: the chunk's queries choose archived tokens, read back into the recall slots
-            grouped = query.reshape(n_kv, -1, store.head_dim)  # [n_kv, group * chunk, d]
+            grouped = self._page_query(query, chunk).reshape(
+                n_kv, -1, store.head_dim
+            )  # [n_kv, group * chunk, d]
             chosen, valid = self.archive.choose(grouped, store.token_index[:, :active], first, slots)
             hits = self._read_back(chosen, valid)
         self.counts.add((self.recall_index >= 0).sum(), hits)
@@ -491,7 +493,9 @@ class RecallLayer(H2OLayer):
         if slots:
             # As the chunk path: the query unrotated elementwise, so the page bounds are bit for bit its own.
             unrotated = unrotate(query[0, :, 0], cos.to(query.dtype), sin.to(query.dtype))
-            chosen, valid = archive.choose_one(unrotated.view(n_kv, -1, head_dim), resident, slots)
+            chosen, valid = archive.choose_one(
+                self._page_query(unrotated, 1).view(n_kv, -1, head_dim), resident, slots
+            )
             if archive.region is None:
                 hits = self._read_all(chosen, valid, full)
             else:  # a file archive reads only the tokens new to the recall slots
@@ -553,7 +557,7 @@ class RecallLayer(H2OLayer):
         most = 0  # recall slots of the fullest head
         if self.recall_index.shape[1]:
             unrotated = unrotate(query[0, :, 0], cos.to(query.dtype), sin.to(query.dtype))
-            bounds = archive.step_bounds(unrotated.view(n_kv, -1, head_dim))
+            bounds = archive.step_bounds(self._page_query(unrotated, 1).view(n_kv, -1, head_dim))
             recalled, hits = native.recall_choose(buffers, bounds)
             most = buffers.totals[1]
             self.counts.add(recalled, hits)
@@ -576,6 +580,17 @@ class RecallLayer(H2OLayer):
             entries=position + 1,
         )
         return output.to(query.dtype).view(1, 1, -1, head_dim)
+
+    def _page_query(self, query: torch.Tensor, chunk: int) -> torch.Tensor:
+        """The queries (unrotated, any shape [..., head_dim]) that score archive pages, in float32: as they are
+        (`--page-score unrotated`) or rotated by the mean rotation over the distances the policy gives for a
+        chunk of `chunk` tokens (`positional`; docs/spec.md, recall), the chunk already archived. Elementwise,
+        so a one-token step scores bit for bit as a chunk of one."""
+        query = query.float()
+        distances = self.policy.score_distances(self.positions == "rolling", chunk, self.archive.tokens)
+        if distances is None:
+            return query
+        return rotate(query, *self.rope.mean_rotation(*distances, query.device))
 
     def _step_tables(self, position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """As `H2OLayer._step_tables`, with room for the recall slots' positions."""

@@ -89,6 +89,9 @@ class CacheSettings:
     kv_bits: int | None = None  # None: K/V in the model's dtype; 16: fp16/bf16; 8: int8 + per-token scales
     recall_ratio: float = 0.5  # recall: share of the budget refilled from the archive at every step
     page_size: int = 4  # recall: tokens per archive page (one key summary per page and KV head)
+    page_score: str = (
+        "positional"  # recall: pages scored by the query rotated over recall's distances, or unrotated
+    )
     archive_max: int | str = (
         16384  # recall: tokens (16384) or bytes ("64MiB") the archive holds; then oldest dropped
     )
@@ -124,7 +127,12 @@ class CacheSettings:
         if unit == "tokens":  # "16384" from the command line is the token count 16384
             object.__setattr__(self, "archive_max", count)
         check_recall_options(
-            self.recall_ratio, self.page_size, self.archive_max, self.archive, self.archive_bits
+            self.recall_ratio,
+            self.page_size,
+            self.archive_max,
+            self.archive,
+            self.archive_bits,
+            self.page_score,
         )
         if self.is_resolved:
             make_policy(self)  # the policy checks its own parameters (budget, split, sinks, ...)

@@ -46,6 +46,7 @@ class Rope:
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
         self._step: torch.Tensor | None = None  # `step_table` of the current tables, built on demand
+        self._mean: tuple | None = None  # ((low, high, device), cos, sin) of the last `mean_rotation`
         # (positions tensor, dtype, cos, sin) of the last call that computed them.
         self._last: tuple | None = None
 
@@ -62,6 +63,11 @@ class Rope:
         last = self._last
         if reuse and last is not None and last[0] is positions and last[1] == dtype:
             return last[2], last[3]
+        cos, sin = self._rotation(positions, dtype)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
+
+    def _rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         dummy = torch.empty(0, dtype=dtype, device=positions.device)
         cos, sin = self.rotary_emb(dummy, positions.reshape(1, -1))
         if cos.shape[-1] != self.head_dim:
@@ -71,9 +77,20 @@ class Rope:
             )
         if self.scaling != 1.0:
             cos, sin = cos / self.scaling, sin / self.scaling
-        cos, sin = cos[0].to(dtype), sin[0].to(dtype)
-        self._last = (positions, dtype, cos, sin)
-        return cos, sin
+        return cos[0].to(dtype), sin[0].to(dtype)
+
+    def mean_rotation(self, low: int, high: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [head_dim] (float32) averaged over positions `low .. high-1`.
+
+        RoPE's logit of a query and a key `d` positions apart is `rotate(q, cos_d, sin_d) . k` (q and k
+        unrotated), linear in the rotation, so `rotate(q, *mean_rotation(low, high)) . k` is that logit's mean
+        over the distances `low .. high-1`: what `recall`'s positional page score bounds (docs/spec.md).
+        Kept for the last range asked (every layer of a step asks the same one)."""
+        key = (low, high, device)
+        if self._mean is None or self._mean[0] != key:
+            cos, sin = self._rotation(torch.arange(low, high, device=device), torch.float32)
+            self._mean = (key, cos.double().mean(dim=0).float(), sin.double().mean(dim=0).float())
+        return self._mean[1], self._mean[2]
 
     def table(
         self, length: int, dtype: torch.dtype, device: torch.device

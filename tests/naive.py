@@ -77,14 +77,23 @@ def recall_slots(settings) -> int:
     return round(settings.budget * settings.recall_ratio) if settings.policy == "recall" else 0
 
 
-def naive_recall(head: NaiveHeadState, queries: torch.Tensor, first_token: int, settings) -> list[int]:
+def naive_recall(
+    head: NaiveHeadState, queries: torch.Tensor, first_token: int, chunk: int, settings, inv_freq
+) -> list[int]:
     """R of one KV head for a chunk (docs/spec.md, recall pass 1), literally; no archive cap.
 
     queries: [m, d] unrotated, the chunk's queries of the head's query heads. `head` already holds the chunk.
-    A page's bound comes from every key archived so far (up to the chunk's last token).
+    A page's bound comes from every key archived so far (up to the chunk's last token). With the positional
+    page score each query is first replaced by the mean of its rotations over the distances from
+    `settings.recent` up to the most E_q entries (rolling) or the tokens seen (original).
     """
     size = settings.page_size
     candidates = [t for t in range(first_token) if not head.alive[t]]
+    if settings.page_score == "positional":
+        high = settings.budget + chunk if settings.positions == "rolling" else first_token + chunk
+        distances = range(min(settings.recent, high - 1), high)
+        queries = torch.stack([rope(queries, torch.tensor([d] * len(queries)), inv_freq) for d in distances])
+        queries = queries.mean(dim=0)
 
     def bound(page: int) -> float:
         keys = torch.stack(head.keys[page * size : (page + 1) * size]).double()
@@ -117,7 +126,7 @@ def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_
         recalled = []
         if recall_slots(settings):
             group_queries = queries[j * group : (j + 1) * group].reshape(-1, head_dim)
-            recalled = naive_recall(head, group_queries, first_token, settings)
+            recalled = naive_recall(head, group_queries, first_token, chunk, settings, inv_freq)
         for i in range(chunk):
             query_token = first_token + i
             visible = sorted(old + recalled) + list(range(first_token, query_token + 1))  # E_q, token order

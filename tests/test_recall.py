@@ -6,19 +6,22 @@ import pytest
 import torch
 from conftest import feed_against_naive, run_stream, tiny_config
 from naive import inv_freq_of
+from naive import rope as naive_rope
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from h2o_cli.archive import PageArchive
 from h2o_cli.cache import H2OCache, RecallLayer
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
-from h2o_cli.positions import Rope
+from h2o_cli.positions import Rope, rotate
 from h2o_cli.store import LayerStore
 
 N_HEADS, N_KV, HEAD_DIM = 6, 2, 16
 
 
-def naive_settings(positions: str, ratio: float, archive_max: int) -> CacheSettings:
+def naive_settings(
+    positions: str, ratio: float, archive_max: int, page_score: str = "positional"
+) -> CacheSettings:
     """The small recall cache the layer-vs-naive tests share: budget 8, chunks up to 9, pages of 3."""
     return CacheSettings(
         budget=8,
@@ -28,6 +31,7 @@ def naive_settings(positions: str, ratio: float, archive_max: int) -> CacheSetti
         recall_ratio=ratio,
         page_size=3,
         archive_max=archive_max,
+        page_score=page_score,
     )
 
 
@@ -55,6 +59,39 @@ def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
     feed_against_naive(layer, settings, inv_freq, chunks, N_HEADS)
     store = layer.store
     assert layer.recalled > 0 and store.length == layer.policy.resident
+
+
+@pytest.mark.parametrize("positions", ["rolling", "original"])
+def test_unrotated_page_score_matches_the_naive_simulation(positions):
+    """`--page-score unrotated` (Quest's score: the query as it is) against the naive simulation's."""
+    torch.manual_seed(3)
+    settings = naive_settings(positions, 0.5, archive_max=96, page_score="unrotated")
+    layer, inv_freq = make_recall_layer(settings)
+    feed_against_naive(layer, settings, inv_freq, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6], N_HEADS)
+    assert layer.recalled > 0
+
+
+def test_positional_page_score_is_the_mean_logit_over_the_distances():
+    """`rotate(q, *Rope.mean_rotation(low, high)) . k` is the mean over d in [low, high) of RoPE's logit of q
+    and k d positions apart (naive rotations in float64, at an arbitrary key position)."""
+    torch.manual_seed(4)
+    config = tiny_config(
+        hidden_size=N_HEADS * HEAD_DIM, num_attention_heads=N_HEADS, num_key_value_heads=N_KV
+    )
+    rope_ = Rope(LlamaRotaryEmbedding(config), HEAD_DIM)
+    inv_freq = inv_freq_of(config, HEAD_DIM)
+    query, key = torch.randn(HEAD_DIM, dtype=torch.float64), torch.randn(HEAD_DIM, dtype=torch.float64)
+    low, high, at = 3, 40, 17
+    logits = [
+        float(
+            naive_rope(query[None], torch.tensor([at + d]), inv_freq)[0]
+            @ naive_rope(key[None], torch.tensor([at]), inv_freq)[0]
+        )
+        for d in range(low, high)
+    ]
+    scored = rotate(query.float(), *rope_.mean_rotation(low, high, torch.device("cpu"))).double() @ key
+    assert float(scored) == pytest.approx(sum(logits) / len(logits), rel=1e-5, abs=1e-5)
+    assert abs(float(query @ key) - sum(logits) / len(logits)) > 1e-3  # the unrotated score differs
 
 
 @pytest.mark.parametrize("positions", ["original", "rolling"])
@@ -213,6 +250,7 @@ def test_recall_past_the_models_window_with_rolling_positions(tiny_pair):
         (dict(archive_max=10, page_size=16), "--archive-max 10 must hold at least two pages"),
         (dict(recall_ratio=0.95, budget=20), "leaves 1 resident token"),
         (dict(score_decay=0.99), "--score-decay 0.99 is not supported with --policy recall"),
+        (dict(page_score="rotated"), "--page-score 'rotated' is unknown; choose positional or unrotated"),
     ],
 )
 def test_bad_recall_settings_are_usage_errors(values, words):

@@ -148,6 +148,14 @@ RecallRatio = Annotated[
     typer.Option("--recall-ratio", help="recall: share of the budget refilled from the archive every step."),
 ]
 PageSize = Annotated[int, typer.Option("--page-size", help="recall: tokens per archive page.")]
+PageScore = Annotated[
+    str,
+    typer.Option(
+        "--page-score",
+        help="recall: score pages with the query rotated over the distances recalled keys take (positional), "
+        "or unrotated (Quest's).",
+    ),
+]
 ArchiveMax = Annotated[
     str,
     typer.Option(
@@ -225,6 +233,7 @@ CACHE_OPTIONS = {
     "kv_bits": KvBits,
     "recall_ratio": RecallRatio,
     "page_size": PageSize,
+    "page_score": PageScore,
     "archive_max": ArchiveMax,
     "archive": Archive,
     "archive_bits": ArchiveBits,

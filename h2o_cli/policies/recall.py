@@ -18,6 +18,7 @@ from h2o_cli.policies.h2o import HeavyHitterPolicy
 SIZE_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 SIZE_UNITS |= {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 ARCHIVE_BITS = (None, 16, 8)
+PAGE_SCORES = ("positional", "unrotated")
 
 
 def archive_cap(value: int | str) -> tuple[int, str]:
@@ -36,10 +37,16 @@ def archive_cap(value: int | str) -> tuple[int, str]:
 
 
 def check_recall_options(
-    recall_ratio: float, page_size: int, archive_max: int | str, archive: str = "ram", archive_bits=None
+    recall_ratio: float,
+    page_size: int,
+    archive_max: int | str,
+    archive: str = "ram",
+    archive_bits=None,
+    page_score: str = "positional",
 ) -> None:
     """One-line usage errors for `--recall-ratio`, `--page-size`, `--archive-max`, `--archive`,
-    `--archive-bits` (whatever the policy). A cap in bytes is checked against a page when the cache is built."""
+    `--archive-bits`, `--page-score` (whatever the policy). A cap in bytes is checked against a page when the
+    cache is built."""
     if not 0 <= recall_ratio <= 1:  # also NaN
         raise UsageError(f"--recall-ratio {recall_ratio} must lie in [0, 1]")
     if page_size < 1:
@@ -53,6 +60,8 @@ def check_recall_options(
         raise UsageError("--archive '' names nothing; give ram, disk or a file or folder path")
     if archive_bits not in ARCHIVE_BITS:
         raise UsageError(f"--archive-bits {archive_bits} is not supported; choose 16 or 8 (or omit it)")
+    if page_score not in PAGE_SCORES:
+        raise UsageError(f"--page-score {page_score!r} is unknown; choose {' or '.join(PAGE_SCORES)}")
 
 
 @dataclass(frozen=True)
@@ -63,9 +72,10 @@ class RecallPolicy(HeavyHitterPolicy):
     recall_ratio: float = 0.5
     page_size: int = 4
     archive_max: int | str = 16384
+    page_score: str = "positional"
 
     def __post_init__(self) -> None:
-        check_recall_options(self.recall_ratio, self.page_size, self.archive_max)
+        check_recall_options(self.recall_ratio, self.page_size, self.archive_max, page_score=self.page_score)
         super().__post_init__()
         if self.resident < 2:
             raise UsageError(
@@ -99,6 +109,19 @@ class RecallPolicy(HeavyHitterPolicy):
 
     def kept_tokens(self, span: int) -> int:
         return self.resident
+
+    def score_distances(self, rolling: bool, chunk: int, tokens: int) -> tuple[int, int] | None:
+        """The distances `[low, high)` from a chunk's queries to a recalled key that `--page-score positional`
+        averages a page's score over; None for `unrotated` (docs/spec.md, recall).
+
+        A candidate is older than every entry of the recent window (h2o keeps the newest `recent_slots`
+        tokens), so at least that many entries of E_q lie between it and a query. Under rolling positions
+        E_q has at most `budget + chunk` entries, so every distance is below that; under original positions
+        below `tokens`, the tokens seen with the chunk."""
+        if self.page_score == "unrotated":
+            return None
+        high = self.budget + chunk if rolling else tokens
+        return min(self.recent_slots, high - 1), high
 
     def archive_tokens(self, span: int | None, page_bytes: int | None = None) -> int:
         """Archive capacity in tokens (`archive_capacity` of this policy's cap and pages)."""
