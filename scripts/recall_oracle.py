@@ -1,0 +1,152 @@
+"""The passkey grid with the needle made attendable by force: what `recall` would answer if its page choice
+never missed the needle (issue 11: is the miss the choice's, or the positions' and the rest of the context's?).
+
+Each run is `recall_grid.py`'s (same haystacks, the question after the text, greedy answer), with
+`PageArchive.choose` (the question's chunk) and `PageArchive.choose_one` (every decode step, on the torch
+step: `--kernels torch`, since the C step chooses inside C) wrapped: every archived token of the needle sentence that a KV head does not hold in S is put first into
+its recall slots (the rest of R keeps the policy's order). `--mode natural` only records; `oracle` forces.
+Per run it prints the share of (layer, KV head) holding a passkey digit token while the question is read and
+at each answer step.
+
+    python scripts/recall_oracle.py --length 1536 --mode oracle --out docs/results/recall/oracle_1536.jsonl
+    python scripts/recall_oracle.py --length 1536 --mode oracle --policy recall:positions=original \
+        --out docs/results/recall/oracle_1536.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from recall_grid import MAX_NEW_TOKENS, QUESTION, haystacks, settings_of  # scripts/ on sys.path
+from recall_probe import needle_tokens
+
+from h2o_cli.archive import PageArchive
+
+
+class Oracle:
+    """Wraps the page choice of every `PageArchive`; `needle`/`key`: stream indices of the needle sentence and
+    of the passkey's digits; `question`: the first token of the question's chunk(s)."""
+
+    def __init__(self, force: bool, group: int) -> None:
+        self.force, self.group = force, group
+        self.needle = self.key = torch.empty(0, dtype=torch.int64)
+        self.question, self.phase, self.log = 0, "text", []
+        choose, choose_one = PageArchive.choose, PageArchive.choose_one
+
+        def chunk(archive, query, resident, before, slots):
+            chosen, valid = choose(archive, query, resident, before, slots)
+            if self.phase == "text" and before + query.shape[1] // self.group > self.question:
+                self.phase = "question"
+            if self.phase == "question":
+                chosen, valid = self.visit(archive, chosen, valid, resident)
+            return chosen, valid
+
+        def step(archive, query, resident, slots):
+            chosen, valid = choose_one(archive, query, resident, slots)
+            return self.visit(archive, chosen, valid, resident)
+
+        PageArchive.choose, PageArchive.choose_one = chunk, step
+
+    def start(self, needle: list[int], key: list[int], question: int) -> None:
+        self.needle, self.key = torch.tensor(needle), torch.tensor(key)
+        self.question, self.phase, self.log = question, "text", []
+
+    def visit(self, archive, chosen, valid, resident):
+        if self.force:
+            chosen, valid = self.forced(archive, chosen, valid, resident)
+        recalled = torch.where(valid, archive.token_index[chosen], -1)
+        held = [
+            bool(torch.isin(self.key, torch.cat([resident[h], recalled[h]])).any())
+            for h in range(len(chosen))
+        ]
+        self.log.append((self.phase, sum(held), len(held)))
+        return chosen, valid
+
+    def forced(self, archive, chosen, valid, resident):
+        """The needle's archived tokens first in every head's R (those not in S), then the policy's choice."""
+        slots = self.needle % archive.capacity
+        archived = archive.token_index[slots] == self.needle
+        chosen, valid = chosen.clone(), torch.zeros_like(valid)
+        for head in range(chosen.shape[0]):
+            missing = archived & ~torch.isin(self.needle, resident[head])
+            need = slots[missing].tolist()
+            rest = [
+                c
+                for c, v in zip(chosen[head].tolist(), valid[head].tolist(), strict=True)
+                if v and c not in need
+            ]
+            take = (need + rest)[: chosen.shape[1]]
+            chosen[head, : len(take)] = torch.tensor(take, dtype=chosen.dtype)
+            valid[head, : len(take)] = True
+        return chosen, valid
+
+    def shares(self, layers: int) -> tuple[float, list[float]]:
+        """Share of (layer, KV head) holding a digit token: over the question's chunk(s), and per answer step."""
+
+        def share(rows):
+            return round(sum(r[1] for r in rows) / max(1, sum(r[2] for r in rows)), 3)
+
+        question = [row for row in self.log if row[0] == "question"]
+        steps = [row for row in self.log if row[0] == "decode"]
+        return share(question), [share(steps[i : i + layers]) for i in range(0, len(steps), layers)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=1536)
+    parser.add_argument("--depths", type=int, default=10)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=0.1, help="fraction of the text's tokens")
+    parser.add_argument("--policy", default="recall", help="a recall run spec, as recall_grid.py")
+    parser.add_argument("--mode", choices=("natural", "oracle"), default="oracle")
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="JSON lines, appended")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.eval.data import load_essays
+    from h2o_cli.generation import Sampling, TextStreamer, generate_ids
+    from h2o_cli.models import load_model
+    from h2o_cli.prompting import read_then_answer
+    from h2o_cli.streaming import prefill
+
+    model, tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32")
+    essays = load_essays(None)
+    oracle = Oracle(
+        args.mode == "oracle", model.config.num_attention_heads // model.config.num_key_value_heads
+    )
+    depths = [round(100 * (i + 0.5) / args.depths) for i in range(args.depths)]
+    for seed in range(args.seeds):
+        for depth, key, text in haystacks(tokenizer, essays, args.length, depths, seed):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            pieces = list(read_then_answer(tokenizer, [ids], QUESTION))
+            settings = settings_of(args.policy, max(2, round(len(ids) * args.budget)), args.chunk)
+            settings = replace(settings, kernels="torch")  # decode steps through `choose_one`
+            cache = H2OCache(model, settings, span=sum(map(len, pieces)) + MAX_NEW_TOKENS)
+            oracle.start(*needle_tokens(tokenizer, text, key, len(pieces[0])), sum(map(len, pieces[:-1])))
+            logits, stats = prefill(model, cache, pieces, settings.chunk)
+            stats.reraise()
+            oracle.phase = "decode"
+            streamer = TextStreamer(tokenizer)
+            stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+            for token in generate_ids(model, cache, logits, Sampling(max_new_tokens=MAX_NEW_TOKENS), stop):
+                streamer.push(token)
+            question, steps = oracle.shares(len(cache.layers))
+            line = {"length": args.length, "seed": seed, "depth": depth, "budget": args.budget,
+                    "policy": args.policy, "mode": args.mode, "correct": key in streamer.printed,
+                    "answer": streamer.printed.strip(), "question_heads_with_key": question,
+                    "answer_heads_with_key": steps}  # fmt: skip
+            print(json.dumps(line), flush=True)
+            if args.out:
+                with args.out.open("a") as out:
+                    out.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    main()
