@@ -128,3 +128,14 @@ def smollm():
 def excerpt() -> str:
     """A real-text excerpt shipped in the repo (Frankenstein, Project Gutenberg, public domain)."""
     return (FIXTURES / "frankenstein_excerpt.txt").read_text(encoding="utf-8")
+
+
+def assert_same_store(ours, theirs, where) -> None:
+    """Two `LayerStore`s after the same steps (a C step's and the torch step's): the same entries, ranks and
+    counters; scores to float tolerance. `where` labels a failure."""
+    for name in ("valid", "token_index", "rank"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), (name, where)
+    for name in ("scores", "seen", "last_probs"):
+        torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=2e-5, atol=2e-5)
+    counters = ("length", "tokens_seen", "evictions", "active")
+    assert [getattr(ours, name) for name in counters] == [getattr(theirs, name) for name in counters], where

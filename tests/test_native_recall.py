@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import feed_chunk, tiny_config
+from conftest import assert_same_store, feed_chunk, tiny_config
 from h2o_kernels import native
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -50,17 +50,7 @@ def same_state(c_layer: RecallLayer, torch_layer: RecallLayer, where) -> None:
     assert torch.equal(c_layer.recall_index, torch_layer.recall_index), where
     torch.testing.assert_close(c_layer.recall_keys, torch_layer.recall_keys, rtol=0, atol=0)
     torch.testing.assert_close(c_layer.recall_values, torch_layer.recall_values, rtol=0, atol=0)
-    ours, theirs = c_layer.store, torch_layer.store
-    for name in ("valid", "token_index", "rank"):
-        assert torch.equal(getattr(ours, name), getattr(theirs, name)), (name, where)
-    for name in ("scores", "seen", "last_probs"):
-        torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=2e-5, atol=2e-5)
-    assert (ours.length, ours.tokens_seen, ours.evictions, ours.active) == (
-        theirs.length,
-        theirs.tokens_seen,
-        theirs.evictions,
-        theirs.active,
-    )
+    assert_same_store(c_layer.store, torch_layer.store, where)
     assert (c_layer.recalled, c_layer.hits, c_layer.steps) == (
         torch_layer.recalled,
         torch_layer.hits,
@@ -131,23 +121,15 @@ def test_c_recall_step_breaks_bound_ties_as_the_torch_step():
 
 
 @needs_compiler
-@pytest.mark.parametrize("options", [{"archive_bits": 8}, {"archive_bits": 16}, {"kernels": "torch"}])
+@pytest.mark.parametrize(
+    "options", [{"archive_bits": 8}, {"archive_bits": 16}, {"kernels": "torch"}, {"archive": "file"}]
+)
 def test_int8_16bit_or_file_archives_keep_the_torch_step(tiny_pair, tmp_path, options):
     """Archives other than a float32 one in RAM (and `--kernels torch`) take the torch step."""
     _, model = tiny_pair
+    if options.get("archive") == "file":
+        options = {"archive": f"{tmp_path}/"}
     cache = H2OCache(model, CacheSettings(budget=24, policy="recall", chunk=8, **options))
-    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        model(ids[:, :30], cache=cache)
-        for step in range(30, 40):
-            model(ids[:, step : step + 1], cache=cache)
-    assert all(layer._native_recall is False for layer in cache.layers)
-
-
-@needs_compiler
-def test_file_archive_keeps_the_torch_step(tiny_pair, tmp_path):
-    _, model = tiny_pair
-    cache = H2OCache(model, CacheSettings(budget=24, policy="recall", chunk=8, archive=f"{tmp_path}/"))
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         model(ids[:, :30], cache=cache)

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from conftest import feed_chunk, tiny_config
+from conftest import assert_same_store, feed_chunk, tiny_config
 from h2o_kernels import native
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -45,17 +45,7 @@ def run_both(steps: int, **options) -> tuple[H2OLayer, H2OLayer]:
         want = feed_chunk(torch_layer, q, k, v, start)
         got = feed_chunk(c_layer, q, k, v, start)
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
-        ours, theirs = c_layer.store, torch_layer.store
-        for name in ("valid", "token_index", "rank"):
-            assert torch.equal(getattr(ours, name), getattr(theirs, name)), (name, start)
-        for name in ("scores", "seen", "last_probs"):
-            torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=2e-5, atol=2e-5)
-        assert (ours.length, ours.tokens_seen, ours.evictions, ours.active) == (
-            theirs.length,
-            theirs.tokens_seen,
-            theirs.evictions,
-            theirs.active,
-        )
+        assert_same_store(c_layer.store, torch_layer.store, start)
         start += chunk
     return torch_layer, c_layer
 
