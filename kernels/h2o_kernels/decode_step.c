@@ -4,8 +4,8 @@
  * entries all lie below `active` with at most one hole there (the state a decode step runs in once the cache
  * is full), a policy whose victim is the lowest score outside the recent window, ties to the oldest
  * (`kernel_victim`), and exactly one entry over budget after the write. float32 only. The Python side
- * (h2o_kernels/native.py) checks those conditions and keeps the store's counters. The parts it shares with
- * recall's step (recall_step.c) are in step_common.h.
+ * (h2o_kernels/native.py) checks those conditions and keeps the store's counters. It is recall's step
+ * (recall_step.c) with no recall slots: one body serves both.
  */
 #include "step_common.h"
 
@@ -25,37 +25,13 @@ int64_t h2o_decode_step(
     int64_t limit,           /* entries of rank < limit may be evicted (length + 1 - recent slots) */
     float decay,             /* every score is multiplied by this before the step's probabilities add */
     float *restrict output,           /* [n_kv, group, head_dim] */
-    float *restrict scratch,          /* [group, slots + 1]: probabilities, then the row of rotated-key terms */
+    float *restrict scratch,          /* [group * slots + (group + 1) * head_dim] at least */
     int64_t *restrict victims)        /* [n_kv]: the evicted slot of each head */
 {
-    const int64_t count = write_lowest_free(n_kv, head_dim, slots, active, new_key, new_value, keys, values,
-                                            scores, seen, token_index, rank, valid, tokens_seen, length);
-    if (count < 0) return -1; /* no free slot: the caller broke the contract */
-    const int64_t width = 2 * head_dim;
-    float *restrict rotated = scratch + group * count; /* [head_dim]: one key rotated at its position */
-    float *restrict halves = rotated + head_dim;         /* [group, head_dim]: each query's q1, q2 side by side */
-    for (int64_t g = 0; g < n_kv; g++) {
-        const uint8_t *v = valid + g * slots;
-        const int64_t *positions = (rolling ? rank : token_index) + g * slots;
-        query_halves(query + g * group * width, group, head_dim, halves);
-        for (int64_t s = 0; s < count; s++) {
-            if (!v[s]) {
-                for (int64_t j = 0; j < group; j++) scratch[j * count + s] = -INFINITY;
-                continue;
-            }
-            key_logits(keys + (g * slots + s) * head_dim, table + positions[s] * width, halves, group, head_dim,
-                       rotated, scratch + s, count);
-        }
-        softmax_rows(scratch, group, count, count); /* a masked slot's probability is 0 */
-        float *restrict out = output + g * group * head_dim;
-        for (int64_t i = 0; i < group * head_dim; i++) out[i] = 0.0f;
-        add_weighted_values(scratch, count, values + g * slots * head_dim, count, group, head_dim, out);
-        victims[g] = score_and_evict(scratch, count, group, count, slots, decay, scores + g * slots,
-                                     last_probs + g * slots, seen + g * slots, rank + g * slots,
-                                     valid + g * slots, token_index + g * slots, limit);
-        if (victims[g] < 0) return -2; /* no entry outside the recent window: the caller broke the contract */
-    }
-    return count;
+    return recall_decode_step(n_kv, group, head_dim, slots, active, query, new_key, new_value, table, keys,
+                              values, scores, seen, last_probs, token_index, rank, valid, rolling, tokens_seen,
+                              length, limit, decay, 0, NULL, NULL, NULL, NULL, length + 1, output, scratch, NULL,
+                              victims);
 }
 
 /* `exp_nonpositive` over an array, exported for its accuracy test (tests/test_native_step.py). */

@@ -7,7 +7,9 @@
  * Its result is the torch path's exactly: the bounds come from torch (`best_page_bound`) and the rest is
  * integer work. `recall_decode_step` is `h2o_decode_step` over S ∪ R: the new token written into S, one
  * softmax over S and the recalled entries at rolling positions (ranks of E_q by token index, as
- * `rolling_step_positions`) or token indices, S's scores accumulated, one entry of S evicted.
+ * `rolling_step_positions`) or token indices, S's scores accumulated, one entry of S evicted. With no recall
+ * slots (`recall` 0, the R pointers and `order` NULL, `entries` = length + 1) it is `h2o_decode_step`, which
+ * calls it so.
  * float32 archive in RAM and a full S only; h2o_kernels/native.py checks that and keeps the counters.
  */
 #include "step_common.h"
@@ -229,14 +231,20 @@ int64_t recall_decode_step(
     const int64_t width = 2 * head_dim, resident = length + 1;
     float *restrict rotated = scratch + group * (slots + recall); /* [head_dim] */
     float *restrict halves = rotated + head_dim;                   /* [group, head_dim] */
-    int64_t *restrict by_rank = order, *restrict resident_position = order + slots; /* [slots] each */
-    Pair *restrict recalled_order = (Pair *)(order + 2 * slots);                    /* [recall] */
-    int64_t *restrict recalled_position = order + 2 * slots + 2 * recall;           /* [recall] */
+    /* `order` (NULL without recall slots) holds the merge's buffers: [slots] twice, then [recall] Pairs and
+     * [recall] positions. */
+    int64_t *restrict by_rank = order, *restrict resident_position = recall ? order + slots : NULL;
+    Pair *restrict recalled_order = recall ? (Pair *)(order + 2 * slots) : NULL;
+    int64_t *restrict recalled_position = recall ? order + 2 * slots + 2 * recall : NULL;
     for (int64_t g = 0; g < n_kv; g++) {
         const uint8_t *v = valid + g * slots;
-        const int64_t *r = rank + g * slots, *t = token_index + g * slots, *held = recall_index + g * recall;
-        const int64_t taken = counts[g], stride = count + taken;
-        if (rolling) { /* merge S (in rank order) and R (sorted) by token index: each one's rank in E_q */
+        const int64_t *r = rank + g * slots, *t = token_index + g * slots;
+        const int64_t *held = recall ? recall_index + g * recall : NULL;
+        const int64_t taken = recall ? counts[g] : 0, stride = count + taken;
+        /* rolling, R empty: S's ranks, shifted up to the fullest head's query position (no merge needed) */
+        const int64_t shift = entries - resident;
+        const int merged = rolling && taken;
+        if (merged) { /* merge S (in rank order) and R (sorted) by token index: each one's rank in E_q */
             for (int64_t s = 0; s < count; s++)
                 if (v[s]) by_rank[r[s]] = t[s];
             for (int64_t i = 0; i < taken; i++) recalled_order[i] = (Pair){-held[i], i};
@@ -255,7 +263,7 @@ int64_t recall_decode_step(
                 for (int64_t j = 0; j < group; j++) scratch[j * stride + s] = -INFINITY;
                 continue;
             }
-            const int64_t position = rolling ? resident_position[r[s]] : t[s];
+            const int64_t position = merged ? resident_position[r[s]] : rolling ? r[s] + shift : t[s];
             key_logits(keys + (g * slots + s) * head_dim, table + position * width, halves, group, head_dim,
                        rotated, scratch + s, stride);
         }

@@ -8,6 +8,7 @@
 #define H2O_STEP_COMMON_H
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 /* a·b over n floats. `omp simd reduction` lets the compiler keep one partial sum per vector lane and add
@@ -51,7 +52,7 @@ static inline float exp_nonpositive(float x) {
 
 /* Write the new token into each head's lowest free slot (score 0, rank `length`). Returns the store's new
  * `active` (one past the highest slot holding an entry), or -1 if a head has no free slot. */
-static int64_t write_lowest_free(
+static inline int64_t write_lowest_free(
     int64_t n_kv, int64_t head_dim, int64_t slots, int64_t active,
     const float *restrict new_key, const float *restrict new_value,  /* [n_kv, head_dim] */
     float *restrict keys, float *restrict values, float *restrict scores, float *restrict seen,
@@ -161,5 +162,15 @@ static inline int64_t score_and_evict(const float *restrict p, int64_t stride, i
     token_index[victim] = -1;
     return victim;
 }
+
+/* recall_step.c: the one-token step over S and the recall slots; `h2o_decode_step` is it with none. */
+int64_t recall_decode_step(int64_t n_kv, int64_t group, int64_t head_dim, int64_t slots, int64_t active,
+                           const float *query, const float *new_key, const float *new_value, const float *table,
+                           float *keys, float *values, float *scores, float *seen, float *last_probs,
+                           int64_t *token_index, int64_t *rank, uint8_t *valid, int64_t rolling,
+                           int64_t tokens_seen, int64_t length, int64_t limit, float decay, int64_t recall,
+                           const float *recall_keys, const float *recall_values, const int64_t *recall_index,
+                           const int64_t *counts, int64_t entries, float *output, float *scratch, int64_t *order,
+                           int64_t *victims);
 
 #endif
