@@ -197,16 +197,24 @@ class H2OLayer(CacheLayerMixin):
         """The one-token call `update` left: (new keys, values, the query in `expand` form at the token's
         cache position, scaled, grouped by KV head, and the key table `step_attention` reads). Clears the
         call; read before the token is written (its position is the store's length or token count)."""
-        keys, values = self._new_states
-        cos, sin = self._model_rotation
-        self._chunk, self._new_states, self._step = 0, None, False
+        keys, values, cos, sin = self._call_left()
         position = self._new_position()
         query_map, step_table = self.maps.per_pass(
             cos, (position, scaling), lambda: self._step_maps(cos, sin, position, scaling, query.device)
         )
+        return keys, values, self._grouped(query, query_map), step_table
+
+    def _call_left(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(new keys, values, the model's cos, sin) of the one-token call `update` left; clears the call."""
+        keys, values = self._new_states
+        cos, sin = self._model_rotation
+        self._chunk, self._new_states, self._step = 0, None, False
+        return keys, values, cos, sin
+
+    def _grouped(self, query: torch.Tensor, query_map: torch.Tensor) -> torch.Tensor:
+        """The model's query [1, n_heads, 1, head_dim] through a step's query map: [n_kv, group, 2 * head_dim]."""
         store = self.store
-        grouped = (query[0, :, 0] @ query_map).view(store.n_kv_heads, -1, 2 * store.head_dim)
-        return keys, values, grouped, step_table
+        return (query[0, :, 0] @ query_map).view(store.n_kv_heads, -1, 2 * store.head_dim)
 
     def _evict_after_step(self) -> None:
         """Eviction after a one-token step: with one entry over budget under the `kernel_victim` rule, one
@@ -482,20 +490,14 @@ class RecallLayer(H2OLayer):
         if self.store.length == self.store.budget and self._recall_buffers() is not None:
             return self._native_recall_step(query, scaling)
         store, archive = self.store, self.archive
-        keys, values = self._new_states
-        cos, sin = self._model_rotation
-        self._chunk, self._new_states, self._step = 0, None, False
+        keys, values, cos, sin = self._call_left()
         store.write(keys, values)
         active, n_kv, head_dim = store.active, store.n_kv_heads, store.head_dim  # active == length: packed
         resident = store.token_index[:, :active]
         slots = self.recall_index.shape[1]
         full = recall_is_full(archive.held(), store.length, slots)
         if slots:
-            # As the chunk path: the query unrotated elementwise, so the page bounds are bit for bit its own.
-            unrotated = unrotate(query[0, :, 0], cos.to(query.dtype), sin.to(query.dtype))
-            chosen, valid = archive.choose_one(
-                self._page_query(unrotated, 1).view(n_kv, -1, head_dim), resident, slots
-            )
+            chosen, valid = archive.choose_one(self._step_page_query(query, cos, sin), resident, slots)
             if archive.region is None:
                 hits = self._read_all(chosen, valid, full)
             else:  # a file archive reads only the tokens new to the recall slots
@@ -510,9 +512,8 @@ class RecallLayer(H2OLayer):
             key_positions = torch.cat([resident, self.recall_index.clamp_min(0)], dim=1)
             position = store.tokens_seen - 1
         query_map, step_table = self._step_maps(cos, sin, position, scaling, query.device)
-        grouped = (query[0, :, 0] @ query_map).view(n_kv, -1, 2 * head_dim)
         output, probs = recall_step_attention(
-            grouped,
+            self._grouped(query, query_map),
             store.key_states(active),
             store.value_states(active),
             self.recall_keys,
@@ -550,14 +551,11 @@ class RecallLayer(H2OLayer):
         over S ∪ R, S's scores, eviction). The same recalled tokens as the torch step, the rest to float
         rounding."""
         store, archive, policy = self.store, self.archive, self.policy
-        keys, values = self._new_states
-        cos, sin = self._model_rotation
-        self._chunk, self._new_states, self._step = 0, None, False
-        n_kv, head_dim, buffers = store.n_kv_heads, store.head_dim, self._native_recall
+        keys, values, cos, sin = self._call_left()
+        buffers = self._native_recall
         most = 0  # recall slots of the fullest head
         if self.recall_index.shape[1]:
-            unrotated = unrotate(query[0, :, 0], cos.to(query.dtype), sin.to(query.dtype))
-            bounds = archive.step_bounds(self._page_query(unrotated, 1).view(n_kv, -1, head_dim))
+            bounds = archive.step_bounds(self._step_page_query(query, cos, sin))
             recalled, hits = native.recall_choose(buffers, bounds)
             most = buffers.totals[1]
             self.counts.add(recalled, hits)
@@ -567,10 +565,9 @@ class RecallLayer(H2OLayer):
         # The query's position: its rank in E_q (S after the write, and the fullest head's R), or its index.
         position = store.length + most if rolling else store.tokens_seen
         query_map, step_table = self._step_maps(cos, sin, position, scaling, query.device)
-        grouped = (query[0, :, 0] @ query_map).view(n_kv, -1, 2 * head_dim)
         output = native.recall_step(
             buffers,
-            grouped,
+            self._grouped(query, query_map),
             keys,
             values,
             step_table,
@@ -579,7 +576,13 @@ class RecallLayer(H2OLayer):
             decay=policy.decay_per_query,
             entries=position + 1,
         )
-        return output.to(query.dtype).view(1, 1, -1, head_dim)
+        return output.to(query.dtype).view(1, 1, -1, store.head_dim)
+
+    def _step_page_query(self, query: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """A one-token step's page-scoring queries [n_kv, group, head_dim]: the model's rotated query unrotated
+        elementwise, as the chunk path has it, so the page bounds are bit for bit the chunk path's."""
+        unrotated = unrotate(query[0, :, 0], cos.to(query.dtype), sin.to(query.dtype))
+        return self._page_query(unrotated, 1).view(self.store.n_kv_heads, -1, self.store.head_dim)
 
     def _page_query(self, query: torch.Tensor, chunk: int) -> torch.Tensor:
         """The queries (unrotated, any shape [..., head_dim]) that score archive pages, in float32: as they are

@@ -132,19 +132,36 @@ def available(explicit: bool = False) -> bool:
     return True
 
 
+def store_pointers(store) -> tuple[int, ...]:
+    """The addresses of a float32 CPU store's buffers (`STORE_BUFFERS`), in the C steps' argument order: they
+    never move, so they are taken once per store."""
+    buffers = [getattr(store, name) for name in STORE_BUFFERS]
+    assert all(tensor.is_contiguous() and tensor.device.type == "cpu" for tensor in buffers)
+    assert store.keys.dtype == torch.float32
+    return tuple(tensor.data_ptr() for tensor in buffers)
+
+
+def step_scratch(store, group: int, recall: int = 0) -> torch.Tensor:
+    """The C step's float scratch: `group` rows of probabilities over S and `recall` slots, one key row and
+    the query halves (recall_decode_step's layout)."""
+    return torch.empty(group * (store.slots + recall) + (group + 1) * store.head_dim, dtype=torch.float32)
+
+
+def stepped(store, active: int, step: str) -> None:
+    """Take a C step's result into the store's counters, or raise if the step refused the store's state."""
+    if active < 0:
+        raise RuntimeError(f"C {step} step refused the store's state (code {active})")
+    store.stepped(active)
+
+
 class StepBuffers:
-    """The fixed arguments of one store's C step: its buffers' addresses (they never move) and scratch."""
+    """The fixed arguments of one store's C step: its buffers' addresses and scratch."""
 
     def __init__(self, store, group: int) -> None:
-        buffers = [getattr(store, name) for name in STORE_BUFFERS]
-        assert all(tensor.is_contiguous() and tensor.device.type == "cpu" for tensor in buffers)
-        assert store.keys.dtype == torch.float32
         self.store = store
-        self.scratch = torch.empty(
-            group * (store.slots + 1) + (group + 1) * store.head_dim, dtype=torch.float32
-        )
+        self.pointers = store_pointers(store)
+        self.scratch = step_scratch(store, group)
         self.victims = torch.empty(store.n_kv_heads, dtype=torch.int64)
-        self.pointers = tuple(tensor.data_ptr() for tensor in buffers)
 
 
 def decode_step(
@@ -173,9 +190,7 @@ def decode_step(
         int(rolling), store.tokens_seen, store.length, limit, decay,
         output.data_ptr(), buffers.scratch.data_ptr(), buffers.victims.data_ptr(),
     )  # fmt: skip
-    if active < 0:
-        raise RuntimeError(f"C decode step refused the store's state (code {active})")
-    store.stepped(active)
+    stepped(store, active, "decode")
     return output
 
 
@@ -185,8 +200,9 @@ class RecallBuffers:
 
     def __init__(self, layer) -> None:
         store, archive = layer.store, layer.archive
-        self.step: StepBuffers | None = None  # sized by the query heads per KV head, at the first step
-        self.group = 0
+        self.store_pointers = store_pointers(store)
+        self.victims = torch.empty(store.n_kv_heads, dtype=torch.int64)
+        self.group = 0  # query heads per KV head the scratch is sized for (at the first step)
         assert archive.region is None and archive.keys.dtype == torch.float32
         tensors = (archive.token_index, archive.keys, archive.values)
         tensors += (layer.recall_keys, layer.recall_values, layer.recall_index)
@@ -208,10 +224,8 @@ class RecallBuffers:
     def for_group(self, group: int) -> RecallBuffers:
         """Size the step's buffers for `group` query heads per KV head (once)."""
         if self.group != group:
-            store, recall = self.layer.store, self.layer.recall_index.shape[1]
-            self.step, self.group = StepBuffers(store, group), group
-            size = group * (store.slots + recall) + (group + 1) * store.head_dim
-            self.scratch = torch.empty(size, dtype=torch.float32)
+            self.scratch = step_scratch(self.layer.store, group, self.layer.recall_index.shape[1])
+            self.group = group
         return self
 
 
@@ -269,12 +283,10 @@ def recall_step(
     active = library().recall_decode_step(
         n_kv, group, store.head_dim, store.slots, store.active,
         query.data_ptr(), key.data_ptr(), value.data_ptr(), table.data_ptr(),
-        *buffers.step.pointers,
+        *buffers.store_pointers,
         int(rolling), store.tokens_seen, store.length, limit, decay,
         layer.recall_index.shape[1], *buffers.recall_pointers, buffers.counts.data_ptr(), entries,
-        output.data_ptr(), buffers.scratch.data_ptr(), buffers.order.data_ptr(), buffers.step.victims.data_ptr(),
+        output.data_ptr(), buffers.scratch.data_ptr(), buffers.order.data_ptr(), buffers.victims.data_ptr(),
     )  # fmt: skip
-    if active < 0:
-        raise RuntimeError(f"C recall step refused the store's state (code {active})")
-    store.stepped(active)
+    stepped(store, active, "recall")
     return output
