@@ -1,7 +1,7 @@
 """h2o: H2O (Heavy-Hitter Oracle) KV-cache eviction with rolling positions, for long contexts in fixed memory."""
 
-from h2o_cli.attention import enable
-from h2o_cli.cache import H2OCache
+from h2o_cli.cache.attention import enable
+from h2o_cli.cache.model_cache import H2OCache
 from h2o_cli.config import CacheSettings, parse_budget
 
 __version__ = "0.1.0"

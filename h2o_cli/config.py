@@ -12,9 +12,9 @@ import math
 import typing
 from dataclasses import dataclass, fields, replace
 
+from h2o_cli.cache.recall.limits import archive_cap, check_recall_options
 from h2o_cli.errors import UsageError
 from h2o_cli.policies import make_policy, policy_class, policy_names
-from h2o_cli.policies.recall import archive_cap, check_recall_options
 
 POLICIES = policy_names()  # the built-in policies; `policy_names()` also sees policies registered later
 POSITIONS = ("rolling", "original")
@@ -63,7 +63,7 @@ def parse_budget(value: str | float, window: int, floor: bool = False) -> int:
 
 
 def check_decode_threads(setting: str) -> None:
-    """`--decode-threads`: `auto` or a thread count >= 1 (h2o_cli.threads)."""
+    """`--decode-threads`: `auto` or a thread count >= 1 (h2o_cli.cache.threads)."""
     if setting != "auto" and not (setting.isdigit() and int(setting) >= 1):
         raise UsageError(f"--decode-threads {setting!r}: give auto or a thread count of at least 1")
 
@@ -106,7 +106,7 @@ class CacheSettings:
         "auto"  # torch, triton (CUDA, opt-in), native (the CPU's C decode step), auto ($H2O_KERNELS)
     )
     decode_threads: str = (
-        "auto"  # torch threads of a decode step: a count, or auto (h2o_cli.threads measures)
+        "auto"  # torch threads of a decode step: a count, or auto (h2o_cli.cache.threads measures)
     )
 
     def __post_init__(self) -> None:

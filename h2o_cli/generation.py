@@ -67,7 +67,7 @@ def generate_ids(
 
     The last yielded id is already in the cache when the caller asks for the next one, so stopping early
     (Ctrl-C, a stop id) leaves the cache consistent with what was shown. Each step runs on the cache's
-    `decode_threads` choice (h2o_cli.threads); the first, which packs the cache after the prompt, is not timed.
+    `decode_threads` choice (h2o_cli.cache.threads); the first, which packs the cache after the prompt, is not timed.
     """
     generator = None
     if sampling.seed is not None:

@@ -121,7 +121,7 @@ def h2o_cache_bytes(shape: ModelShape, budget: int, chunk: int, kv_bits: int | N
 def archive_bytes(
     shape: ModelShape, capacity: int, page_size: int, dtype_bytes: int, bits: int | None = None
 ) -> int:
-    """Bytes of the `recall` archive of every layer (`h2o_cli.archive.PageArchive`): K/V of `capacity` tokens
+    """Bytes of the `recall` archive of every layer (`h2o_cli.cache.recall.archive.PageArchive`): K/V of `capacity` tokens
     stored as `bits` (`--archive-bits`: None = the compute dtype, 16, 8 = int8 plus an fp32 scale per token, KV
     head and K or V) and their int64 token index, plus per (page, KV head) fp32 min and max keys."""
     return sum(archive_split(shape, capacity, page_size, dtype_bytes, bits, "disk"))

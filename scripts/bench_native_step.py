@@ -14,7 +14,7 @@ import time
 import torch
 from h2o_kernels import native
 
-from h2o_cli.store import LayerStore
+from h2o_cli.cache.store import LayerStore
 
 
 def main() -> None:

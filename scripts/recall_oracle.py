@@ -24,7 +24,7 @@ import torch
 from recall_grid import MAX_NEW_TOKENS, QUESTION, haystacks, settings_of  # scripts/ on sys.path
 from recall_probe import needle_tokens
 
-from h2o_cli.archive import PageArchive
+from h2o_cli.cache.recall.archive import PageArchive
 
 
 class Oracle:

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from recall_grid import MAX_NEW_TOKENS, NEEDLE, QUESTION, haystacks, settings_of  # scripts/ on sys.path
 
-from h2o_cli.archive import PageArchive, best_page_bound
-from h2o_cli.positions import rotate
+from h2o_cli.cache.positions import rotate
+from h2o_cli.cache.recall.archive import PageArchive, best_page_bound
 
 
 def needle_tokens(tokenizer, text: str, key: str, head: int) -> tuple[list[int], list[int]]:

@@ -59,7 +59,7 @@ def tiny_config(**overrides):
 def feed_chunk(layer, q, k, v, start: int) -> torch.Tensor:
     """One chunk to a cache layer as the model hands it over (q [n_heads, c, d] and k [n_kv, c, d] rotated at
     their original positions `start ..`). Returns the attention output [n_heads, c, d]."""
-    from h2o_cli.positions import rotate
+    from h2o_cli.cache.positions import rotate
 
     positions = torch.arange(start, start + k.shape[1])
     cos, sin = layer.rope.cos_sin(positions, k.dtype)

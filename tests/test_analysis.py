@@ -9,8 +9,8 @@ import torch
 
 from h2o_cli.analysis import heavy_slot_stats, layer_stats
 from h2o_cli.cache import H2OCache
+from h2o_cli.cache.store import LayerStore
 from h2o_cli.config import CacheSettings
-from h2o_cli.store import LayerStore
 
 
 def test_layer_figures_by_hand():

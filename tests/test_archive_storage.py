@@ -16,14 +16,14 @@ from test_cli_stream import h2o_in_process, one_error_line
 from typer.testing import CliRunner
 
 from h2o_cli import memory
-from h2o_cli.archive import PageArchive
-from h2o_cli.archive_file import archive_location
 from h2o_cli.cache import H2OCache
+from h2o_cli.cache.kvquant import dequantize, quantize
+from h2o_cli.cache.recall.archive import PageArchive
+from h2o_cli.cache.recall.archive_file import archive_location
+from h2o_cli.cache.recall.limits import archive_cap
 from h2o_cli.cli.app import app
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import ArchiveError, UsageError
-from h2o_cli.kvquant import dequantize, quantize
-from h2o_cli.policies.recall import archive_cap
 
 MiB = 2**20
 

@@ -161,7 +161,7 @@ def test_piped_prompt_prints_exactly_the_answer(smollm, home):
     """stdout is the answer and nothing else; the reference is plain greedy HF generation (full attention)."""
     import torch
 
-    from h2o_cli.attention import enable
+    from h2o_cli.cache.attention import enable
 
     message = "What is the capital of France?"
     command = MAIN + ["chat", "--budget", "512", "--max-new-tokens", "8", "--threads", "1"]

@@ -1,4 +1,4 @@
-"""The torch decode step (h2o_cli.decode_step) against independent references: float64 RoPE and softmax
+"""The torch decode step (h2o_cli.cache.step) against independent references: float64 RoPE and softmax
 written out, the policy's own eviction rule, and an op budget that keeps the step small."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from h2o_cli.cache import H2OLayer
+from h2o_cli.cache.positions import Rope, rotate, unrotate
+from h2o_cli.cache.step import DecodeMaps, expand, one_thread, step_attention
+from h2o_cli.cache.store import LayerStore
 from h2o_cli.config import CacheSettings
-from h2o_cli.decode_step import DecodeMaps, expand, one_thread, step_attention
 from h2o_cli.policies import make_policy, select_evictions
 from h2o_cli.policies.base import lowest_outside_recent
-from h2o_cli.positions import Rope, rotate, unrotate
-from h2o_cli.store import LayerStore
 
 N_HEADS, N_KV, HEAD_DIM = 6, 2, 16
 

@@ -9,9 +9,9 @@ from naive import NaiveHeadState, inv_freq_of, naive_attend_chunk
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from h2o_cli.cache import H2OLayer
+from h2o_cli.cache.positions import Rope
+from h2o_cli.cache.store import LayerStore
 from h2o_cli.config import CacheSettings
-from h2o_cli.positions import Rope
-from h2o_cli.store import LayerStore
 
 N_HEADS, N_KV, HEAD_DIM = 6, 2, 16
 

@@ -82,8 +82,8 @@ def test_the_graph_sees_function_level_imports():
     graph = import_graph()
     assert "h2o_cli.models" in graph["h2o_cli.cli.common"]  # `from h2o_cli.models import load_model` …
     assert (
-        "h2o_cli.attention" in graph["h2o_cli.cache"]
-    )  # … and the lazy `from h2o_cli.attention import enable`
+        "h2o_cli.cache.attention" in graph["h2o_cli.cache.model_cache"]
+    )  # … and the lazy `from h2o_cli.cache.attention import enable`
 
 
 def test_library_has_no_import_circle():

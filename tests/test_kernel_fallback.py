@@ -16,9 +16,9 @@ import torch
 from h2o_kernels import dispatch
 from h2o_kernels import prefill as prefill_ref
 
-from h2o_cli import cache as cache_module
 from h2o_cli import config
 from h2o_cli.cache import H2OCache
+from h2o_cli.cache import model_cache as cache_module
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
 

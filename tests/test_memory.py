@@ -12,9 +12,9 @@ import torch
 
 from h2o_cli import memory
 from h2o_cli.cache import H2OCache
+from h2o_cli.cache.kvquant import dequantize, quantize
 from h2o_cli.config import POLICIES, CacheSettings
 from h2o_cli.errors import UsageError
-from h2o_cli.kvquant import dequantize, quantize
 from h2o_cli.models import quant_backend
 
 LLAMA_7B = dict(  # huggyllama/llama-7b config.json
@@ -40,7 +40,7 @@ def test_int8_roundtrip_error_is_at_most_half_a_step():
 
 def test_int8_kv_attention_matches_fp32_reference():
     """Tolerance: the fp32 reference's output moves by at most 2% of max|V| (int8 step = max|x|/127)."""
-    from h2o_kernels import slot_attention  # after h2o_cli (the kernels import h2o_cli.positions)
+    from h2o_kernels import slot_attention  # after h2o_cli (the kernels import h2o_cli.cache.positions)
 
     torch.manual_seed(1)
     n_heads, n_kv, chunk, slots, dim = 6, 2, 5, 63, 32

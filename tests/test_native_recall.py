@@ -11,9 +11,9 @@ from h2o_kernels import native
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from h2o_cli.cache import H2OCache, RecallLayer
+from h2o_cli.cache.positions import Rope
+from h2o_cli.cache.store import LayerStore
 from h2o_cli.config import CacheSettings
-from h2o_cli.positions import Rope
-from h2o_cli.store import LayerStore
 
 N_HEADS, N_KV, HEAD_DIM = 6, 2, 16
 needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")

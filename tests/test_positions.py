@@ -33,7 +33,7 @@ def test_kernel_rotate_is_bitwise_the_rotate_half_formula():
     `x * cos + rotate_half(x) * sin` (the model's formula), for every dtype and broadcast it is used with."""
     from h2o_kernels.reference import rotate
 
-    from h2o_cli.positions import rotate_half
+    from h2o_cli.cache.positions import rotate_half
 
     generator = torch.Generator().manual_seed(0)
     shapes = [((3, 666, 64), (3, 666, 64)), ((9, 5, 64), (5, 64)), ((9, 64), (64,)), ((1, 3, 8), (4, 3, 8))]

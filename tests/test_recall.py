@@ -9,12 +9,12 @@ from naive import inv_freq_of
 from naive import rope as naive_rope
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from h2o_cli.archive import PageArchive
 from h2o_cli.cache import H2OCache, RecallLayer
+from h2o_cli.cache.positions import Rope, rotate
+from h2o_cli.cache.recall.archive import PageArchive
+from h2o_cli.cache.store import LayerStore
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
-from h2o_cli.positions import Rope, rotate
-from h2o_cli.store import LayerStore
 
 N_HEADS, N_KV, HEAD_DIM = 6, 2, 16
 
@@ -292,7 +292,7 @@ def test_eval_scorer_rewinds_the_archive_between_continuations(tiny_pair):
 def test_rank_key_orders_by_bound_then_age_without_crossing_adjacent_floats():
     """The one-`topk` page order: larger bound first; equal bounds older page first; adjacent float32 bounds
     keep their order whatever the pages' ages (the tie-break stays under half an ulp)."""
-    from h2o_cli.archive import rank_key
+    from h2o_cli.cache.recall.archive import rank_key
 
     one = torch.tensor(1.0)
     above = torch.nextafter(one, torch.tensor(2.0))

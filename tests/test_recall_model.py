@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_cli.attention import enable
 from h2o_cli.cache import H2OCache
+from h2o_cli.cache.attention import enable
 from h2o_cli.config import CacheSettings
 from h2o_cli.streaming import forward_chunk
 

@@ -1,4 +1,4 @@
-"""The recall policy's one-token decode step (h2o_cli.recall_step, `RecallLayer._step_on_one_thread`) against
+"""The recall policy's one-token decode step (h2o_cli.cache.recall.step, `RecallLayer._step_on_one_thread`) against
 the chunk path it replaces for decode, the naive simulation (tests/naive.py), and `PageArchive.choose`."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from conftest import feed_against_naive
 from test_recall import HEAD_DIM, N_HEADS, N_KV, make_recall_layer, naive_settings
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from h2o_cli.archive import PageArchive, order_key, rank_key
 from h2o_cli.cache import H2OCache, RecallLayer
+from h2o_cli.cache.recall.archive import PageArchive, order_key, rank_key
 from h2o_cli.config import CacheSettings
 
 
@@ -118,7 +118,7 @@ def test_decode_step_after_chunks_matches_the_naive_simulation(step_calls, posit
 def test_rolling_step_positions_rank_each_heads_entries_by_token_index(full):
     """Against the rule written out per head (docs/spec.md): rank E_q = S ∪ R by token index; a head with
     fewer entries is shifted up so that every head's query sits at the same position (the chunk path's)."""
-    from h2o_cli.recall_step import rolling_step_positions
+    from h2o_cli.cache.recall.step import rolling_step_positions
 
     generator = torch.Generator().manual_seed(15)
     for _ in range(20):

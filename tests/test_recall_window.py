@@ -12,8 +12,8 @@ from naive import naive_model_nll
 from transformers import LlamaForCausalLM
 
 from h2o_cli.cache import H2OCache
+from h2o_cli.cache.positions import Rope
 from h2o_cli.config import CacheSettings
-from h2o_cli.positions import Rope
 from h2o_cli.streaming import forward_chunk
 
 WINDOW = 64  # the tiny model's max_position_embeddings

@@ -1,4 +1,4 @@
-"""Decode threads chosen by measurement (h2o_cli.threads): which count each step runs on, what is timed,
+"""Decode threads chosen by measurement (h2o_cli.cache.threads): which count each step runs on, what is timed,
 that torch's count always comes back, and that generation decodes on the choice."""
 
 from __future__ import annotations
@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_cli import threads
-from h2o_cli.cache import H2OCache
+from h2o_cli.cache import H2OCache, threads
+from h2o_cli.cache.threads import PROBES, RECHECK, DecodeThreads
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
 from h2o_cli.generation import Sampling, generate_ids
-from h2o_cli.threads import PROBES, RECHECK, DecodeThreads
 
 
 @pytest.fixture

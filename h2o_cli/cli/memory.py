@@ -45,9 +45,9 @@ def memory(
 
     Computed from the model config without loading weights (a built-in public config for offline aliases).
     """
+    from h2o_cli.cache.recall.limits import archive_capacity
     from h2o_cli.memory import ModelShape, archive_bytes, memory_table
     from h2o_cli.models import config_for, pick_device, pick_dtype
-    from h2o_cli.policies.recall import archive_capacity
 
     config, origin = config_for(model)
     shape = ModelShape.from_config(config)

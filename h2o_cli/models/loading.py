@@ -24,7 +24,7 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from h2o_cli.attention import enable
+    from h2o_cli.cache.attention import enable
 
     source = resolve(name)
     config = load_config(source, trust_remote_code)

@@ -1,67 +1,18 @@
 """Recall (issue 11): `h2o` on a resident share of the budget, plus slots refilled from an archive at every step.
 
 The resident set S is managed exactly as `h2o` with budget `budget - recall_slots`; the archive of every token
-(`h2o_cli.archive`) and the recall step live in the cache (`RecallLayer`), which asks this policy for its sizes.
+(`h2o_cli.cache.recall.archive`) and the recall step live in the cache (`RecallLayer`), which asks this policy for its sizes.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import ClassVar
 
+from h2o_cli.cache.recall.limits import archive_capacity, check_recall_options
 from h2o_cli.errors import UsageError
 from h2o_cli.policies.base import split_slots
 from h2o_cli.policies.h2o import HeavyHitterPolicy
-
-# `--archive-max` sizes: binary units as every figure of h2o, decimal ones as disks are sold.
-SIZE_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-SIZE_UNITS |= {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-ARCHIVE_BITS = (None, 16, 8)
-PAGE_SCORES = ("positional", "unrotated")
-
-
-def archive_cap(value: int | str) -> tuple[int, str]:
-    """`--archive-max` as `(count, "tokens")` for a whole number (`16384`) or `(count, "bytes")` for a size
-    (`64MiB`, `1.5GiB`, `500MB`, `4096B`); anything else is a one-line usage error."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value, "tokens"
-    match = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([A-Za-z]*)", str(value).strip())
-    if match and not match[2] and match[1].isdigit():
-        return int(match[1]), "tokens"
-    if match and match[2].lower() in SIZE_UNITS:
-        return int(float(match[1]) * SIZE_UNITS[match[2].lower()]), "bytes"
-    raise UsageError(
-        f"--archive-max {value!r} is neither a token count (e.g. 16384) nor a size (e.g. 64MiB or 1GiB)"
-    )
-
-
-def check_recall_options(
-    recall_ratio: float,
-    page_size: int,
-    archive_max: int | str,
-    archive: str = "ram",
-    archive_bits=None,
-    page_score: str = "positional",
-) -> None:
-    """One-line usage errors for `--recall-ratio`, `--page-size`, `--archive-max`, `--archive`,
-    `--archive-bits`, `--page-score` (whatever the policy). A cap in bytes is checked against a page when the
-    cache is built."""
-    if not 0 <= recall_ratio <= 1:  # also NaN
-        raise UsageError(f"--recall-ratio {recall_ratio} must lie in [0, 1]")
-    if page_size < 1:
-        raise UsageError(f"--page-size {page_size} must be at least 1")
-    count, unit = archive_cap(archive_max)
-    if unit == "tokens" and count < 2 * page_size:
-        raise UsageError(f"--archive-max {archive_max} must hold at least two pages ({2 * page_size} tokens)")
-    if unit == "bytes" and count < 1:
-        raise UsageError(f"--archive-max {archive_max} must be at least two pages' bytes, e.g. 64MiB")
-    if not str(archive).strip():
-        raise UsageError("--archive '' names nothing; give ram, disk or a file or folder path")
-    if archive_bits not in ARCHIVE_BITS:
-        raise UsageError(f"--archive-bits {archive_bits} is not supported; choose 16 or 8 (or omit it)")
-    if page_score not in PAGE_SCORES:
-        raise UsageError(f"--page-score {page_score!r} is unknown; choose {' or '.join(PAGE_SCORES)}")
 
 
 @dataclass(frozen=True)
@@ -126,22 +77,3 @@ class RecallPolicy(HeavyHitterPolicy):
     def archive_tokens(self, span: int | None, page_bytes: int | None = None) -> int:
         """Archive capacity in tokens (`archive_capacity` of this policy's cap and pages)."""
         return archive_capacity(self.archive_max, self.page_size, span, page_bytes)
-
-
-def archive_capacity(archive_max: int | str, page_size: int, span: int | None, page_bytes: int | None) -> int:
-    """Archive capacity in tokens: `archive_max` (at most `span` when known), whole pages, at least two.
-
-    A cap in bytes holds as many whole pages as fit (`page_bytes`: one page's archive bytes, every layer, as
-    `h2o_cli.memory.archive_bytes` counts them); fewer than two is a usage error."""
-    count, unit = archive_cap(archive_max)
-    if unit == "bytes":
-        assert page_bytes, "a cap in bytes needs the bytes of a page"
-        if count < 2 * page_bytes:
-            raise UsageError(
-                f"--archive-max {archive_max} holds fewer than two pages of {page_size} tokens "
-                f"({2 * page_bytes:,} bytes with this model); give at least that, or a token count"
-            )
-        pages = count // page_bytes
-        return (min(pages, max(2, -(-span // page_size))) if span else pages) * page_size
-    tokens = min(count, span) if span else count
-    return max(2, -(-tokens // page_size)) * page_size

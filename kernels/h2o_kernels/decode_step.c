@@ -1,6 +1,6 @@
 /* One layer's decode step on the CPU, fused: write the new token, attend, accumulate scores, evict one.
  *
- * The same steps as `H2OLayer._step_on_one_thread` (h2o_cli/cache.py) on the torch path, for a store whose
+ * The same steps as `H2OLayer._step_on_one_thread` (h2o_cli/cache/layer.py) on the torch path, for a store whose
  * entries all lie below `active` with at most one hole there (the state a decode step runs in once the cache
  * is full), a policy whose victim is the lowest score outside the recent window, ties to the oldest
  * (`kernel_victim`), and exactly one entry over budget after the write. float32 only. The Python side

@@ -176,7 +176,7 @@ def decode_step(
 ) -> torch.Tensor:
     """Run the C step on `buffers.store` (see decode_step.c for the contract) and update its counters.
 
-    query: [n_kv_heads, group, 2 * head_dim] (`h2o_cli.decode_step.expand` form, scaled); key, value:
+    query: [n_kv_heads, group, 2 * head_dim] (`h2o_cli.cache.step.expand` form, scaled); key, value:
     [n_kv_heads, 1, head_dim] unrotated; table: `Rope.step_table`. Returns the output
     [n_kv_heads, group, head_dim] float32."""
     store = buffers.store

@@ -1,7 +1,7 @@
 /* The `recall` policy's one-token decode step on the CPU: a C call for the archive write (`update`), then two
  * per layer around torch's page bounds and query matrix.
  *
- * `recall_choose` is `PageArchive.choose_one` from the page bounds on (h2o_cli/archive.py) and
+ * `recall_choose` is `PageArchive.choose_one` from the page bounds on (h2o_cli/cache/recall/archive.py) and
  * `RecallLayer._read_all`: the candidates (archived tokens not in S), the pages that hold one ranked by
  * bound then age, the first `recall` candidates in reading order copied into the recall slots, and the hits.
  * Its result is the torch path's exactly: the bounds come from torch (`best_page_bound`) and the rest is
@@ -79,7 +79,7 @@ static void select_top(Pair *a, int64_t n, int64_t k) {
     }
 }
 
-/* `order_key` of h2o_cli/archive.py for one page: the bound's bits made monotone in its value (-0.0 first
+/* `order_key` of h2o_cli/cache/recall/archive.py for one page: the bound's bits made monotone in its value (-0.0 first
  * made +0.0) in the high 32 bits, minus the page's first token index in the low ones. */
 static inline int64_t order_key(float bound, int64_t page_start) {
     const float positive_zero = bound + 0.0f;

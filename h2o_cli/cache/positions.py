@@ -103,7 +103,7 @@ class Rope:
         return self._cos, self._sin
 
     def step_table(self, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """[>= length, 2 * head_dim] for `h2o_cli.decode_step`: row p is [c, s, s, c], the cos and sin of
+        """[>= length, 2 * head_dim] for `h2o_cli.cache.step`: row p is [c, s, s, c], the cos and sin of
         position p over the first half of the dims (valid where `DecodeMaps.usable(*self.table(...))`)."""
         cos, sin = self.table(length, dtype, device)
         if self._step is None:

@@ -8,8 +8,8 @@ the per-channel min and max of the page's keys (Quest's summary), so a query bou
 without reading the page: `sum_i max(q_i * max_i, q_i * min_i) >= q . k` for every key `k` of the page.
 
 Storage: K/V in RAM (`torch.empty`: the system backs them as they are written) or in a region of a memory-mapped
-file (`h2o_cli.archive_file`), whose pages are released from the process after every write and read; in the
-compute dtype, 16-bit, or int8 with one fp32 scale per (token, KV head) as `h2o_cli.kvquant`. The summaries and
+file (`h2o_cli.cache.recall.archive_file`), whose pages are released from the process after every write and read; in the
+compute dtype, 16-bit, or int8 with one fp32 scale per (token, KV head) as `h2o_cli.cache.kvquant`. The summaries and
 token indices always stay in RAM, and the summaries are taken from the exact keys as they arrive, before any
 rounding to the storage dtype (after a `rewind` a partly kept page is summarised again from its stored keys).
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from h2o_cli.kvquant import SCALE_DTYPE, dequantize, quantize, storage_dtype
+from h2o_cli.cache.kvquant import SCALE_DTYPE, dequantize, quantize, storage_dtype
 
 NOTHING = -1  # token index of an empty archive slot
 

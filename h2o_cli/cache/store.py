@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from h2o_cli.kvquant import dequantize, quantize
+from h2o_cli.cache.kvquant import dequantize, quantize
 from h2o_cli.policies import select_evictions
 
 

@@ -19,8 +19,8 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from h2o_cli.positions import rotate, unrotate
-from h2o_cli.threads import torch_threads
+from h2o_cli.cache.positions import rotate, unrotate
+from h2o_cli.cache.threads import torch_threads
 
 
 def expand(rotated: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The `recall` policy's one-token step on the torch path, and its statistics kept without host syncs.
 
 `RecallLayer` (h2o_cli.cache) takes this step for a decode call where `H2OLayer` takes its own
-(h2o_cli.decode_step): S packed in the lowest slots, RoPE folded into the query's matrix and the keys' rows of
+(h2o_cli.cache.step): S packed in the lowest slots, RoPE folded into the query's matrix and the keys' rows of
 `Rope.step_table`, one thread. What it adds, and why each part is exact (docs/spec.md, recall):
 - the page choice is `PageArchive.choose_one`: `choose` for one query, on the ring slots written so far;
 - a RAM archive's recalled K/V are read in one row gather per step (the values the recall slots would keep
@@ -111,7 +111,7 @@ def recall_step_attention(
     step_table: torch.Tensor,
     present: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`h2o_cli.decode_step.step_attention` over `S ∪ R` (one softmax), the recall slots that hold nothing left
+    """`h2o_cli.cache.step.step_attention` over `S ∪ R` (one softmax), the recall slots that hold nothing left
     out; S's and R's K/V are read where they lie (no concatenation).
 
     query: [n_kv_heads, group, 2 * head_dim] (`expand`'s form, rotated, scaled); keys, values:

@@ -1,0 +1,229 @@
+"""The model-level cache (`H2OCache`), speaking the transformers `Cache` protocol.
+
+`H2OCache(model, settings)` holds one `H2OLayer` (or `RecallLayer`) per decoder layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from h2o_kernels.dispatch import kernels_choice, triton_possible
+from transformers.cache_utils import Cache
+
+from h2o_cli.cache.kvquant import storage_dtype
+from h2o_cli.cache.layer import H2OLayer
+from h2o_cli.cache.positions import Rope
+from h2o_cli.cache.recall.archive import PageArchive
+from h2o_cli.cache.recall.layer import RecallLayer
+from h2o_cli.cache.step import DecodeMaps
+from h2o_cli.cache.store import LayerStore
+from h2o_cli.cache.threads import DecodeThreads
+from h2o_cli.config import CacheSettings
+from h2o_cli.errors import UsageError
+from h2o_cli.memory import ModelShape
+from h2o_cli.models.families import check_family, text_config
+from h2o_cli.policies import make_policy
+
+
+def compute_dtype(model) -> torch.dtype:
+    """The dtype attention runs in: the first float parameter's (bitsandbytes weights are int8/uint8)."""
+    for param in model.parameters():
+        if param.dtype.is_floating_point:
+            return param.dtype
+    return model.dtype
+
+
+class H2OCache(Cache):
+    """A fixed-memory KV cache for one sequence with H2O (or another) eviction policy.
+
+    A fractional budget is resolved against the model's context window. `span` is the most tokens this cache
+    will be given (default: the context window): a policy that never evicts preallocates that many.
+    With rolling positions, `budget + chunk` (capped at `span`) must fit in the context window, else a
+    `UsageError` names the fix (positions would pass the window the model was trained on).
+
+    Example:
+        cache = H2OCache(model, CacheSettings(budget=256))
+        model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+    """
+
+    def __init__(self, model, settings: CacheSettings, span: int | None = None) -> None:
+        from h2o_cli.cache.attention import enable
+
+        check_family(model)
+        enable(model)
+        self.shape = shape = ModelShape.from_config(text_config(model))  # also the memory accounting's
+        self.max_positions = shape.context
+        self.settings = settings = settings.resolved(shape.context)
+        self.quant = getattr(model, "h2o_quant", "none")
+        policy = make_policy(settings)
+        budget = policy.kept_tokens(min(span or shape.context, shape.context))
+        # Attention reads the kept entries, the recall slots and the chunk: positions reach their sum.
+        check_rolling_window(settings, budget + policy.recall_slots, span, shape.context)
+        param = next(model.parameters())
+        check_kernels(settings.kernels, param.device)
+        # What `generate_ids` decodes on; on a GPU the step's time is not the CPU's threads' to choose.
+        self.decode_threads = DecodeThreads(settings.decode_threads, measure=param.device.type == "cpu")
+        dtype = compute_dtype(model)
+        rope = Rope(model.model.rotary_emb, shape.head_dim)
+        maps = DecodeMaps()
+        layer_class = RecallLayer if policy.recalls else H2OLayer
+        layers = [
+            layer_class(
+                LayerStore(
+                    shape.n_kv_heads,
+                    shape.head_dim,
+                    budget,
+                    settings.chunk,
+                    storage_dtype(settings.kv_bits, dtype),
+                    param.device,
+                    compute_dtype=dtype,
+                ),
+                settings,
+                rope,
+                self.max_positions,
+                first_layer=number == 0,
+                maps=maps,
+            )
+            for number in range(shape.n_layers)
+        ]
+        self.archive_file = None  # the recall archive's mapped file, with --archive disk or PATH
+        if policy.recalls:
+            self._add_archives(layers, policy, span, dtype, param.device)
+        super().__init__(layers=layers)
+
+    def _add_archives(self, layers: list[RecallLayer], policy, span: int | None, dtype, device) -> None:
+        """Give every layer its `PageArchive`, in RAM or in one mapped file (docs/spec.md, recall: storage)."""
+        from h2o_cli import memory
+        from h2o_cli.cache.recall.archive_file import ArchiveFile, aligned, archive_location
+
+        settings, shape = self.settings, self.shape
+        bits, page = settings.archive_bits, policy.page_size
+        page_bytes = memory.archive_bytes(shape, page, page, dtype.itemsize, bits)
+        capacity = policy.archive_tokens(span, page_bytes)
+        regions = [None] * len(layers)
+        if settings.archive != "ram":
+            if device.type != "cpu":
+                raise UsageError(
+                    f"--archive {settings.archive} maps a file into CPU memory, but the model runs on {device}; "
+                    "use --archive ram (the archive then lives in device memory) or --device cpu"
+                )
+            region = aligned(
+                PageArchive.stored_bytes(shape.n_kv_heads, shape.head_dim, capacity, dtype, bits)
+            )
+            where = archive_location(settings.archive, settings.keep_archive)
+            self.archive_file = ArchiveFile(where, region * len(layers), settings.keep_archive)
+            regions = [self.archive_file.region(region) for _ in layers]
+        for layer, region in zip(layers, regions, strict=True):
+            layer.add_archive(capacity, dtype, device, bits, region)
+
+    def close(self) -> None:
+        """Remove the recall archive's file now (unless kept); it is removed anyway when the cache is
+        collected or the interpreter exits. The cache must not be used afterwards with a file archive."""
+        if self.archive_file is not None:
+            self.archive_file.close()
+
+    @property
+    def policy(self):
+        """The eviction policy (`h2o_cli.policies`); every layer holds an equal one."""
+        return self.layers[0].policy
+
+    @property
+    def positions(self) -> str:
+        """The positions in use: `settings.positions` unless the policy allows only others."""
+        return self.layers[0].positions
+
+    @property
+    def stores(self) -> list[LayerStore]:
+        return [layer.store for layer in self.layers]
+
+    def nbytes(self) -> int:
+        """Bytes of all preallocated cache buffers."""
+        return sum(store.nbytes() for store in self.stores)
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.stores[0].tokens_seen
+
+    def rewind_archive(self, tokens: int) -> None:
+        """With a recalling policy, forget archived tokens from index `tokens` on (the stores were put back to
+        that point, e.g. by the eval scorer's snapshot); nothing otherwise."""
+        for layer in self.layers:
+            if isinstance(layer, RecallLayer):
+                layer.archive.rewind(tokens)
+                layer.recall_index.fill_(-1)
+
+    def archive_summary(self) -> dict:
+        """The archive's figures with a recalling policy, else {} (docs/spec.md, recall: reporting).
+
+        `archive_bytes` (all layers, preallocated) = `archive_ram_bytes` (token index, summaries, and the K/V of
+        a RAM archive) + `archive_disk_bytes` (the K/V of a file archive); `archive_token_bytes` per token;
+        `archive_tokens` (tokens held), `archive_reach` = `archive_oldest` (the oldest token still recallable);
+        `recall_slots` and their bytes; `recalled_per_step` (tokens per KV head, mean over layers and steps),
+        of which `recall_hits` were already in the recall slots and `archive_reads_per_step` were read."""
+        layers = [layer for layer in self.layers if isinstance(layer, RecallLayer)]
+        if not layers:
+            return {}
+        archive = layers[0].archive
+        steps = sum(layer.steps for layer in layers)
+        recalled = sum(layer.recalled_total for layer in layers) / steps if steps else 0.0
+        hits = sum(layer.hits_total for layer in layers) / steps if steps else 0.0
+        kept = self.archive_file is not None and self.settings.keep_archive
+        return {
+            "archive_storage": "ram" if self.archive_file is None else "disk",
+            "archive_path": None if self.archive_file is None else str(self.archive_file.path),
+            "archive_kept": kept,
+            "archive_bits": self.settings.archive_bits,
+            "archive_bytes": sum(layer.archive.nbytes() for layer in layers),
+            "archive_ram_bytes": sum(layer.archive.ram_bytes() for layer in layers),
+            "archive_disk_bytes": sum(layer.archive.disk_bytes() for layer in layers),
+            "archive_token_bytes": sum(layer.archive.token_bytes() for layer in layers),
+            "archive_capacity": archive.capacity,
+            "archive_tokens": archive.held(),
+            "archive_reach": archive.oldest,
+            "archive_oldest": archive.oldest,
+            "recall_slots": self.policy.recall_slots,
+            "recall_slot_bytes": sum(
+                tensor.nbytes
+                for layer in layers
+                for tensor in (layer.recall_keys, layer.recall_values, layer.recall_index)
+            ),
+            "recalled_per_step": recalled,
+            "recall_hits": hits,
+            "archive_reads_per_step": recalled - hits,
+        }
+
+    @property
+    def length(self) -> int:
+        """Entries each KV head holds now."""
+        return self.stores[0].length
+
+
+def check_rolling_window(settings: CacheSettings, budget: int, span: int | None, context: int) -> None:
+    """Rolling positions reach `budget + chunk - 1` (SPEC.md), or `span - 1` for a cache never given more than
+    `span` tokens; refuse settings that would pass `context`."""
+    rolling = make_policy(settings).positions_for(settings.positions) == "rolling"
+    if rolling and min(budget + settings.chunk, span or budget + settings.chunk) > context:
+        raise UsageError(
+            f"--budget {budget} + --chunk {settings.chunk} = {budget + settings.chunk} positions pass the "
+            f"model's context window ({context}); use --chunk {max(1, context - budget)} or less, "
+            f"or --budget {max(2, context - settings.chunk)} or less"
+        )
+
+
+def check_kernels(kernels: str, device: torch.device) -> None:
+    """Refuse `--kernels triton` (or `$H2O_KERNELS`) where Triton cannot run, and an unknown `$H2O_KERNELS`."""
+    try:
+        choice = kernels_choice(kernels)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if choice == "triton" and not triton_possible(device):
+        raise UsageError(
+            f"--kernels triton needs a CUDA device and the triton package (device: {device}); "
+            "use --kernels torch or auto"
+        )
+    if choice == "native" and torch.device(device).type != "cpu":
+        raise UsageError(
+            f"--kernels native is the CPU's decode step (device: {device}); use --kernels torch or auto"
+        )
+
+
+__all__ = ["H2OCache", "check_kernels", "check_rolling_window", "compute_dtype"]

@@ -1,0 +1,307 @@
+"""The `recall` policy's layer (`RecallLayer`, docs/spec.md): `H2OLayer` plus an archive of every token and
+recall slots refilled from it at every step."""
+
+from __future__ import annotations
+
+import torch
+from h2o_kernels import native, slot_attention
+from h2o_kernels.dispatch import use_native
+
+from h2o_cli.cache.layer import H2OLayer
+from h2o_cli.cache.positions import rotate, unrotate
+from h2o_cli.cache.recall.archive import PageArchive
+from h2o_cli.cache.recall.step import (
+    RecallCounts,
+    recall_is_full,
+    recall_step_attention,
+    rolling_step_positions,
+)
+
+
+class RecallLayer(H2OLayer):
+    """A layer of the `recall` policy (docs/spec.md): `H2OLayer`'s store holds S, managed as `h2o`; every
+    token is also written to a `PageArchive`, and each step refills `recall_slots` slots per KV head from it.
+
+    The step runs on the torch reference (also on CUDA): pass 1 chooses the recalled tokens with the chunk's
+    queries, pass 2 attends over S, them and the chunk with the exact softmax, scores S only, evicts. A
+    one-token call takes the same steps in far fewer ops (`_step_on_one_thread`, h2o_cli.recall_step), or as
+    C calls on the CPU once S is full (`_native_recall_step`, h2o_kernels/recall_step.c).
+    """
+
+    # The new keys are unrotated elementwise, as the chunk path does, so the archive, its page summaries and
+    # hence the page choice are bit for bit the chunk path's.
+    step_keys_by_map = False
+
+    def add_archive(
+        self,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        bits: int | None = None,
+        region=None,
+    ) -> None:
+        """Allocate the archive (`capacity` tokens; `bits` and `region` as `PageArchive`) and the recall slots
+        `[n_kv_heads, recall_slots, head_dim]` (in `dtype`, the compute dtype)."""
+        store, policy = self.store, self.policy
+        self.archive = PageArchive(
+            store.n_kv_heads, store.head_dim, capacity, policy.page_size, dtype, device, bits, region
+        )
+        shape = (store.n_kv_heads, policy.recall_slots)
+        self.recall_keys = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)
+        self.recall_values = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)
+        self.recall_index = torch.full(shape, -1, dtype=torch.int64, device=device)  # token index, -1 = empty
+        self.counts = RecallCounts(store.n_kv_heads)
+        # The C step's fixed arguments (`_recall_buffers`); None: not looked at yet, False: not for this layer.
+        self._native_recall: native.RecallBuffers | bool | None = None
+
+    @property
+    def recalled(self) -> float:
+        """Tokens recalled per KV head in the last step (the mean over heads)."""
+        return self.counts.recalled
+
+    @property
+    def hits(self) -> float:
+        """Of them, already in the recall slots the step before (not read again)."""
+        return self.counts.hits
+
+    @property
+    def recalled_total(self) -> float:
+        """`recalled` summed over every step since the start."""
+        return self.counts.recalled_total
+
+    @property
+    def hits_total(self) -> float:
+        return self.counts.hits_total
+
+    @property
+    def steps(self) -> int:
+        return self.counts.steps
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs=None, **extra):
+        """As `H2OLayer.update`, and archive the call's unrotated K/V (write-through, before any eviction)."""
+        result = super().update(key_states, value_states, *args, kwargs=kwargs, **extra)
+        keys, values = self._new_states
+        if keys.shape[1] == 1 and self._step and self._recall_buffers() is not None:
+            native.archive_token(self._native_recall, keys, values)  # one C call for the same writes
+        else:
+            self.archive.write(keys, values)
+        return result
+
+    def _attend_written(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The recall step for the chunk just written (query [n_heads, chunk, head_dim], unrotated).
+        Returns [1, chunk, n_heads, head_dim]."""
+        chunk, store = query.shape[1], self.store
+        n_kv, active, first = store.n_kv_heads, store.active, store.tokens_seen - chunk
+        slots, hits = self.recall_index.shape[1], 0
+        if slots:  # pass 1: the chunk's queries choose archived tokens, read back into the recall slots
+            grouped = self._page_query(query, chunk).reshape(
+                n_kv, -1, store.head_dim
+            )  # [n_kv, group * chunk, d]
+            chosen, valid = self.archive.choose(grouped, store.token_index[:, :active], first, slots)
+            hits = self._read_back(chosen, valid)
+        self.counts.add((self.recall_index >= 0).sum(), hits)
+        # Pass 2: E_q = S ∪ R ∪ {chunk tokens <= q}; R is older than the chunk, so every query sees all of it.
+        token_index = torch.cat([store.token_index[:, :active], self.recall_index], dim=1)
+        present = token_index >= 0
+        allowed = torch.cat(
+            [
+                store.allowed(chunk).expand(-1, chunk, -1),
+                present[:, active:].unsqueeze(1).expand(-1, chunk, -1),
+            ],
+            dim=2,
+        )
+        if self.positions == "rolling":
+            # Rank by token index among the entries present; heads with fewer entries are shifted up so every
+            # head's queries share positions (RoPE logits depend only on the distance, which stays the rank's).
+            order = torch.argsort(token_index.masked_fill(~present, torch.iinfo(torch.int64).max), dim=1)
+            steps = torch.arange(order.shape[1], device=order.device).expand_as(order)
+            rank = torch.empty_like(order).scatter_(1, order, steps)
+            entries = present.sum(dim=1, keepdim=True)
+            key_positions = torch.where(present, rank + entries.max() - entries, 0)
+            first_query_position = int(entries.max()) - chunk
+        else:
+            key_positions = token_index.clamp_min(0)
+            first_query_position = first
+        cos_table, sin_table = self.rope.table(first_query_position + chunk, query.dtype, query.device)
+        query_positions = slice(first_query_position, first_query_position + chunk)
+        output, increments, last_probs = slot_attention(
+            query,
+            torch.cat([store.key_states(active), self.recall_keys.to(store.compute_dtype)], dim=1),
+            torch.cat([store.value_states(active), self.recall_values.to(store.compute_dtype)], dim=1),
+            allowed,
+            cos_table[query_positions],
+            sin_table[query_positions],
+            cos_table[key_positions],
+            sin_table[key_positions],
+            scaling,
+        )
+        store.accumulate(increments[:, :active], last_probs[:, :active], chunk)  # S only: r = 0 is h2o
+        store.evict(self.policy)
+        return output.transpose(0, 1).unsqueeze(0)
+
+    def _step_on_one_thread(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The recall step of one token (decode) on the torch path (`update` chose it; `attend` packed S into
+        its lowest slots): pass 1 by `PageArchive.choose_one`, pass 2 by one softmax over S and R at the
+        positions of `rolling_step_positions` or token indices, S's scores, eviction. The chunk path's result
+        (docs/spec.md; h2o_cli.recall_step says why each part is the same). query: [1, n_heads, 1, head_dim]
+        rotated by the model. Returns [1, 1, n_heads, head_dim]."""
+        if self.store.length == self.store.budget and self._recall_buffers() is not None:
+            return self._native_recall_step(query, scaling)
+        store, archive = self.store, self.archive
+        keys, values, cos, sin = self._call_left()
+        store.write(keys, values)
+        active, n_kv, head_dim = store.active, store.n_kv_heads, store.head_dim  # active == length: packed
+        resident = store.token_index[:, :active]
+        slots = self.recall_index.shape[1]
+        full = recall_is_full(archive.held(), store.length, slots)
+        if slots:
+            chosen, valid = archive.choose_one(self._step_page_query(query, cos, sin), resident, slots)
+            if archive.region is None:
+                hits = self._read_all(chosen, valid, full)
+            else:  # a file archive reads only the tokens new to the recall slots
+                hits = self._read_back(chosen, valid)
+            self.counts.add(slots * n_kv if full else valid.sum(), hits)
+        else:
+            self.counts.add(0, 0)
+        present = None if full else self.recall_index >= 0
+        if self.positions == "rolling":
+            key_positions, position = rolling_step_positions(resident, self.recall_index, full)
+        else:
+            key_positions = torch.cat([resident, self.recall_index.clamp_min(0)], dim=1)
+            position = store.tokens_seen - 1
+        query_map, step_table = self._step_maps(cos, sin, position, scaling, query.device)
+        output, probs = recall_step_attention(
+            self._grouped(query, query_map),
+            store.key_states(active),
+            store.value_states(active),
+            self.recall_keys,
+            self.recall_values,
+            key_positions,
+            step_table,
+            present,
+        )
+        increments = probs[:, :, :active].sum(dim=1)  # [n_kv, active]: S only (r = 0 is h2o)
+        store.accumulate(increments, increments, 1)
+        self._evict_after_step()
+        return output.to(query.dtype).view(1, 1, -1, head_dim)
+
+    def _recall_buffers(self) -> native.RecallBuffers | None:
+        """The C step's fixed arguments when it can run this layer (h2o_kernels.native, recall_step.c): a
+        `kernel_victim` policy, float32 store and a float32 archive in RAM on the CPU, `--kernels auto` or
+        `native` with a C compiler; else None (the torch step)."""
+        if self._native_recall is None:
+            store, archive = self.store, self.archive
+            self._native_recall = False
+            if (
+                self.policy.kernel_victim
+                and store.keys.dtype == store.compute_dtype == torch.float32
+                and archive.region is None
+                and archive.keys.dtype == archive.dtype == torch.float32
+                and use_native(store.keys.device, self.settings.kernels)
+            ):
+                self._native_recall = native.RecallBuffers(self)
+        return self._native_recall or None
+
+    def _native_recall_step(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """`_step_on_one_thread` as two C calls (recall_step.c) for a full S: the page bounds by torch
+        (`PageArchive.step_bounds`), then `recall_choose` (the rest of `choose_one` and the read into the
+        recall slots), the query map for the position that leaves, and `recall_decode_step` (write, attention
+        over S ∪ R, S's scores, eviction). The same recalled tokens as the torch step, the rest to float
+        rounding."""
+        store, archive, policy = self.store, self.archive, self.policy
+        keys, values, cos, sin = self._call_left()
+        buffers = self._native_recall
+        most = 0  # recall slots of the fullest head
+        if self.recall_index.shape[1]:
+            bounds = archive.step_bounds(self._step_page_query(query, cos, sin))
+            recalled, hits = native.recall_choose(buffers, bounds)
+            most = buffers.totals[1]
+            self.counts.add(recalled, hits)
+        else:
+            self.counts.add(0, 0)
+        rolling = self.positions == "rolling"
+        # The query's position: its rank in E_q (S after the write, and the fullest head's R), or its index.
+        position = store.length + most if rolling else store.tokens_seen
+        query_map, step_table = self._step_maps(cos, sin, position, scaling, query.device)
+        output = native.recall_step(
+            buffers,
+            self._grouped(query, query_map),
+            keys,
+            values,
+            step_table,
+            rolling=rolling,
+            limit=store.length + 1 - policy.recent_slots,
+            decay=policy.decay_per_query,
+            entries=position + 1,
+        )
+        return output.to(query.dtype).view(1, 1, -1, store.head_dim)
+
+    def _step_page_query(self, query: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """A one-token step's page-scoring queries [n_kv, group, head_dim]: the model's rotated query unrotated
+        elementwise, as the chunk path has it, so the page bounds are bit for bit the chunk path's."""
+        unrotated = unrotate(query[0, :, 0], cos.to(query.dtype), sin.to(query.dtype))
+        return self._page_query(unrotated, 1).view(self.store.n_kv_heads, -1, self.store.head_dim)
+
+    def _page_query(self, query: torch.Tensor, chunk: int) -> torch.Tensor:
+        """The queries (unrotated, any shape [..., head_dim]) that score archive pages, in float32: as they are
+        (`--page-score unrotated`) or rotated by the mean rotation over the distances the policy gives for a
+        chunk of `chunk` tokens (`positional`; docs/spec.md, recall), the chunk already archived. Elementwise,
+        so a one-token step scores bit for bit as a chunk of one."""
+        query = query.float()
+        distances = self.policy.score_distances(self.positions == "rolling", chunk, self.archive.tokens)
+        if distances is None:
+            return query
+        return rotate(query, *self.rope.mean_rotation(*distances, query.device))
+
+    def _step_tables(self, position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `H2OLayer._step_tables`, with room for the recall slots' positions."""
+        slots = self.recall_index.shape[1]
+        return self.rope.table(max(position + 1, self.store.slots) + slots, self.store.compute_dtype, device)
+
+    def _read_all(self, chosen: torch.Tensor, valid: torch.Tensor, full: bool) -> torch.Tensor:
+        """`_read_back` for a RAM archive: every chosen token read from the archive in one row gather (a
+        hit's K/V are the archive's own, so the slots end up the same). Returns the hits (a 0-d tensor)."""
+        archive = self.archive
+        wanted = archive.token_index.take(chosen)  # [n_kv, r] token indices
+        if not full:
+            wanted.masked_fill_(~valid, -1)
+        # Hits: the slots' tokens so far, placed at their ring slots (they were archived at the last step, so
+        # no two share one, all below `span`; empty slots go to a spare column), read at the chosen slots.
+        held, span = self.recall_index, archive.span
+        before = torch.full((held.shape[0], span + 1), -1, dtype=held.dtype, device=held.device)
+        before.scatter_(1, torch.where(held >= 0, held % archive.capacity, span), held)
+        hit = before.gather(1, chosen) == wanted
+        hits = (hit if full else hit & valid).sum()
+        archive.read_into(chosen, self.recall_keys, self.recall_values)
+        if not full:
+            empty = ~valid.unsqueeze(-1)
+            self.recall_keys.masked_fill_(empty, 0)
+            self.recall_values.masked_fill_(empty, 0)
+        self.recall_index.copy_(wanted)
+        return hits
+
+    def _read_back(self, chosen: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Fill the recall slots with archive slots `chosen` [n_kv, r] where `valid`, in that order (empty: 0).
+
+        A token already in a recall slot (a hit: chosen again) is moved from there; only the others are read
+        from the archive, so a disk archive reads just the pages that are new to the slots.
+        Returns the hits summed over KV heads (a 0-d tensor)."""
+        wanted = torch.where(valid, self.archive.token_index[chosen], -1)  # [n_kv, r] token indices
+        held, order = self.recall_index.sort(dim=1)
+        place = torch.searchsorted(held, wanted).clamp_max(held.shape[1] - 1)
+        hit = (held.gather(1, place) == wanted) & valid
+        source = order.gather(1, place).unsqueeze(-1).expand(-1, -1, self.recall_keys.shape[-1])
+        keys, values = self.recall_keys.gather(1, source), self.recall_values.gather(1, source)
+        heads, columns = (valid & ~hit).nonzero(as_tuple=True)
+        keys[heads, columns], values[heads, columns] = self.archive.read(heads, chosen[heads, columns])
+        empty = ~valid.unsqueeze(-1)
+        self.recall_keys.copy_(keys.masked_fill_(empty, 0))
+        self.recall_values.copy_(values.masked_fill_(empty, 0))
+        self.recall_index.copy_(wanted)
+        return hit.sum()
+
+    def reset(self) -> None:
+        super().reset()
+        self.archive.reset()
+        self.recall_index.fill_(-1)
+        self.counts.reset()
