@@ -341,3 +341,47 @@ def test_h2o_variants_from_the_help_example_run_and_report_their_heavy_slots():
     assert 32 - 1 < report["heavy_mean_age"] < 300 and 0 < report["heavy_attention_share"] < 1
     bad = h2o("stream", EXCERPT, "--ppl", "--budget", "64", "--h2o-sinks", "40", "--max-tokens", "10")
     assert bad.returncode == 2 and "--h2o-sinks 40" in one_error_line(bad.stderr.decode())
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [(["stream", "--ppl"], "--sample"), (["stream", EXCERPT, "--sample", "--ppl"], "not both")],
+)
+def test_stream_takes_a_file_or_the_sample_exactly(monkeypatch, capsys, args, words):
+    exit_code, out, err = h2o_in_process(monkeypatch, capsys, *args)
+    assert exit_code == 2 and words in one_error_line(err) and out == ""
+
+
+def test_the_sample_text_ships_with_the_package():
+    """The shipped book is Project Gutenberg's Frankenstein, whole (header and license kept, as its SOURCE.txt
+    says), and a non-editable install carries it: it is package data in pyproject.toml."""
+    from conftest import REPO
+
+    from h2o_cli.data import SAMPLE_TEXT
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    data = SAMPLE_TEXT.read_bytes()
+    assert len(data) == 450783 and f"bytes={len(data)}" in (SAMPLE_TEXT.parent / "SOURCE.txt").read_text()
+    text = data.decode("utf-8")
+    assert "Project Gutenberg's Frankenstein, by Mary Wollstonecraft (Godwin) Shelley" in text[:200]
+    assert "*** END OF THIS PROJECT GUTENBERG EBOOK FRANKENSTEIN ***" in text
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "h2o_cli.data" in setuptools["packages"]
+    assert setuptools["package-data"]["h2o_cli.data"] == ["*.txt"]
+
+
+def test_sample_streams_from_anywhere_like_the_file_itself(loaded_stream, monkeypatch, capsys, tmp_path):
+    """README's first command, cut short: `--sample` needs no path and reads what the file itself reads."""
+    from h2o_cli.data import SAMPLE_TEXT
+
+    copy = tmp_path / "book.txt"
+    copy.write_bytes(SAMPLE_TEXT.read_bytes())
+    monkeypatch.chdir(tmp_path)
+    args = ["--ppl", "--json", "--budget", "64", "--max-tokens", "200", "--chunk", "32"]
+    code, out, err = h2o_in_process(monkeypatch, capsys, "stream", "--sample", *args)
+    assert code in (0, None), err
+    sample = json.loads(out)
+    code, out, err = h2o_in_process(monkeypatch, capsys, "stream", str(copy), *args)
+    assert code in (0, None), err
+    assert sample["tokens"] == 200 and sample["ppl"] == json.loads(out)["ppl"]

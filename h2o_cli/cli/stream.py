@@ -11,14 +11,15 @@ import typer
 from h2o_cli.cli import options as opt
 from h2o_cli.cli.common import load, size, stderr
 from h2o_cli.config import CacheSettings
-from h2o_cli.errors import InputError
+from h2o_cli.errors import InputError, UsageError
 
 EXAMPLES = """
 Examples:
 
-  h2o stream book.txt --ppl --budget 0.1
+  h2o stream --sample --ppl --budget 0.1
+  h2o stream --sample --ppl --policy sink --max-tokens 20000 --json
+  h2o stream --sample --max-tokens 4000 --prompt "Who wrote the letters?" --max-new-tokens 64
   cat book.txt | h2o stream - --ppl --budget 512 --policy sink --json
-  h2o stream book.txt --prompt "Who is Victor's friend?" --max-new-tokens 64
   h2o stream book.txt --ppl --quant 4bit --kv-bits 8
   h2o stream book.txt --ppl --budget 410 --score-decay 0.995 --h2o-sinks 4 --json
   h2o stream book.txt --ppl --policy recall --budget 512 --archive disk --archive-bits 8 --archive-max 1GiB
@@ -49,7 +50,16 @@ def _tracked(progress, task, source_file, total_bytes: int | None):
 @opt.cache_options(budget=opt.DEFAULTS["budget"], chunk=opt.DEFAULTS["chunk"])
 def stream(
     settings: CacheSettings,
-    source: Annotated[str, typer.Argument(metavar="FILE", help="Text file to read, or - for stdin.")],
+    source: Annotated[
+        str | None,
+        typer.Argument(metavar="FILE", help="Text file to read, or - for stdin.", show_default=False),
+    ] = None,
+    sample: Annotated[
+        bool,
+        typer.Option(
+            "--sample", help="Read the text shipped with h2o (Frankenstein, public domain) instead of FILE."
+        ),
+    ] = False,
     ppl: Annotated[bool, typer.Option("--ppl", help="Report the perplexity of the text.")] = False,
     max_tokens: Annotated[
         int | None,
@@ -78,8 +88,8 @@ def stream(
 
     With --ppl, report its perplexity; otherwise read it and then generate (answer --prompt, or continue
     the text). The perplexity line or the generated text goes to stdout; progress and figures to stderr.
-    For perplexity over long running text `--policy sink` measured lower than `h2o` (docs/results.md §9);
-    to ask about the text afterwards, `--policy recall` keeps what `h2o` forgets (§10).
+    For perplexity over long running text `--policy sink` measured lower than `h2o`; to ask about the text
+    afterwards, `--policy recall` keeps what `h2o` forgets (docs/results.md).
     """
     from h2o_cli.cache import H2OCache
     from h2o_cli.generation import Sampling
@@ -87,6 +97,7 @@ def stream(
     from h2o_cli.textio import open_source
 
     sampling = Sampling(max_new_tokens, temperature, top_p, seed)
+    source = _source(source, sample)
     source_file = open_source(source)  # fail on a bad path before loading a model
     total_bytes = None
     if source != "-":
@@ -106,6 +117,19 @@ def stream(
         print(json.dumps(report))
     if report.get("error"):
         raise InputError(report["error"])
+
+
+def _source(source: str | None, sample: bool) -> str:
+    """FILE, `-`, or the shipped sample's path with --sample (exactly one of them)."""
+    if sample and source is not None:
+        raise UsageError("give FILE or --sample, not both")
+    if sample:
+        from h2o_cli.data import SAMPLE_TEXT
+
+        return str(SAMPLE_TEXT)
+    if source is None:
+        raise UsageError("give a text file, - for stdin, or --sample for the text shipped with h2o")
+    return source
 
 
 def _pieces(tokenizer, reader, source: str):
