@@ -18,7 +18,7 @@ Examples:
 
   h2o stream --sample --ppl --budget 0.1
   h2o stream --sample --ppl --policy sink --max-tokens 20000 --json
-  h2o stream --sample --max-tokens 4000 --prompt "Who wrote the letters?" --max-new-tokens 64
+  h2o stream --sample --policy recall --max-tokens 8000 --prompt "Who wrote this book?"
   cat book.txt | h2o stream - --ppl --budget 512 --policy sink --json
   h2o stream book.txt --ppl --quant 4bit --kv-bits 8
   h2o stream book.txt --ppl --budget 410 --score-decay 0.995 --h2o-sinks 4 --json
