@@ -1,7 +1,7 @@
 """Which implementation runs: the Triton kernels or the pure-torch references (same signatures, same results).
 
 `kernels` (the cache setting `--kernels`, else `$H2O_KERNELS`) is `torch`, `triton` or `auto`. `auto` is the
-torch path on a GPU for now: on an H200 (docs/benchmarks.md, "Triton kernels on a GPU") the fused decode
+torch path on a GPU for now: on an H200 (docs/benchmarks.md, "Are the Triton kernels faster on a GPU?") the fused decode
 kernel beat the torch reference at 1,024 slots but lost from 4,096 on, and the two-pass prefill kernel was
 hundreds of times slower than SDPA (each launches one program per KV head), so the kernels are opt-in
 (`--kernels triton`) until they split the slot axis. On the CPU, `auto` (or `native`) runs a full cache's
