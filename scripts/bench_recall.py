@@ -1,4 +1,4 @@
-"""What `recall` costs against `h2o` at the same budget (issue 11: decode and stream tokens/s, goal >= 0.75x).
+"""What `recall` costs against `h2o` at the same budget (decode and stream tokens/s).
 
 One process, one model; rounds alternate the policies, so both see the same machine load. Per round and policy:
 stream `--context` tokens of a book through the cache in chunks (tokens/s of that read), then greedy-decode

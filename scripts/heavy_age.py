@@ -1,4 +1,4 @@
-"""What the heavy slots hold along a stream (issue 13): per layer, the age of the heavy entries, the attention
+"""What the heavy slots hold along a stream: per layer, the age of the heavy entries, the attention
 sinks still kept and the share of the latest attention they get, sampled every N tokens; JSON and a plot.
 
 Each run streams the same book's first --tokens tokens (as `h2o stream --ppl` does) with one setting of the

@@ -1,4 +1,4 @@
-"""Issue 6: quality and decode speed for {none, 8bit, 4bit} weights x {full, H2O@20%} x {kv 16, 8}.
+"""Quality and decode speed for {none, 8bit, 4bit} weights x {full, H2O@20%} x {kv 16, 8}.
 
     python scripts/memory_results.py quality QUANT --tokens 2048 --examples 50 >> docs/results/memory_quality.jsonl
     python scripts/memory_results.py decode --prompt 512 --new 64 > docs/results/memory_decode.jsonl

@@ -1,4 +1,4 @@
-"""Passkey retrieval after a long text (issue 11): length x depth x seed x budget x policy, one JSON line per run.
+"""Passkey retrieval after a long text: length x depth x seed x budget x policy, one JSON line per run.
 
 Each haystack is Paul Graham essays (the needle task's haystack) read from an offset chosen by the seed, cut so
 the whole prompt is `--lengths` tokens, with the passkey sentence inserted at `depth` % (at a sentence end).

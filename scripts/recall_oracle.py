@@ -1,5 +1,5 @@
 """The passkey grid with the needle made attendable by force: what `recall` would answer if its page choice
-never missed the needle (issue 11: is the miss the choice's, or the positions' and the rest of the context's?).
+never missed the needle (is the miss the choice's, or the positions' and the rest of the context's?).
 
 Each run is `recall_grid.py`'s (same haystacks, the question after the text, greedy answer), with
 `PageArchive.choose` (the question's chunk) and `PageArchive.choose_one` (every decode step, on the torch

@@ -1,4 +1,4 @@
-"""Why `recall` misses a passkey in longer texts (issue 11): at the question, where is the needle?
+"""Why `recall` misses a passkey in longer texts: at the question, where is the needle?
 
 The passkey run of `recall_grid.py` (same haystacks, same question after the text), with `PageArchive.choose`
 watched while the question's chunk is read. For every layer and KV head it records where the needle's tokens

@@ -172,7 +172,7 @@ def figure(books: dict[str, list[dict]], path: Path) -> Path | None:
     return path
 
 
-STREAM_VARIANTS = {  # file suffix of docs/results/stream13_BOOK_SUFFIX.json -> row label (issue 13)
+STREAM_VARIANTS = {  # file suffix of docs/results/variants_BOOK_SUFFIX.json -> row label
     "base": None,  # h2o (paper), sink, local: as the rows name them
     "local": None,
     "decay": "h2o, --score-decay {gamma}",
@@ -181,13 +181,13 @@ STREAM_VARIANTS = {  # file suffix of docs/results/stream13_BOOK_SUFFIX.json -> 
 }
 
 
-def stream13_tables(out: Path) -> str:
-    """Issue 13 at reduced scale: per book, PPL at 410 and 819 tokens for h2o (paper), its variants, sink,
-    local (files `stream13_BOOK_VARIANT.json`), and the γ sweep (`stream13_gamma_BOOK.json`)."""
+def variant_tables(out: Path) -> str:
+    """h2o's variants on long streams, reduced scale: per book, PPL at 410 and 819 tokens for h2o (paper), its variants, sink,
+    local (files `variants_BOOK_VARIANT.json`), and the γ sweep (`variants_gamma_BOOK.json`)."""
     books: dict[str, dict[str, dict[int, float]]] = {}
     tokens: dict[str, int] = {}
-    for path in sorted(out.glob("stream13_*_pg*_*.json")):
-        book, _, variant = path.stem.removeprefix("stream13_").rpartition("_")
+    for path in sorted(out.glob("variants_*_pg*_*.json")):
+        book, _, variant = path.stem.removeprefix("variants_").rpartition("_")
         rows = _load(path)
         table = books.setdefault(book, {})
         for row in rows:
@@ -214,7 +214,7 @@ def stream13_tables(out: Path) -> str:
                 cells.append(f"**{cell}**" if value == best else cell)
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
-    sweep = [row for path in sorted(out.glob("stream13_gamma_*.json")) for row in _load(path)]
+    sweep = [row for path in sorted(out.glob("variants_gamma_*.json")) for row in _load(path)]
     if sweep:
         lines.append(
             "| --score-decay γ | " + " | ".join(f"{r['budget_tokens']} tok" for r in sweep[:1]) + " |"
@@ -237,7 +237,7 @@ def main() -> None:
     print("## xsum\n\n" + xsum_table(args.out / "xsum.json") + "\n")
     for name in ("needle", "hotpotqa", "kv_retrieval"):
         print(f"## {name}\n\n" + long_table(args.out / f"{name}.json") + "\n")
-    print("## Issue 13 (reduced scale)\n\n" + stream13_tables(args.out) + "\n")
+    print("## h2o variants on long streams (reduced scale)\n\n" + variant_tables(args.out) + "\n")
     made = figure(books, args.figs / "budget_ppl.png")
     if made:
         print(f"figure: {made}")
