@@ -167,3 +167,21 @@ def test_panels_of_other_policies_are_unchanged(tiny_pair):
         row = row_of(text)
         # Strip of 120 - 8 - 26 - 2 = 84 cells, then the usual tail (kept/budget, heavy, bytes).
         assert len(row.rstrip()) == LABEL_WIDTH + 84 + 26
+
+
+def test_the_legend_fits_under_the_rows_at_any_height():
+    """With more layers than fit, the rows leave room for every line under them: the layer count, the
+    tokens most kept and the legend stay on screen."""
+    one = snapshot_of(list(range(10)), 10, recent=5)
+    index = one.token_index.expand(30, 3, -1).clone()
+    many = replace(
+        one, token_index=index, heavy=one.heavy.expand(30, 3, -1).clone(), scores=torch.zeros(index.shape)
+    )
+    for height in range(12, 40):
+        console = Console(width=120, record=True, color_system=None)
+        console.print(render_panel(many, PanelView(), 120, height, decode=lambda token: f"t{token}"))
+        text = console.export_text().splitlines()
+        assert len(text) <= height
+        assert "turn starts" in text[-1], height
+        assert any(line.startswith("most kept") for line in text), height
+        assert any(line.startswith("showing") for line in text), height

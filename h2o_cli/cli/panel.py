@@ -164,10 +164,13 @@ def render_panel(
         lines.append(recalled_line)
     ruler = turn_ruler(list(turn_starts), snapshot.tokens_seen, strip_width, snapshot.archive_oldest)
     lines.append(Text(" " * LABEL_WIDTH) + ruler)
+    footer = footer_lines(snapshot, width, decode, recalls)
     if view.layer is not None:
         layers = [min(max(view.layer, 0), snapshot.n_layers - 1)]
     else:
-        room = max(1, (height - len(lines) - 2) // snapshot.n_kv_heads)
+        room = (height - len(lines) - len(footer)) // snapshot.n_kv_heads
+        if room < snapshot.n_layers:  # one line more says how many layers are shown
+            room = max(1, (height - len(lines) - len(footer) - 1) // snapshot.n_kv_heads)
         step = max(1, -(-snapshot.n_layers // room))
         layers = list(range(0, snapshot.n_layers, step))
     heavy_cells, recent_cells = snapshot.strips(strip_width)
@@ -209,12 +212,20 @@ def render_panel(
                 f"showing {len(layers)} of {snapshot.n_layers} layers; /panel layer N shows one", style="dim"
             )
         )
+    lines += footer
+    return Group(*[line[:width] if len(line) > width else line for line in lines[:height]])
+
+
+def footer_lines(snapshot: CacheSnapshot, width: int, decode, recalls: bool) -> list[Text]:
+    """The lines under the rows: the tokens most kept (with `decode`) and the legend (on two lines when
+    recall's does not fit beside it)."""
+    footer: list[Text] = []
     if decode is not None:
         top = snapshot.top_heavy(8)
         if top:
             total = snapshot.n_layers * snapshot.n_kv_heads
             words = "  ".join(f"{_shown(decode(index))} {kept}/{total}" for index, kept in top)
-            lines.append(Text.assemble(("most kept: ", "bold"), words))
+            footer.append(Text.assemble(("most kept: ", "bold"), words))
     legend = Text.assemble(
         ("▒", "green"),
         " recent  ",
@@ -235,9 +246,9 @@ def render_panel(
         if len(legend) + 2 + len(recall_legend) <= width:
             legend += Text("  ") + recall_legend
         else:
-            lines.append(recall_legend)
-    lines.append(legend)
-    return Group(*[line[:width] if len(line) > width else line for line in lines[:height]])
+            footer.append(recall_legend)
+    footer.append(legend)
+    return footer
 
 
 class PreRendered:
