@@ -14,7 +14,7 @@ import torch
 
 from h2o_cli.cache import H2OCache
 from h2o_cli.config import CacheSettings
-from h2o_cli.policies.base import REGISTRY
+from h2o_cli.policies import policy_class, policy_names
 from h2o_cli.streaming import stream_perplexity
 
 
@@ -122,7 +122,8 @@ def plot_budget_curve(rows: Sequence[dict], path: Path, metric: str = "ppl") -> 
         points = sorted(
             (row["budget"], row[metric]) for row in rows if row["policy"] == policy and metric in row
         )
-        if points and policy in REGISTRY and not REGISTRY[policy].evicts:  # one budget: a reference line
+        # A policy that never evicts runs at one budget: a reference line.
+        if points and policy in policy_names() and not policy_class(policy).evicts:
             ax.axhline(points[0][1], color="black", linestyle="--", label=policy)
             continue
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)

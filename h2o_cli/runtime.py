@@ -6,8 +6,8 @@ import resource
 import sys
 
 from h2o_cli.cache import H2OCache
+from h2o_cli.cache.families import context_window
 from h2o_cli.config import CacheSettings
-from h2o_cli.models.families import context_window
 
 
 def make_settings(model, budget: str | float, policy: str = "h2o", **settings) -> CacheSettings:

@@ -9,6 +9,7 @@ import torch
 from h2o_kernels.dispatch import kernels_choice, triton_possible
 from transformers.cache_utils import Cache
 
+from h2o_cli.cache.families import check_family
 from h2o_cli.cache.kvquant import storage_dtype
 from h2o_cli.cache.layer import H2OLayer
 from h2o_cli.cache.positions import Rope
@@ -20,7 +21,6 @@ from h2o_cli.cache.threads import DecodeThreads
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
 from h2o_cli.memory import ModelShape
-from h2o_cli.models.families import check_family, text_config
 from h2o_cli.policies import make_policy
 
 
@@ -50,7 +50,7 @@ class H2OCache(Cache):
 
         check_family(model)
         enable(model)
-        self.shape = shape = ModelShape.from_config(text_config(model))  # also the memory accounting's
+        self.shape = shape = ModelShape.from_config(model.config)  # the decoder's, as memory counts it
         self.max_positions = shape.context
         self.settings = settings = settings.resolved(shape.context)
         self.quant = getattr(model, "h2o_quant", "none")

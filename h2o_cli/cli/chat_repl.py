@@ -195,10 +195,10 @@ class ChatLoop:
         stderr.print(f"budget {tokens} tokens per KV head; {self.session.cache.tokens_seen:,} tokens re-read")
 
     def _policy(self, argument: str) -> None:
-        from h2o_cli.config import POLICIES
+        from h2o_cli.policies import policy_names
 
-        if argument not in POLICIES:
-            raise UsageError(f"/policy needs one of {', '.join(POLICIES)}")
+        if argument not in policy_names():
+            raise UsageError(f"/policy needs one of {', '.join(policy_names())}")
         self._rebuild(f"/policy {argument}", self.session.set_policy, argument)
         stderr.print(f"policy {argument}; {self.session.cache.tokens_seen:,} tokens re-read")
 

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import torch
 
 from h2o_cli.cache import H2OCache
+from h2o_cli.cache.families import context_window
 from h2o_cli.config import CacheSettings
 from h2o_cli.generation import Sampling, TextStreamer, generate_ids
-from h2o_cli.models.families import context_window
 from h2o_cli.streaming import chunks_of, forward_chunk
 
 
