@@ -60,11 +60,12 @@ def heavy_hitter_map(model, ids: Sequence[int], budget: int, chunk: int = 32) ->
     """Which token each (layer, KV head) keeps after streaming `ids` with the h2o policy: [layers, kv_heads, tokens]."""
     cache = H2OCache(model, CacheSettings(budget=budget, policy="h2o", chunk=chunk))
     stream_perplexity(model, cache, [list(ids)], chunk)
-    kept = np.zeros((len(cache.stores), cache.stores[0].n_kv_heads, len(ids)), dtype=np.float32)
-    for layer, store in enumerate(cache.stores):
-        for head in range(store.n_kv_heads):
-            index = store.token_index[head][store.valid[head]].numpy()
-            kept[layer, head, index] = 1.0
+    layers = cache.layer_slots()
+    kept = np.zeros((len(layers), layers[0].valid.shape[0], len(ids)), dtype=np.float32)
+    for number, layer in enumerate(layers):
+        for head in range(layer.valid.shape[0]):
+            index = layer.token_index[head][layer.valid[head]].numpy()
+            kept[number, head, index] = 1.0
     return kept
 
 

@@ -200,3 +200,42 @@ def test_settings_check_policy_names_in_a_fresh_interpreter():
         [sys.executable, "-c", code], check=True, cwd=REPO, timeout=120, capture_output=True, text=True
     )
     assert "--policy 'nope' is unknown; choose one of h2o, local, sink, tova, full, recall" in done.stdout
+
+
+CACHE_INSIDES = {"stores", "store", "recall_index"}  # the cache's layers' stores and recall slots
+OWNERS = {"policy", "archive"}  # `cache.policy.x`, `layer.archive.x`: a policy's or an archive's fields
+
+
+def inside_reads(tree: ast.AST) -> list[int]:
+    """Lines of `tree` that read a cache's insides: a store or recall slots, its layers (`….cache.layers`), a
+    field of its policy or archive."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", "")
+        if (
+            node.attr in CACHE_INSIDES
+            or (node.attr == "layers" and owner.endswith("cache"))
+            or (isinstance(node.value, ast.Attribute) and node.value.attr in OWNERS)
+        ):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_the_inside_reads_rule_sees_them():
+    code = "a = cache.stores[0].budget\nb = cache.policy.recall_slots\nc = self.cache.layers[0]\nd = cache.report()\n"
+    assert inside_reads(ast.parse(code)) == [1, 2, 3]
+    assert inside_reads(ast.parse("model.model.layers = settings.archive\n")) == []
+
+
+def test_only_the_cache_reads_its_layers():
+    """Commands, the panel, the eval tables and the analyses read `H2OCache.report()` and `layer_slots()`,
+    never the cache's layers, stores, archive or policy: what they print cannot depend on how it keeps things."""
+    found = [
+        f"{path.relative_to(REPO)}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).parts[0] not in ("cache", "policies")
+        for line in inside_reads(ast.parse(path.read_text(encoding="utf-8")))
+    ]
+    assert not found, found

@@ -255,10 +255,9 @@ class ChatLoop:
             self.view = PanelView()
         elif words[0] == "layer" and len(words) == 2 and words[1].isdigit():
             layer = int(words[1])
-            if layer >= len(self.session.cache.stores):
-                raise UsageError(
-                    f"layer {layer} does not exist; the model has {len(self.session.cache.stores)}"
-                )
+            layers = self.session.cache.report().shape.n_layers
+            if layer >= layers:
+                raise UsageError(f"layer {layer} does not exist; the model has {layers}")
             self.view = PanelView(layer=layer)
         else:
             raise UsageError("/panel takes on, off, all or layer N")
