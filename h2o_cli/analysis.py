@@ -1,12 +1,18 @@
-"""What the heavy slots hold (issue 13): the age of their tokens, the attention sinks among them, and how
-much of the latest attention they still receive. Read from a cache's slot arrays; nothing is changed."""
+"""What the heavy slots hold: the age of their tokens, the attention sinks among them, and how much of the
+latest attention they still receive. Read from a cache's `layer_slots()`; nothing is changed."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.cache.report import LayerSlots
 
 SINK_TOKENS = 4  # StreamingLLM's attention sinks: the first tokens of the stream
 
@@ -65,8 +71,9 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float(values[mask].double().sum() / count) if count else float("nan")
 
 
-def layer_stats(store, recent_slots: int) -> dict[str, float]:
-    """The figures of one `LayerStore` whose policy keeps `recent_slots` newest entries per head."""
+def layer_stats(store: LayerSlots, recent_slots: int) -> dict[str, float]:
+    """The figures of one layer's slots (`LayerSlots`, or anything with its fields, such as a `LayerStore`)
+    whose policy keeps `recent_slots` newest entries per head."""
     valid = store.valid
     token_index = store.token_index
     heavy = valid & (store.rank < store.length - recent_slots)
@@ -89,11 +96,16 @@ def layer_stats(store, recent_slots: int) -> dict[str, float]:
     }
 
 
-def heavy_slot_stats(cache) -> HeavySlotStats:
-    """`HeavySlotStats` of an `H2OCache` (any policy: one without heavy slots gives NaN ages)."""
-    recent = cache.policy.recent_slots
-    layers = [layer_stats(store, recent) for store in cache.stores]
+def slot_stats(layers: Sequence[LayerSlots], recent_slots: int) -> HeavySlotStats:
+    """`HeavySlotStats` of a cache's `layer_slots()` whose policy keeps the `recent_slots` newest entries per
+    head (`CacheReport.recent_window`)."""
+    figures = [layer_stats(layer, recent_slots) for layer in layers]
     return HeavySlotStats(
-        tokens_seen=cache.tokens_seen,
-        **{name: [layer[name] for layer in layers] for name in layers[0]},
+        tokens_seen=layers[0].tokens_seen,
+        **{name: [layer[name] for layer in figures] for name in figures[0]},
     )
+
+
+def heavy_slot_stats(cache: H2OCache) -> HeavySlotStats:
+    """`HeavySlotStats` of an `H2OCache` (any policy: one without heavy slots gives NaN ages)."""
+    return slot_stats(cache.layer_slots(), cache.report().recent_window)

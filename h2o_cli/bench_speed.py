@@ -19,8 +19,8 @@ import torch
 from transformers import DynamicCache
 
 from h2o_cli.cache import H2OCache, compute_dtype
+from h2o_cli.cache.families import text_config
 from h2o_cli.memory import ModelShape, token_kv_bytes
-from h2o_cli.models.families import text_config
 from h2o_cli.runtime import make_settings
 from h2o_cli.streaming import prefill, stream_perplexity
 

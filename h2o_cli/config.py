@@ -3,7 +3,8 @@
 `CacheSettings` is the only list of cache settings: the CLI declares one option per field
 (`h2o_cli.cli.options.CACHE_OPTIONS`), the lm-eval model takes the same names as model args, and every
 command, the eval harness and the library build a cache from it. What a policy name means (its slot split,
-positions, parameter checks) is decided in `h2o_cli/policies/`, never here.
+positions, parameter checks) is decided in `h2o_cli/policies/`, never here: the settings reach a policy by
+its name through `h2o_cli.policy_registry`, and import no policy module.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ from dataclasses import dataclass, fields, replace
 
 from h2o_cli.cache.recall.limits import archive_cap, check_recall_options
 from h2o_cli.errors import UsageError
-from h2o_cli.policies import make_policy, policy_class, policy_names
+from h2o_cli.policy_registry import make_policy, policy_class
 
-POLICIES = policy_names()  # the built-in policies; `policy_names()` also sees policies registered later
 POSITIONS = ("rolling", "original")
 KV_BITS = (None, 16, 8)
 KERNELS = ("auto", "torch", "triton", "native")  # h2o_kernels.dispatch.KERNELS (a test checks they agree)

@@ -14,7 +14,7 @@ import torch
 
 from h2o_cli.cache import H2OCache
 from h2o_cli.config import CacheSettings
-from h2o_cli.policies.base import REGISTRY
+from h2o_cli.policies import policy_class, policy_names
 from h2o_cli.streaming import stream_perplexity
 
 
@@ -60,11 +60,12 @@ def heavy_hitter_map(model, ids: Sequence[int], budget: int, chunk: int = 32) ->
     """Which token each (layer, KV head) keeps after streaming `ids` with the h2o policy: [layers, kv_heads, tokens]."""
     cache = H2OCache(model, CacheSettings(budget=budget, policy="h2o", chunk=chunk))
     stream_perplexity(model, cache, [list(ids)], chunk)
-    kept = np.zeros((len(cache.stores), cache.stores[0].n_kv_heads, len(ids)), dtype=np.float32)
-    for layer, store in enumerate(cache.stores):
-        for head in range(store.n_kv_heads):
-            index = store.token_index[head][store.valid[head]].numpy()
-            kept[layer, head, index] = 1.0
+    layers = cache.layer_slots()
+    kept = np.zeros((len(layers), layers[0].valid.shape[0], len(ids)), dtype=np.float32)
+    for number, layer in enumerate(layers):
+        for head in range(layer.valid.shape[0]):
+            index = layer.token_index[head][layer.valid[head]].numpy()
+            kept[number, head, index] = 1.0
     return kept
 
 
@@ -122,7 +123,8 @@ def plot_budget_curve(rows: Sequence[dict], path: Path, metric: str = "ppl") -> 
         points = sorted(
             (row["budget"], row[metric]) for row in rows if row["policy"] == policy and metric in row
         )
-        if points and policy in REGISTRY and not REGISTRY[policy].evicts:  # one budget: a reference line
+        # A policy that never evicts runs at one budget: a reference line.
+        if points and policy in policy_names() and not policy_class(policy).evicts:
             ax.axhline(points[0][1], color="black", linestyle="--", label=policy)
             continue
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)

@@ -1,4 +1,5 @@
-"""Files holding a user's text (chat transcripts, input history): 0600 in 0700 folders, as shell history is.
+"""Where h2o keeps its files (`h2o_home`), and files holding a user's text (chat transcripts, input history,
+the recall archive): 0600 in 0700 folders, as shell history is.
 
 Modes are set explicitly, not left to the umask: a transcript is private whatever the umask says.
 """
@@ -10,6 +11,11 @@ from pathlib import Path
 
 FOLDER_MODE = 0o700
 FILE_MODE = 0o600
+
+
+def h2o_home() -> Path:
+    """`$H2O_HOME`, by default `~/.cache/h2o`: converted models, the recall archive, the chat history."""
+    return Path(os.environ.get("H2O_HOME", Path.home() / ".cache" / "h2o"))
 
 
 def private_folder(path: str | Path) -> Path:

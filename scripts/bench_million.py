@@ -137,7 +137,7 @@ def main() -> None:
             "window_ppl": float(torch.tensor((stats.nll - window["nll"]) / max(predictions, 1)).exp()),
             "cache_mib": cache.nbytes() / 2**20,
             "cached_tokens": cache.length,
-            "evictions_per_head": cache.stores[0].evictions,
+            "evictions_per_head": cache.report().evictions,
         }
         rows.append(row)
         log.write(json.dumps(row) + "\n")

@@ -81,7 +81,7 @@ def decode(args) -> None:
                     "quant": quant,
                     "kv_bits": kv_bits,
                     "policy": policy,
-                    "budget_tokens": cache.stores[0].budget,
+                    "budget_tokens": cache.report().resident_slots,
                     "prompt": args.prompt,
                     "new": count,
                     "tok_s": round(count / seconds, 2),

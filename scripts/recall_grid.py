@@ -113,9 +113,9 @@ def answer_in_chat(
 
 
 def run(args) -> None:
+    from h2o_cli.cache.families import context_window
     from h2o_cli.eval.data import load_essays
     from h2o_cli.models import load_model
-    from h2o_cli.models.families import context_window
     from h2o_cli.policies import policy_class
 
     if args.threads:

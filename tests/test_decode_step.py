@@ -230,7 +230,6 @@ def test_restored_snapshot_decodes_as_before(tiny_pair):
     """The eval scorer puts a prefilled state back before each continuation; a decode step in between packed
     the entries below a smaller `active`, so the restore must widen it again (else entries are lost)."""
     from h2o_cli.cache import H2OCache
-    from h2o_cli.eval.scoring import restore, snapshot
 
     _, model = tiny_pair
     torch.manual_seed(0)
@@ -243,10 +242,10 @@ def test_restored_snapshot_decodes_as_before(tiny_pair):
     with torch.inference_mode():
         for start in range(0, 32, 16):
             model(input_ids=ids[:, start : start + 16], cache=cache, use_cache=True)
-        state = snapshot(cache)
+        state = cache.state()
         first = decode(range(32, 40))
         assert cache.stores[0].active == 9  # packed by the first step
-        restore(cache, state)
+        cache.restore(state)
         again = decode(range(32, 40))
     for one, two in zip(first, again, strict=True):
         torch.testing.assert_close(one, two)

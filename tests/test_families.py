@@ -11,8 +11,8 @@ from conftest import TINY_SIZES
 from naive import naive_model_nll
 
 from h2o_cli.cache import H2OCache
+from h2o_cli.cache.families import SUPPORTED_FAMILIES
 from h2o_cli.config import CacheSettings
-from h2o_cli.models.families import SUPPORTED_FAMILIES
 
 SIZES = TINY_SIZES
 

@@ -13,9 +13,10 @@ import torch
 from h2o_cli import memory
 from h2o_cli.cache import H2OCache
 from h2o_cli.cache.kvquant import dequantize, quantize
-from h2o_cli.config import POLICIES, CacheSettings
+from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
 from h2o_cli.models import quant_backend
+from h2o_cli.policies import policy_names
 
 LLAMA_7B = dict(  # huggyllama/llama-7b config.json
     hidden_size=4096,
@@ -57,7 +58,7 @@ def test_int8_kv_attention_matches_fp32_reference():
     assert torch.allclose(approx[1], reference[1], atol=0.02)  # scores, hence eviction, barely move
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", policy_names())
 def test_int8_cache_composes_with_every_policy(tiny_pair, policy):
     _, model = tiny_pair
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from h2o_cli import policies
+from h2o_cli import policies, policy_registry
 from h2o_cli.cache import H2OCache
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
@@ -35,10 +35,10 @@ class FirstTokensPolicy(Policy):
 @pytest.fixture
 def registry():
     """The registry, restored after the test."""
-    saved = dict(policies.base.REGISTRY)
-    yield policies.base.REGISTRY
-    policies.base.REGISTRY.clear()
-    policies.base.REGISTRY.update(saved)
+    saved = dict(policy_registry.REGISTRY)
+    yield policy_registry.REGISTRY
+    policy_registry.REGISTRY.clear()
+    policy_registry.REGISTRY.update(saved)
 
 
 def test_registering_one_class_is_all_a_new_policy_takes(registry, tiny_pair):

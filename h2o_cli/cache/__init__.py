@@ -7,6 +7,8 @@ Where each part lives (docs/design.md has the full map):
 - `step.py`: the one-token decode step on the torch path.
 - `positions.py`: RoPE un-/re-rotation and rolling ranks. `attention.py`: the "h2o" attention hook.
 - `kvquant.py`: 16/8-bit K/V storage. `threads.py`: the decode step's thread count.
+- `report.py`: `CacheReport` and `LayerSlots`, what a cache holds and costs as plain data (what commands read).
+- `families.py`: the model families the cache supports, a model's text config and context window.
 - `recall/`: the `recall` policy's layer, step, archive (RAM and file) and limits.
 
 The names below are imported on first use, so that a module of this package (say `recall.limits`) can be

@@ -9,18 +9,19 @@ import torch
 from h2o_kernels.dispatch import kernels_choice, triton_possible
 from transformers.cache_utils import Cache
 
+from h2o_cli.cache.families import check_family
 from h2o_cli.cache.kvquant import storage_dtype
 from h2o_cli.cache.layer import H2OLayer
 from h2o_cli.cache.positions import Rope
 from h2o_cli.cache.recall.archive import PageArchive
 from h2o_cli.cache.recall.layer import RecallLayer
+from h2o_cli.cache.report import CacheReport, LayerSlots
 from h2o_cli.cache.step import DecodeMaps
 from h2o_cli.cache.store import LayerStore
 from h2o_cli.cache.threads import DecodeThreads
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
 from h2o_cli.memory import ModelShape
-from h2o_cli.models.families import check_family, text_config
 from h2o_cli.policies import make_policy
 
 
@@ -50,7 +51,7 @@ class H2OCache(Cache):
 
         check_family(model)
         enable(model)
-        self.shape = shape = ModelShape.from_config(text_config(model))  # also the memory accounting's
+        self.shape = shape = ModelShape.from_config(model.config)  # the decoder's, as memory counts it
         self.max_positions = shape.context
         self.settings = settings = settings.resolved(shape.context)
         self.quant = getattr(model, "h2o_quant", "none")
@@ -133,7 +134,59 @@ class H2OCache(Cache):
 
     @property
     def stores(self) -> list[LayerStore]:
+        """Every layer's store: the cache's own (and its tests'); reports read `report()`/`layer_slots()`."""
         return [layer.store for layer in self.layers]
+
+    def report(self) -> CacheReport:
+        """The cache's figures now, as plain data (`CacheReport`): what every command and table reports."""
+        policy, store = self.policy, self.stores[0]
+        return CacheReport(
+            settings=self.settings,
+            shape=self.shape,
+            quant=self.quant,
+            positions=self.positions,
+            resident_slots=store.budget,
+            recall_slots=policy.recall_slots,
+            heavy_slots=policy.heavy_slots,
+            recent_window=policy.recent_slots,
+            sinks=getattr(policy, "sinks", 0),  # only the policies that take the option have the field
+            h2o_sinks=getattr(policy, "h2o_sinks", 0),
+            score_decay=policy.decay_per_query,
+            slots=store.slots,
+            length=store.length,
+            tokens_seen=store.tokens_seen,
+            evictions=store.evictions,
+            nbytes=self.nbytes(),
+            compute_bytes=store.compute_dtype.itemsize,
+            kv_element_bytes=store.keys.element_size(),
+            archive=self.archive_summary(),
+        )
+
+    def layer_slots(self) -> list[LayerSlots]:
+        """What each layer's slots hold now (`LayerSlots`: views of the live buffers, not copies)."""
+        return [
+            LayerSlots(
+                token_index=layer.store.token_index,
+                rank=layer.store.rank,
+                valid=layer.store.valid,
+                scores=layer.store.scores,
+                last_probs=layer.store.last_probs,
+                length=layer.store.length,
+                tokens_seen=layer.store.tokens_seen,
+                recalled=layer.recall_index if isinstance(layer, RecallLayer) else None,
+            )
+            for layer in self.layers
+        ]
+
+    def state(self) -> list[dict]:
+        """A copy of every layer's entries and counters (`LayerStore.state`), to put back with `restore`."""
+        return [store.state() for store in self.stores]
+
+    def restore(self, state: list[dict]) -> None:
+        """Put back a `state()`; a recall archive forgets what it archived since."""
+        for store, layer_state in zip(self.stores, state, strict=False):
+            store.restore(layer_state)
+        self.rewind_archive(state[0]["tokens_seen"])
 
     def nbytes(self) -> int:
         """Bytes of all preallocated cache buffers."""
@@ -145,7 +198,7 @@ class H2OCache(Cache):
 
     def rewind_archive(self, tokens: int) -> None:
         """With a recalling policy, forget archived tokens from index `tokens` on (the stores were put back to
-        that point, e.g. by the eval scorer's snapshot); nothing otherwise."""
+        that point, by `restore`); nothing otherwise."""
         for layer in self.layers:
             if isinstance(layer, RecallLayer):
                 layer.archive.rewind(tokens)

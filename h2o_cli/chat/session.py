@@ -192,7 +192,7 @@ class ChatSession:
             **summary,
             "tokens_seen": self.cache.tokens_seen,
             "turns": len(self.turns),
-            "full_kv_bytes": full_kv_bytes(self.cache, self.cache.tokens_seen),
+            "full_kv_bytes": self.cache.report().full_kv_bytes,
             "last_prompt_tokens": self.last.prompt_tokens,
             "last_generated_tokens": self.last.generated_tokens,
             "last_tokens_per_s": self.last.tokens_per_s,
@@ -222,10 +222,3 @@ def to_markdown(system: str | None, turns: list[Turn]) -> str:
     for turn in turns:
         parts.append(f"## {turn.role} (tokens {turn.start}–{turn.end})\n\n{turn.content.strip()}\n")
     return "\n".join(parts)
-
-
-def full_kv_bytes(cache: H2OCache, tokens: int) -> int:
-    """Bytes a plain full KV cache (keys and values, no eviction) would need for `tokens` tokens."""
-    store = cache.stores[0]
-    per_token = 2 * store.n_kv_heads * store.head_dim * store.keys.element_size()
-    return len(cache.stores) * per_token * tokens

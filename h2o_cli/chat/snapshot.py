@@ -120,37 +120,35 @@ class CacheSnapshot:
 
 def take_snapshot(cache: H2OCache) -> CacheSnapshot:
     """Copy the small per-slot arrays of every layer (not K/V): ~a few hundred microseconds for 30 layers."""
-    from h2o_cli.analysis import heavy_slot_stats
-    from h2o_cli.chat.session import full_kv_bytes
+    from h2o_cli.analysis import slot_stats
 
-    stores = cache.stores
-    settings = cache.settings
-    store = stores[0]
-    token_index = torch.stack([s.token_index for s in stores]).cpu()
-    rank = torch.stack([s.rank for s in stores]).cpu()
-    valid = torch.stack([s.valid for s in stores]).cpu()
-    scores = torch.stack([s.scores for s in stores]).float().cpu()
-    recent = store.budget - cache.policy.heavy_slots
-    heavy = valid & (rank < store.length - recent)
+    report = cache.report()
+    layers = cache.layer_slots()
+    token_index = torch.stack([layer.token_index for layer in layers]).cpu()
+    rank = torch.stack([layer.rank for layer in layers]).cpu()
+    valid = torch.stack([layer.valid for layer in layers]).cpu()
+    scores = torch.stack([layer.scores for layer in layers]).float().cpu()
+    recent = report.recent_slots
+    heavy = valid & (rank < report.length - recent)
     recalled, archive_oldest = None, None
-    if cache.policy.recalls:  # RecallLayer: the last step's recall slots, and the archive's reach
-        recalled = torch.stack([layer.recall_index for layer in cache.layers]).cpu()
-        archive_oldest = int(cache.layers[0].archive.oldest)
+    if layers[0].recalled is not None:  # recall: the last step's recall slots, and the archive's reach
+        recalled = torch.stack([layer.recalled for layer in layers]).cpu()
+        archive_oldest = int(report.archive["archive_oldest"])
     return CacheSnapshot(
         token_index=torch.where(valid, token_index, -1),
         heavy=heavy,
         scores=scores,
-        tokens_seen=store.tokens_seen,
-        length=store.length,
-        budget=store.budget,
-        slots=store.slots,
-        recent=min(recent, store.length),
-        policy=settings.policy,
-        evictions=store.evictions,
-        bytes_per_head=store.nbytes() // store.n_kv_heads,
-        cache_bytes=cache.nbytes(),
-        full_kv_bytes=full_kv_bytes(cache, store.tokens_seen),
-        heavy_summary=heavy_slot_stats(cache).summary(),
+        tokens_seen=report.tokens_seen,
+        length=report.length,
+        budget=report.resident_slots,
+        slots=report.slots,
+        recent=min(recent, report.length),
+        policy=report.policy,
+        evictions=report.evictions,
+        bytes_per_head=report.bytes_per_head,
+        cache_bytes=report.nbytes,
+        full_kv_bytes=report.full_kv_bytes,
+        heavy_summary=slot_stats(layers, report.recent_window).summary(),
         recalled=recalled,
         archive_oldest=archive_oldest,
     )

@@ -195,10 +195,10 @@ class ChatLoop:
         stderr.print(f"budget {tokens} tokens per KV head; {self.session.cache.tokens_seen:,} tokens re-read")
 
     def _policy(self, argument: str) -> None:
-        from h2o_cli.config import POLICIES
+        from h2o_cli.policies import policy_names
 
-        if argument not in POLICIES:
-            raise UsageError(f"/policy needs one of {', '.join(POLICIES)}")
+        if argument not in policy_names():
+            raise UsageError(f"/policy needs one of {', '.join(policy_names())}")
         self._rebuild(f"/policy {argument}", self.session.set_policy, argument)
         stderr.print(f"policy {argument}; {self.session.cache.tokens_seen:,} tokens re-read")
 
@@ -255,10 +255,9 @@ class ChatLoop:
             self.view = PanelView()
         elif words[0] == "layer" and len(words) == 2 and words[1].isdigit():
             layer = int(words[1])
-            if layer >= len(self.session.cache.stores):
-                raise UsageError(
-                    f"layer {layer} does not exist; the model has {len(self.session.cache.stores)}"
-                )
+            layers = self.session.cache.report().shape.n_layers
+            if layer >= layers:
+                raise UsageError(f"layer {layer} does not exist; the model has {layers}")
             self.view = PanelView(layer=layer)
         else:
             raise UsageError("/panel takes on, off, all or layer N")

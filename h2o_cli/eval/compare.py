@@ -36,10 +36,11 @@ def compare_perplexity(
         cell = replace(base, policy=policy, budget=budget).resolved(len(ids), floor=True)
         cache = H2OCache(model, cell, span=len(ids))
         stats = stream_perplexity(model, cache, [list(ids)], cell.chunk)
+        report = cache.report()
         row = {
             "policy": policy,
             "budget": budget,
-            "budget_tokens": cache.stores[0].budget + cache.policy.recall_slots,
+            "budget_tokens": report.budget_tokens,
             "score_norm": cell.score_norm,
             "heavy_ratio": cell.heavy_ratio,
             "score_decay": cell.score_decay,
@@ -48,7 +49,7 @@ def compare_perplexity(
             "quant": getattr(model, "h2o_quant", "none"),
             "tokens": stats.tokens,
             "ppl": stats.ppl,
-            **cache.archive_summary(),  # recall: the archive's bytes (RAM, disk), reach and recalls
+            **report.archive,  # recall: the archive's bytes (RAM, disk), reach and recalls
         }
         cache.close()
         rows.append(row)

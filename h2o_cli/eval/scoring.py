@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import torch
 
 from h2o_cli.cache import H2OCache
+from h2o_cli.cache.families import context_window
 from h2o_cli.config import CacheSettings
 from h2o_cli.generation import Sampling, TextStreamer, generate_ids
-from h2o_cli.models.families import context_window
 from h2o_cli.streaming import chunks_of, forward_chunk
 
 
@@ -39,19 +39,7 @@ class CachePool:
 def budget_used(cache: H2OCache, prompt_tokens: int) -> int:
     """Tokens of the prompt attention reads per head besides the chunk (all of it for a cache that never
     evicts; the resident entries and the recall slots for `recall`)."""
-    return min(prompt_tokens, cache.stores[0].budget + cache.policy.recall_slots)
-
-
-def snapshot(cache: H2OCache) -> list[dict]:
-    """The state of every layer store (`LayerStore.state`)."""
-    return [store.state() for store in cache.stores]
-
-
-def restore(cache: H2OCache, states: list[dict]) -> None:
-    """Put back a `snapshot`, archives included."""
-    for store, state in zip(cache.stores, states, strict=False):
-        store.restore(state)
-    cache.rewind_archive(states[0]["tokens_seen"])
+    return min(prompt_tokens, cache.report().budget_tokens)
 
 
 @torch.inference_mode()
@@ -72,11 +60,11 @@ def continuation_scores(
     The context is prefilled once; each continuation starts from a snapshot of that state.
     """
     first = prefill_logits(model, cache, context, chunk)
-    state = snapshot(cache) if len(continuations) > 1 else None
+    state = cache.state() if len(continuations) > 1 else None
     results = []
     for number, continuation in enumerate(continuations):
         if number and state is not None:
-            restore(cache, state)
+            cache.restore(state)
         logprobs = [first]
         for piece in chunks_of([list(continuation[:-1])], chunk):
             logprobs.extend(torch.log_softmax(forward_chunk(model, cache, piece), dim=-1))

@@ -1,14 +1,14 @@
 """Models: presets, where a `--model` points, device/dtype, GGUF conversion, quantisation, loading.
 
 presets.py   aliases and public configs      sources.py  resolution, configs, the hub
-families.py  supported families              device.py   --device / --dtype
-gguf.py      GGUF -> safetensors             quant.py    --quant backends
-loading.py   load_model
+device.py    --device / --dtype              gguf.py     GGUF -> safetensors
+quant.py     --quant backends                loading.py  load_model
+The supported families are the cache's to say (`h2o_cli.cache.families`); they are re-exported here.
 """
 
+from h2o_cli.cache.families import SUPPORTED_FAMILIES, check_family, context_window, text_config
 from h2o_cli.memory import QUANTS
 from h2o_cli.models.device import pick_device, pick_dtype
-from h2o_cli.models.families import SUPPORTED_FAMILIES, check_family, context_window, text_config
 from h2o_cli.models.gguf import convert_gguf
 from h2o_cli.models.loading import load_model
 from h2o_cli.models.presets import DEFAULT_MODEL, PRESETS, PUBLIC_CONFIGS, ModelPreset

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from h2o_cli.cache.families import SUPPORTED_FAMILIES
 from h2o_cli.errors import UnsupportedModelError
 from h2o_cli.models.device import pick_device, pick_dtype
-from h2o_cli.models.families import SUPPORTED_FAMILIES
 from h2o_cli.models.presets import DEFAULT_MODEL
 from h2o_cli.models.quant import quant_backend, quantization_config, torch_int8
 from h2o_cli.models.sources import load_config, local_folder, not_found, offline, resolve

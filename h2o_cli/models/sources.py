@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
-import os
 import socket
 import threading
 import urllib.parse
@@ -14,10 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from h2o_cli.cache.families import SUPPORTED_FAMILIES
 from h2o_cli.errors import H2OError, ModelNotFoundError, UsageError
-from h2o_cli.models.families import SUPPORTED_FAMILIES
 from h2o_cli.models.gguf import convert_gguf
 from h2o_cli.models.presets import DEFAULT_MODEL, PRESETS, PUBLIC_CONFIGS, ModelPreset
+from h2o_cli.private import h2o_home
 
 
 @dataclass(frozen=True)
@@ -28,10 +28,6 @@ class ModelSource:
     kind: str
     location: str  # gguf: file path; folder: directory; hub: repo id
     preset: ModelPreset | None = None
-
-
-def h2o_home() -> Path:
-    return Path(os.environ.get("H2O_HOME", Path.home() / ".cache" / "h2o"))
 
 
 def embedded_gguf(preset: ModelPreset) -> Path | None:

@@ -1,4 +1,4 @@
-"""What every eviction policy is and sees, the registry of policies, and the shared tie rule."""
+"""What every eviction policy is and sees, and the shared tie rule (names: `h2o_cli.policy_registry`)."""
 
 from __future__ import annotations
 
@@ -96,22 +96,6 @@ class Policy:
     def priority(self, state: SlotState) -> torch.Tensor:
         """`[n_kv_heads, slots]`: the lowest is evicted first (ties to the oldest), `inf` = never."""
         raise NotImplementedError
-
-
-REGISTRY: dict[str, type[Policy]] = {}
-
-
-def register(policy: type[Policy]) -> type[Policy]:
-    """Make a policy class known by its `name` (to `CacheSettings`, the CLI's choices, `make_policy`)."""
-    REGISTRY[policy.name] = policy
-    return policy
-
-
-def policy_class(name: str) -> type[Policy]:
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise UsageError(f"--policy {name!r} is unknown; choose one of {', '.join(REGISTRY)}") from None
 
 
 def split_slots(budget: int, heavy_ratio: float) -> int:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from h2o_cli.errors import ArchiveError
+from h2o_cli.private import h2o_home
 
 ARCHIVE_FOLDER = "archive"  # under $H2O_HOME
 SUFFIX = ".kv"
@@ -37,8 +38,6 @@ ALIGN = mmap.PAGESIZE
 def archive_location(where: str, keep: bool = False) -> Path:
     """The file for `--archive disk` (a fresh name in `$H2O_HOME/archive/`) or `--archive PATH`: a folder (one
     that exists, or a path ending in `/`) gets a fresh name inside, anything else is the file itself."""
-    from h2o_cli.models.sources import h2o_home
-
     if where == "disk":
         folder = h2o_home() / ARCHIVE_FOLDER
     elif where.endswith(("/", os.sep)) or Path(where).expanduser().is_dir():

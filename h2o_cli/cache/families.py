@@ -1,4 +1,5 @@
-"""Which model families the H2O cache supports, and the text config of a (possibly multimodal) model."""
+"""Which model families the H2O cache supports, and the text config and context window of a (possibly
+multimodal) model. The cache's own: the model loader asks it, never the reverse."""
 
 from __future__ import annotations
 

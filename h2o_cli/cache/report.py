@@ -1,0 +1,109 @@
+"""What a cache holds and costs, as plain data: `H2OCache.report()` and `H2OCache.layer_slots()`.
+
+Commands, the chat panel, the eval tables and the analyses read these, never the cache's layers, stores,
+archives or policy, so the cache may change how it keeps things without breaking what they print.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from h2o_cli.config import CacheSettings
+from h2o_cli.memory import ModelShape
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    """A cache's figures now. Slot counts and counters are per KV head (every head and layer has the same).
+
+    - `settings`: the settings in use (budget in tokens); `shape`: the decoder's numbers (`ModelShape`);
+      `quant`: the weights' `--quant`; `positions`: the positions in use (the policy may overrule the asked).
+    - `resident_slots`: entries kept after every step (the budget; a policy that never evicts keeps its whole
+      span); `recall_slots`: slots refilled from the archive at every step (`recall`; else 0);
+      `budget_tokens` = both, what attention reads besides the chunk.
+    - `heavy_slots`: resident entries kept for what they are (heavy hitters, sinks); `recent_slots`: the
+      rest of the resident entries, the newest. `recent_window`: the newest entries the policy protects
+      (its own split of its budget, `CacheSettings.recent`); it differs from `recent_slots` only for a
+      policy that never evicts, whose budget does not bound what it keeps.
+    - `sinks`, `h2o_sinks`: the policy's `--sinks` / `--h2o-sinks` (0 for a policy without them);
+      `score_decay`: γ by which every score is multiplied per query token (1 = plain sums).
+    - `slots`: buffer slots (resident + chunk); `length`: entries held now; `tokens_seen`: tokens read;
+      `evictions`: entries evicted so far.
+    - `nbytes`: bytes of every layer's preallocated buffers (`H2OCache.nbytes`, the archive apart);
+      `compute_bytes`: bytes of one element of the dtype attention runs in; `kv_element_bytes`: of one
+      stored K or V element (1 for int8).
+    - `archive`: the recall archive's figures (`H2OCache.archive_summary`), {} without one; its keys are
+      those `--json` prints.
+    """
+
+    settings: CacheSettings
+    shape: ModelShape
+    quant: str
+    positions: str
+    resident_slots: int
+    recall_slots: int
+    heavy_slots: int
+    recent_window: int
+    sinks: int
+    h2o_sinks: int
+    score_decay: float
+    slots: int
+    length: int
+    tokens_seen: int
+    evictions: int
+    nbytes: int
+    compute_bytes: int
+    kv_element_bytes: int
+    archive: dict
+
+    @property
+    def policy(self) -> str:
+        return self.settings.policy
+
+    @property
+    def budget_tokens(self) -> int:
+        """Resident plus recalled slots: what attention reads per KV head besides the chunk."""
+        return self.resident_slots + self.recall_slots
+
+    @property
+    def recent_slots(self) -> int:
+        """Resident slots for the newest entries (the resident ones that are not heavy)."""
+        return self.resident_slots - self.heavy_slots
+
+    @property
+    def bytes_per_head(self) -> int:
+        """Bytes of one layer's buffers per KV head."""
+        return self.nbytes // (self.shape.n_layers * self.shape.n_kv_heads)
+
+    @property
+    def full_kv_bytes(self) -> int:
+        """Bytes a plain full KV cache (keys and values, no eviction) would need for the tokens seen."""
+        per_token = 2 * self.shape.n_kv_heads * self.shape.head_dim * self.kv_element_bytes
+        return self.shape.n_layers * per_token * self.tokens_seen
+
+
+@dataclass(frozen=True)
+class LayerSlots:
+    """What one layer's slots hold now (`H2OCache.layer_slots()`), for maps and analyses of what is kept.
+
+    Views of the live buffers, each `[n_kv_heads, slots]`: read (or copy) them before the cache's next call,
+    and never write them. `valid` marks the slots holding an entry; `token_index` (meaningless where not
+    valid) the token each holds, `rank` its order by token index among the head's entries (0 = oldest),
+    `scores` its accumulated attention, `last_probs` the attention the latest query gave it. `length`: entries
+    per head; `tokens_seen`: tokens read. `recalled` `[n_kv_heads, recall_slots]`: with a recalling policy,
+    the tokens each head read back from the archive in the last step (-1 = empty slot); None otherwise.
+    """
+
+    token_index: torch.Tensor
+    rank: torch.Tensor
+    valid: torch.Tensor
+    scores: torch.Tensor
+    last_probs: torch.Tensor
+    length: int
+    tokens_seen: int
+    recalled: torch.Tensor | None = None
+
+
+__all__ = ["CacheReport", "LayerSlots"]
