@@ -157,22 +157,3 @@ def test_bench_contexts_option_parses_counts_and_rejects_words():
     assert parse_contexts("4096,1024") == (1024, 4096)
     with pytest.raises(UsageError, match="--contexts"):
         parse_contexts("1k")
-
-
-def test_bench_reads_the_shipped_book_without_a_data_folder(monkeypatch, tmp_path):
-    """A fresh clone has no data folder: the benchmarks read the shipped sample; a data folder given without
-    War and Peace is still an error naming the file."""
-    from h2o_cli.cli.bench import bench_book
-    from h2o_cli.data import SAMPLE_TEXT
-    from h2o_cli.errors import InputError
-
-    monkeypatch.delenv("H2O_DATA", raising=False)
-    assert bench_book(None) == SAMPLE_TEXT and SAMPLE_TEXT.is_file()
-    with pytest.raises(InputError, match="war_and_peace"):
-        bench_book(tmp_path)
-    book = tmp_path / bench.BOOK
-    book.parent.mkdir(parents=True)
-    book.write_text("text")
-    assert bench_book(tmp_path) == book
-    monkeypatch.setenv("H2O_DATA", str(tmp_path))
-    assert bench_book(None) == book

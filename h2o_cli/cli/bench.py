@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -82,8 +81,11 @@ def bench(
     """h2o vs plain transformers (decode at 1K/4K/8K with the byte-model ceiling, stream speed), decode vs
     our full cache, policy overhead, flat streaming cost, prefill memory (and llama.cpp)."""
     from h2o_cli import bench as lib
+    from h2o_cli.eval.data import data_dir as data_folder
 
-    book = bench_book(data_dir)
+    book = data_folder(data_dir) / lib.BOOK
+    if not book.is_file():
+        raise InputError(f"{book} not found: h2o bench reads War and Peace from the data folder")
 
     parts = parse_parts(only)
     plan = lib.BenchPlan.quick() if quick else lib.BenchPlan()
@@ -95,9 +97,7 @@ def bench(
     lm, tokenizer = load(model, device, "auto", False, threads)
     import torch
 
-    stderr.print(
-        f"torch threads: {torch.get_num_threads()}; another process may share the CPU; reading {book.name}"
-    )
+    stderr.print(f"torch threads: {torch.get_num_threads()}; another process may share the CPU")
     report = lib.run(lm, tokenizer, model, plan, book, gguf, progress=lambda text: stderr.print(f"· {text}"))
     command = " ".join(
         ["h2o bench"]
@@ -121,19 +121,3 @@ def bench(
 
 
 bench.__doc__ += EXAMPLES
-
-
-def bench_book(data_dir) -> Path:
-    """The text the benchmarks read: War and Peace from the data folder (`--data-dir`, `$H2O_DATA`) when one
-    is given, else the book shipped with h2o (`h2o stream --sample`), looped where a part needs more tokens."""
-    from h2o_cli import bench as lib
-    from h2o_cli.data import SAMPLE_TEXT
-    from h2o_cli.eval.data import DATA_ENV
-    from h2o_cli.eval.data import data_dir as data_folder
-
-    if data_dir is None and not os.environ.get(DATA_ENV):
-        return SAMPLE_TEXT
-    book = data_folder(data_dir) / lib.BOOK
-    if not book.is_file():
-        raise InputError(f"{book} not found: h2o bench reads War and Peace from the data folder")
-    return book
