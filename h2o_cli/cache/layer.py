@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from h2o_kernels import decode_attention, native, prefill_attention, slot_attention, use_triton
 from h2o_kernels.dispatch import use_native
-from h2o_kernels.reference import rows
+from h2o_kernels.reference import lowest_outside_recent, rows
 from transformers.cache_utils import CacheLayerMixin
 
 from h2o_cli.cache.positions import Rope, unrotate
@@ -18,7 +18,6 @@ from h2o_cli.cache.store import LayerStore
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import ContextOverflowError, UnsupportedModelError
 from h2o_cli.policies import make_policy
-from h2o_cli.policies.base import lowest_outside_recent
 
 LAYER_KWARG = "h2o_layer"
 
