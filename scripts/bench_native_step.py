@@ -1,4 +1,4 @@
-"""One layer's C decode step in isolation (h2o_kernels.native): a full store of SmolLM2's shape (3 KV heads x 64
+"""One layer's C decode step in isolation (h2o_cli.cache.c_step on h2o_kernels.native.step): a full store of SmolLM2's shape (3 KV heads x 64
 dims, 9 query heads), random K/V, one call per token, median time per call (the ctypes call and its Python
 wrapper included). In the model the same call is slower: the weights stream through the caches between layers.
 
@@ -12,8 +12,8 @@ import statistics
 import time
 
 import torch
-from h2o_kernels import native
 
+from h2o_cli.cache.c_step import CStep
 from h2o_cli.cache.store import LayerStore
 
 
@@ -30,14 +30,14 @@ def main() -> None:
         store = LayerStore(n_kv, head_dim, budget, args.chunk, torch.float32, torch.device("cpu"))
         store.write(torch.randn(n_kv, budget, head_dim), torch.randn(n_kv, budget, head_dim))
         store.compact()
-        buffers = native.StepBuffers(store, group)
+        step = CStep(store)
         table = torch.randn(budget + args.chunk + 1, 2 * head_dim)
         times = []
         for _ in range(args.calls):
             query = torch.randn(n_kv, group, 2 * head_dim)
             key, value = torch.randn(n_kv, 1, head_dim), torch.randn(n_kv, 1, head_dim)
             started = time.perf_counter()
-            native.decode_step(buffers, query, key, value, table, True, budget + 1 - budget // 2, 1.0)
+            step.run(query, key, value, table, True, budget + 1 - budget // 2, 1.0)
             times.append(time.perf_counter() - started)
         print(f"budget {budget}: {statistics.median(times[args.calls // 10 :]) * 1e6:.1f} us per call")
 

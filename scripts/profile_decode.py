@@ -256,7 +256,6 @@ def main() -> None:
                     labelled(layer.archive, "choose", "recall:choose")
                     labelled(layer.archive, "choose_one", "recall:choose")
                     labelled(layer, "_read_back", "recall:read_back")
-                    labelled(layer, "_read_all", "recall:read_back")
             if name == "recall" and args.parts:  # inside the page choice: the bound over every written page
                 from h2o_kernels import native
 
@@ -264,8 +263,8 @@ def main() -> None:
 
                 labelled(h2o_cli.cache.recall.archive, "best_page_bound", "recall:page_bound")
                 # The C step (a full S, float32 RAM archive): its choice and read-back, and the rest of it.
-                labelled(native, "recall_choose", "recall:c_choose")
-                labelled(native, "recall_step", "recall:c_step")
+                labelled(native, "archive_choose", "recall:c_choose")
+                labelled(native, "step", "recall:c_step")
         else:
             model.set_attn_implementation("sdpa")
             cache = DynamicCache(config=model.config)

@@ -113,7 +113,7 @@ def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_
     n_kv = len(heads)
     group = n_heads // n_kv
     output = torch.zeros(n_heads, chunk, head_dim, dtype=torch.float64)
-    decay = settings.score_decay if settings.policy == "h2o" else 1.0
+    decay = settings.score_decay if settings.policy in ("h2o", "recall") else 1.0
     for j, head in enumerate(heads):
         old = head.alive_indices()
         for i in range(chunk):

@@ -1,4 +1,4 @@
-"""The `recall` policy's one-token step in C (h2o_kernels/recall_step.c, `RecallLayer._native_recall_step`)
+"""The `recall` policy's one-token step in C (h2o_kernels/archive.c and step.c, `RecallLayer._c_step`)
 against its torch step (`--kernels torch`): the same recalled tokens in the same order, the same resident sets
 and statistics, and the outputs and scores to float tolerance, call by call; and where the torch step stays."""
 
@@ -12,6 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from h2o_cli.cache import H2OCache, RecallLayer
 from h2o_cli.cache.positions import Rope
+from h2o_cli.cache.recall.c_step import RecallCStep
 from h2o_cli.cache.store import LayerStore
 from h2o_cli.config import CacheSettings
 
@@ -90,15 +91,16 @@ def run_both(steps: int, chunks=(6, 5), tie_keys: bool = False, **options):
         {"heavy_ratio": 0.8},
         {"recall_ratio": 0.75, "page_size": 3, "archive_max": 48},
         {"budget": 40, "archive_max": 64, "page_size": 1},
+        {"score_decay": 0.95},
     ],
-    ids=["rolling", "original", "mostly-heavy", "page-3", "page-1"],
+    ids=["rolling", "original", "mostly-heavy", "page-3", "page-1", "decay"],
 )
 def test_c_recall_step_equals_the_torch_step(options):
     """150 steps: the archive of 64 tokens wraps many times (its oldest pages dropped), and the early steps
     find fewer candidates than recall slots (heads whose R is not full)."""
     torch_layer, c_layer, not_full = run_both(150, **options)
-    assert isinstance(c_layer._native_recall, native.RecallBuffers)  # the C path ran, not a fallback
-    assert torch_layer._native_recall is False
+    assert isinstance(c_layer._c_buffers, RecallCStep)  # the C path ran, not a fallback
+    assert torch_layer._c_buffers is None
     assert c_layer.archive.tokens > 2 * c_layer.archive.capacity  # the ring wrapped
     assert c_layer.recalled_total > 0 and c_layer.hits_total > 0
 
@@ -135,7 +137,7 @@ def test_int8_16bit_or_file_archives_keep_the_torch_step(tiny_pair, tmp_path, op
         model(ids[:, :30], cache=cache)
         for step in range(30, 40):
             model(ids[:, step : step + 1], cache=cache)
-    assert all(layer._native_recall is False for layer in cache.layers)
+    assert all(layer._c_buffers is None for layer in cache.layers)
     cache.close()
 
 
@@ -176,7 +178,7 @@ def test_c_recall_step_on_the_embedded_model(smollm, excerpt, positions):
         for step in range(160, 320):
             model(torch.tensor([ids[step : step + 1]]), cache=leading)
     assert compared.count(1) == 160 * len(leading.layers)
-    assert all(isinstance(layer._native_recall, native.RecallBuffers) for layer in shadow.layers)
+    assert all(isinstance(layer._c_buffers, RecallCStep) for layer in shadow.layers)
     assert shadow.layers[0].archive.tokens > 2 * shadow.layers[0].archive.capacity
 
 
@@ -191,7 +193,7 @@ def test_without_a_compiler_the_torch_recall_step_runs(monkeypatch, tmp_path):
     finally:
         native.library.cache_clear()
         native.available.cache_clear()
-    assert c_layer._native_recall is False
+    assert c_layer._c_buffers is None
 
 
 @pytest.mark.parametrize("kernels", ["torch", "native"])
@@ -217,12 +219,12 @@ def test_both_decode_steps_equal_the_chunk_path(tiny_pair, positions, kernels):
     fast = H2OCache(model, CacheSettings(**options, kernels=kernels))
     slow = H2OCache(model, CacheSettings(**options))
     for layer in slow.layers:
-        layer._step_path = False  # every call through `_attend_written`, the chunk path
+        layer._step_path = False  # every call through `_chunk_attend`, the chunk path
     torch.testing.assert_close(
         run(model, fast, ids, 60, 8), run(model, slow, ids, 60, 8), rtol=1e-5, atol=1e-5
     )
     for mine, theirs in zip(fast.layers, slow.layers, strict=True):
-        assert (mine._native_recall is not False) == (kernels == "native" and native.compiler() is not None)
+        assert (mine._c_buffers is not None) == (kernels == "native" and native.compiler() is not None)
         assert torch.equal(mine.recall_index, theirs.recall_index)
         for head in range(mine.store.n_kv_heads):
             kept = mine.store.token_index[head][mine.store.valid[head]].sort().values

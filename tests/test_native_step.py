@@ -1,4 +1,4 @@
-"""The CPU decode step as one C function (h2o_kernels.native) against the torch step it replaces: the same
+"""The CPU decode step as one C function (h2o_kernels.native.step, h2o_cli.cache.c_step) against the torch step it replaces: the same
 outputs and the same store state, token by token, for every setting it takes; and what happens without it."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from h2o_kernels import native
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from h2o_cli.cache import H2OLayer
+from h2o_cli.cache.c_step import CStep
 from h2o_cli.cache.model_cache import check_kernels
 from h2o_cli.cache.positions import Rope
 from h2o_cli.cache.store import LayerStore
@@ -64,14 +65,14 @@ def run_both(steps: int, **options) -> tuple[H2OLayer, H2OLayer]:
 )
 def test_c_step_equals_the_torch_step(options):
     torch_layer, c_layer = run_both(60, **options)
-    assert isinstance(c_layer._native, native.StepBuffers)  # it ran: the C path, not a silent fallback
-    assert torch_layer._native is False
+    assert isinstance(c_layer._c_buffers, CStep)  # it ran: the C path, not a silent fallback
+    assert torch_layer._c_buffers is None
 
 
 @pytest.mark.parametrize("options", [{"policy": "local"}, {"policy": "h2o", "score_norm": "mean"}])
 def test_policies_with_another_victim_rule_keep_the_torch_step(options):
     _, c_layer = run_both(20, **options)
-    assert c_layer._native is False
+    assert c_layer._c_buffers is None
 
 
 @needs_compiler
@@ -79,8 +80,8 @@ def test_c_step_is_one_call_in_place_of_the_ops(monkeypatch):
     """Each full-cache decode call of the layer is one C call (counted), and no C call happens while the
     cache still fills (the torch step does those)."""
     calls = []
-    real = native.decode_step
-    monkeypatch.setattr(native, "decode_step", lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    real = native.step
+    monkeypatch.setattr(native, "step", lambda *args, **kw: calls.append(1) or real(*args, **kw))
     layer, steps = make_layer("native"), 0
     torch.manual_seed(1)
     for start in range(40):
@@ -113,7 +114,7 @@ def test_without_a_working_compiler_the_torch_path_runs(no_library, monkeypatch,
     monkeypatch.setenv("CC", compiler)
     with caplog.at_level(logging.INFO, logger="h2o_kernels"):
         torch_layer, c_layer = run_both(20)
-    assert c_layer._native is False
+    assert c_layer._c_buffers is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "C decode step unavailable" in warnings[0].getMessage()
     assert "\n" not in warnings[0].getMessage()
@@ -126,7 +127,7 @@ def test_auto_without_a_compiler_is_quiet(no_library, monkeypatch, caplog):
         layer = make_layer("auto")
         feed_chunk(layer, *(torch.randn(n, 11, HEAD_DIM) for n in (N_HEADS, N_KV, N_KV)), 0)
         feed_chunk(layer, *(torch.randn(n, 1, HEAD_DIM) for n in (N_HEADS, N_KV, N_KV)), 11)
-    assert layer._native is False
+    assert layer._c_buffers is None
     assert not caplog.records
 
 

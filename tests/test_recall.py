@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import feed_against_naive, run_stream, tiny_config
@@ -17,6 +19,20 @@ from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
 
 N_HEADS, N_KV, HEAD_DIM = 6, 2, 16
+
+
+def rank_key(bound: torch.Tensor, page_start: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The page order written another way, the reference `order_key` is held to: one float64 key per (KV head,
+    page) whose descending order is "larger bound first, then the older page": the float32 bound plus a tie-break under a quarter of its float32 spacing (ulp), larger for older
+    pages. Distinct float32 bounds stay in their order (the tie-break never reaches half an ulp) and equal ones
+    are ordered by age, so one `topk` replaces a sort by age and a stable sort by bound.
+
+    bound: [n_kv_heads, pages] float32 (-inf for pages that cannot be chosen); page_start: [pages] token index
+    of each page's first token (smaller = older; -1 = empty), every one below `tokens` (a Python int, so the
+    key needs no read back from the device)."""
+    ulp = (torch.nextafter(bound, torch.full_like(bound, float("inf"))) - bound).double()
+    youth = (page_start + 1).double() / (tokens + 1)  # [0, 1): smaller for older pages
+    return bound.double() + torch.nan_to_num(ulp * 0.25 * (1.0 - youth), nan=0.0, posinf=0.0)
 
 
 def naive_settings(
@@ -59,6 +75,18 @@ def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
     feed_against_naive(layer, settings, inv_freq, chunks, N_HEADS)
     store = layer.store
     assert layer.recalled > 0 and store.length == layer.policy.resident
+
+
+@pytest.mark.parametrize("positions", ["rolling", "original"])
+@pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6]], ids=["decode", "chunked"])
+def test_decayed_recall_matches_the_naive_simulation(positions, chunks):
+    """`--score-decay` with recall: S's scores decay as h2o's, per query token (docs/spec.md), on the chunk
+    path and the torch step alike (the layer here is float64: no C step)."""
+    torch.manual_seed(5)
+    settings = dataclasses.replace(naive_settings(positions, 0.5, archive_max=96), score_decay=0.8)
+    layer, inv_freq = make_recall_layer(settings)
+    feed_against_naive(layer, settings, inv_freq, chunks, N_HEADS)
+    assert layer.recalled > 0 and layer.policy.decay_per_query == 0.8
 
 
 @pytest.mark.parametrize("positions", ["rolling", "original"])
@@ -193,6 +221,30 @@ def test_page_choice_agrees_with_the_exact_bound_and_finds_a_planted_key():
     assert 45 not in archive.token_index[chosen[1][valid[1]]].tolist()  # head 1 holds it: never twice
 
 
+@pytest.mark.parametrize("bits", [None, 8])
+def test_one_token_writes_are_the_piece_write(bits):
+    """`PageArchive.write` of one token (a decode step's fast form, and archive.c's twin of it) leaves the
+    archive bit for bit as writing the same tokens in pieces: through two wraps of the ring, pages starting
+    mid-piece, NaN-free keys with exact zeros (min/max ties)."""
+    torch.manual_seed(9)
+    keys, values = torch.randn(N_KV, 130, HEAD_DIM), torch.randn(N_KV, 130, HEAD_DIM)
+    keys[:, ::5] = 0.0
+    by_token, by_piece = (
+        PageArchive(N_KV, HEAD_DIM, 48, 3, torch.float32, torch.device("cpu"), bits) for _ in "ab"
+    )
+    for token in range(130):
+        by_token.write(keys[:, token : token + 1], values[:, token : token + 1])
+    for start in range(0, 130, 7):
+        by_piece.write(keys[:, start : start + 7], values[:, start : start + 7])
+    assert by_token.tokens == by_piece.tokens == 130
+    assert torch.equal(by_token.token_index, by_piece.token_index)
+    assert torch.equal(by_token.summary, by_piece.summary)
+    held = by_token.token_index >= 0
+    stored = ["keys", "values"] + (["key_scales", "value_scales"] if bits else [])
+    for name in stored:
+        assert torch.equal(getattr(by_token, name)[:, held], getattr(by_piece, name)[:, held]), name
+
+
 def test_archive_drops_the_oldest_pages_and_keeps_its_buffers(tiny_pair):
     _, model = tiny_pair
     settings = CacheSettings(budget=16, policy="recall", chunk=6, page_size=8, archive_max=40)
@@ -249,7 +301,7 @@ def test_recall_past_the_models_window_with_rolling_positions(tiny_pair):
         (dict(page_size=0), "--page-size 0 must be at least 1"),
         (dict(archive_max=10, page_size=16), "--archive-max 10 must hold at least two pages"),
         (dict(recall_ratio=0.95, budget=20), "leaves 1 resident token"),
-        (dict(score_decay=0.99), "--score-decay 0.99 is not supported with --policy recall"),
+        (dict(score_decay=0.99, score_norm="mean"), "--score-decay below 1 works with --score-norm sum only"),
         (dict(page_score="rotated"), "--page-score 'rotated' is unknown; choose positional or unrotated"),
     ],
 )
@@ -292,8 +344,6 @@ def test_eval_scorer_rewinds_the_archive_between_continuations(tiny_pair):
 def test_rank_key_orders_by_bound_then_age_without_crossing_adjacent_floats():
     """The one-`topk` page order: larger bound first; equal bounds older page first; adjacent float32 bounds
     keep their order whatever the pages' ages (the tie-break stays under half an ulp)."""
-    from h2o_cli.cache.recall.archive import rank_key
-
     one = torch.tensor(1.0)
     above = torch.nextafter(one, torch.tensor(2.0))
     bound = torch.stack([one, above, one, torch.tensor(float("-inf")), torch.tensor(0.0), -above])[None]

@@ -1,4 +1,4 @@
-"""The recall policy's one-token decode step (h2o_cli.cache.recall.step, `RecallLayer._step_on_one_thread`) against
+"""The recall policy's one-token decode step (h2o_cli.cache.recall.step, `RecallLayer._torch_step`) against
 the chunk path it replaces for decode, the naive simulation (tests/naive.py), and `PageArchive.choose`."""
 
 from __future__ import annotations
@@ -8,25 +8,25 @@ import collections
 import pytest
 import torch
 from conftest import feed_against_naive
-from test_recall import HEAD_DIM, N_HEADS, N_KV, make_recall_layer, naive_settings
+from test_recall import HEAD_DIM, N_HEADS, N_KV, make_recall_layer, naive_settings, rank_key
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from h2o_cli.cache import H2OCache, RecallLayer
-from h2o_cli.cache.recall.archive import PageArchive, order_key, rank_key
+from h2o_cli.cache.recall.archive import PageArchive, order_key
 from h2o_cli.config import CacheSettings
 
 
 @pytest.fixture
 def step_calls(monkeypatch):
-    """Counts the one-token steps taken (`RecallLayer._step_on_one_thread`)."""
+    """Counts the one-token steps taken (`RecallLayer._torch_step`)."""
     calls = collections.Counter()
-    inner = RecallLayer._step_on_one_thread
+    inner = RecallLayer._torch_step
 
     def counted(self, *args):
         calls["step"] += 1
         return inner(self, *args)
 
-    monkeypatch.setattr(RecallLayer, "_step_on_one_thread", counted)
+    monkeypatch.setattr(RecallLayer, "_torch_step", counted)
     return calls
 
 
@@ -62,7 +62,7 @@ def test_decode_step_equals_the_chunk_path(tiny_pair, tmp_path, step_calls, posi
         options["archive_bits"] = 8
     fast, slow = H2OCache(model, CacheSettings(**options)), H2OCache(model, CacheSettings(**options))
     for layer in slow.layers:
-        layer._step_path = False  # every call through `_attend_written`, the chunk path
+        layer._step_path = False  # every call through `_chunk_attend`, the chunk path
     partly_empty = []
 
     def note(cache):

@@ -2,25 +2,58 @@
 
 The model's attention calls `layer.update(k, v, kwargs=...)` and then the registered "h2o" attention function
 (`h2o_cli.cache.attention`), which receives the layer through those same kwargs and calls `layer.attend`.
+`update` chooses the call's path once (`_path`: the chunk path, its Triton form, the torch step or the C step)
+and leaves it with the call's K/V in a `Call`; `attend` runs that path.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
+from dataclasses import dataclass
+
 import torch
-from h2o_kernels import decode_attention, native, prefill_attention, slot_attention, use_triton
+from h2o_kernels import decode_attention, prefill_attention, slot_attention, use_triton
 from h2o_kernels.dispatch import use_native
-from h2o_kernels.reference import rows
+from h2o_kernels.reference import lowest_outside_recent, rows
 from transformers.cache_utils import CacheLayerMixin
 
+from h2o_cli.cache.c_step import CStep
 from h2o_cli.cache.positions import Rope, unrotate
 from h2o_cli.cache.step import DecodeMaps, one_thread, step_attention
 from h2o_cli.cache.store import LayerStore
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import ContextOverflowError, UnsupportedModelError
 from h2o_cli.policies import make_policy
-from h2o_cli.policies.base import lowest_outside_recent
 
 LAYER_KWARG = "h2o_layer"
+
+
+class Path(enum.Enum):
+    """How a call is attended (`H2OLayer._path` chooses, once per call)."""
+
+    CHUNK = "chunk"  # the reference: write, `slot_attention`, accumulate, evict (in sub-chunks that fit)
+    TRITON = "triton"  # the chunk path on the fused Triton kernels (CUDA, `--kernels triton`)
+    TORCH_STEP = "torch step"  # one token in far fewer ops (h2o_cli.cache.step), on one thread
+    C_STEP = "C step"  # one token as one C call, once the cache is full (h2o_cli.cache.c_step)
+
+
+STEPS = (Path.TORCH_STEP, Path.C_STEP)
+
+
+@dataclass(slots=True)
+class Call:
+    """What `update` leaves for `attend`: the call's K/V, unrotated, the model's rotation of it, its path."""
+
+    keys: torch.Tensor  # [n_kv_heads, chunk, head_dim]
+    values: torch.Tensor
+    cos: torch.Tensor  # [chunk, head_dim]
+    sin: torch.Tensor
+    path: Path
+
+    @property
+    def chunk(self) -> int:
+        return self.keys.shape[1]
 
 
 class H2OLayer(CacheLayerMixin):
@@ -29,6 +62,7 @@ class H2OLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     step_keys_by_map = True  # the decode step unrotates the new keys by a matmul (False: as the chunk path)
+    fused_kernels = True  # the chunk path may run on the Triton kernels
 
     def __init__(
         self,
@@ -50,15 +84,10 @@ class H2OLayer(CacheLayerMixin):
         self.rope = rope
         self.max_positions = max_positions
         self.is_initialized = True
-        self._model_rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of the chunk
-        self._chunk = 0
-        self._new_states: tuple[torch.Tensor, torch.Tensor] | None = None  # the call's K/V, unrotated
-        # One-token calls on the torch path take `_attend_step` (h2o_cli.decode_step; recall's: recall_step).
+        self._call: Call | None = None  # the call `update` took and `attend` has not run yet
         self.maps = maps or DecodeMaps()
+        # One-token calls may take a step (h2o_cli.cache.step) in these compute dtypes.
         self._step_path = store.compute_dtype in (torch.float32, torch.float64)
-        self._step = False  # this call takes it
-        # The C step's fixed arguments (`_native_buffers`); None: not looked at yet, False: not for this layer.
-        self._native: native.StepBuffers | bool | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
@@ -84,7 +113,7 @@ class H2OLayer(CacheLayerMixin):
         for `attend`, which writes them into the store."""
         if key_states.shape[0] != 1:
             raise UnsupportedModelError("the H2O cache holds one sequence; run with batch size 1")
-        if self._chunk:
+        if self._call is not None:
             raise UnsupportedModelError(
                 "the model attended without the h2o attention function; "
                 "load it with h2o_cli.load_model or call h2o_cli.enable(model) first"
@@ -106,49 +135,74 @@ class H2OLayer(CacheLayerMixin):
             positions = positions.reshape(-1)[-chunk:]
         # The same tensor object for every layer of a forward pass, so Rope computes its cos/sin once per pass.
         cos, sin = self.rope.cos_sin(positions, key_states.dtype, reuse=not self.first_layer)
-        self._step = (
-            chunk == 1
-            and self._step_path
-            and key_states.dtype == store.compute_dtype
-            and not use_triton(key_states.device, self.settings.kernels)
-            and self.maps.usable(*self._step_tables(self._new_position(), key_states.device))
-        )
-        if self._step and self.step_keys_by_map:  # [n_kv_heads, 1, head_dim] by one matmul with U
+        path = self._path(chunk, key_states)
+        if path in STEPS and self.step_keys_by_map:  # [n_kv_heads, 1, head_dim] by one matmul with U
             keys = (key_states[0, :, 0] @ self.maps.unrotation(cos, sin)).unsqueeze(1)
         else:
             keys = unrotate(key_states[0], cos, sin)
         # Written to the store by `attend`, in sub-chunks that fit the spare slots (a call may bring more).
-        self._new_states = (keys, value_states[0])
-        self._model_rotation = (cos, sin)
-        self._chunk = chunk
+        self._call = Call(keys, value_states[0], cos, sin, path)
         if kwargs is not None:
             kwargs[LAYER_KWARG] = self  # read by h2o_cli.attention.h2o_attention right after this call
         return self.keys, self.values
 
+    def _path(self, chunk: int, states: torch.Tensor) -> Path:
+        """The path of a call of `chunk` tokens in `states`' dtype and device. A one-token call takes a step when
+        the store computes in float32/64 (the call in its dtype) and `DecodeMaps.usable` says the rotation
+        allows it: in C once the cache is full and the C step can run this layer (`_c_buffers`), else the torch
+        step. Otherwise the chunk path, on the Triton kernels where they run and the layer has them."""
+        store, triton = self.store, use_triton(states.device, self.settings.kernels)
+        if (
+            chunk == 1
+            and self._step_path
+            and states.dtype == store.compute_dtype
+            and not triton
+            and self.maps.usable(*self._step_tables(self._new_position(), states.device))
+        ):
+            full = store.length == store.budget
+            return Path.C_STEP if full and self._c_buffers is not None else Path.TORCH_STEP
+        return Path.TRITON if triton and self.fused_kernels else Path.CHUNK
+
+    @functools.cached_property
+    def _c_buffers(self) -> CStep | None:
+        """The C step's fixed arguments when it can run this layer (h2o_cli.cache.c_step): a `kernel_victim`
+        policy, a float32 store on the CPU, `--kernels auto` or `native` with a C compiler; else None."""
+        store = self.store
+        if (
+            self.policy.kernel_victim
+            and store.keys.dtype == store.compute_dtype == torch.float32
+            and use_native(store.keys.device, self.settings.kernels)
+        ):
+            return CStep(store)
+        return None
+
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Attention of the call given to `update`, with score accumulation and eviction (SPEC steps 1-4).
+        """Attention of the call given to `update`, with score accumulation and eviction (SPEC steps 1-4), on
+        the path `update` chose.
 
         query: [1, n_heads, chunk, head_dim] rotated by the model. Returns [1, chunk, n_heads, head_dim].
         A call longer than the free slots is processed in sub-chunks that fit (write, attend, accumulate,
         evict, next), exactly as if the caller had sent those smaller chunks: the buffers never grow.
         """
+        call, self._call = self._call, None
         store = self.store
-        if self._chunk == 1 and self._step_path and store.active > store.length + 1:
+        if call.chunk == 1 and self._step_path and store.active > store.length + 1:
             store.compact()  # a chunk's evictions left holes: decode steps read `budget + 1` slots from now on
-        if self._step:
-            return self._attend_step(query, scaling)
-        chunk = self._chunk
-        keys, values = self._new_states
-        self._chunk, self._new_states = 0, None
-        cos, sin = (tensor.to(query.dtype) for tensor in self._model_rotation)
+        if call.path is Path.C_STEP:
+            return self._c_step(call, query, scaling)
+        if call.path is Path.TORCH_STEP:
+            with one_thread():
+                return self._torch_step(call, query, scaling)
+        attend_written = self._triton_attend if call.path is Path.TRITON else self._chunk_attend
+        cos, sin = call.cos.to(query.dtype), call.sin.to(query.dtype)
         query = unrotate(query[0], cos, sin)  # [n_heads, chunk, head_dim]
         outputs, start = [], 0
-        while start < chunk:
-            size = min(chunk - start, store.slots - store.length)
+        while start < call.chunk:
+            size = min(call.chunk - start, store.slots - store.length)
             assert size > 0, "eviction leaves at least the spare slots free"
             part = slice(start, start + size)
-            store.write(keys[:, part], values[:, part])
-            outputs.append(self._attend_written(query[:, part].contiguous(), scaling))
+            store.write(call.keys[:, part], call.values[:, part])
+            outputs.append(attend_written(query[:, part].contiguous(), scaling))
             start += size
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
@@ -161,48 +215,19 @@ class H2OLayer(CacheLayerMixin):
         (ranks stay below `slots`, token indices below the query's)."""
         return self.rope.table(max(position + 1, self.store.slots), self.store.compute_dtype, device)
 
-    def _attend_step(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """`attend` for one token on the torch path (`update` chose it): the same steps in far fewer ops
-        (h2o_cli.decode_step), on one thread, or as one C call once the cache is full (`_native_step`).
-        query: [1, n_heads, 1, head_dim] rotated by the model. Returns [1, 1, n_heads, head_dim]."""
-        if self.store.length == self.store.budget and self._native_buffers(query.shape[1]) is not None:
-            return self._native_step(query, scaling)
-        with one_thread():
-            return self._step_on_one_thread(query, scaling)
-
-    def _native_buffers(self, n_heads: int) -> native.StepBuffers | None:
-        """The C step's fixed arguments when it can run this layer (h2o_kernels.native), else None."""
-        if self._native is None:
-            store = self.store
-            self._native = False
-            if (
-                self.policy.kernel_victim
-                and not self.policy.recalls
-                and store.keys.dtype == store.compute_dtype == torch.float32
-                and use_native(store.keys.device, self.settings.kernels)
-            ):
-                self._native = native.StepBuffers(store, n_heads // store.n_kv_heads)
-        return self._native or None
-
-    def _take_step(
-        self, query: torch.Tensor, scaling: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The one-token call `update` left: (new keys, values, the query in `expand` form at the token's
-        cache position, scaled, grouped by KV head, and the key table `step_attention` reads). Clears the
-        call; read before the token is written (its position is the store's length or token count)."""
-        keys, values, cos, sin = self._call_left()
+    def _step_query(
+        self, call: Call, query: torch.Tensor, scaling: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-token step's query [n_kv, group, 2 * head_dim] in `expand` form at the token's cache position
+        (its rank or token index: read before the token is written), scaled, grouped by KV head, and the key
+        table `step_attention` reads; the maps are built once per forward pass for every layer."""
         position = self._new_position()
         query_map, step_table = self.maps.per_pass(
-            cos, (position, scaling), lambda: self._step_maps(cos, sin, position, scaling, query.device)
+            call.cos,
+            (position, scaling),
+            lambda: self._step_maps(call.cos, call.sin, position, scaling, query.device),
         )
-        return keys, values, self._grouped(query, query_map), step_table
-
-    def _call_left(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(new keys, values, the model's cos, sin) of the one-token call `update` left; clears the call."""
-        keys, values = self._new_states
-        cos, sin = self._model_rotation
-        self._chunk, self._new_states, self._step = 0, None, False
-        return keys, values, cos, sin
+        return self._grouped(query, query_map), step_table
 
     def _grouped(self, query: torch.Tensor, query_map: torch.Tensor) -> torch.Tensor:
         """The model's query [1, n_heads, 1, head_dim] through a step's query map: [n_kv, group, 2 * head_dim]."""
@@ -220,16 +245,16 @@ class H2OLayer(CacheLayerMixin):
         else:
             store.evict(policy)
 
-    def _native_step(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """`_step_on_one_thread` as one C call: the store is full, so the write takes the one hole (or the
-        slot above the packed entries) and exactly one entry is evicted, by the `kernel_victim` rule."""
+    def _c_step(self, call: Call, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """`_torch_step` as one C call (h2o_kernels/step.c): the store is full, so the write takes the one
+        hole (or the slot above the packed entries) and exactly one entry is evicted, by the `kernel_victim`
+        rule. query: [1, n_heads, 1, head_dim] rotated by the model. Returns [1, 1, n_heads, head_dim]."""
         store, policy = self.store, self.policy
-        keys, values, grouped, step_table = self._take_step(query, scaling)
-        output = native.decode_step(
-            self._native,
+        grouped, step_table = self._step_query(call, query, scaling)
+        output = self._c_buffers.run(
             grouped,
-            keys,
-            values,
+            call.keys,
+            call.values,
             step_table,
             rolling=self.positions == "rolling",
             limit=store.length + 1 - policy.recent_slots,
@@ -237,10 +262,13 @@ class H2OLayer(CacheLayerMixin):
         )
         return output.to(query.dtype).view(1, 1, -1, store.head_dim)
 
-    def _step_on_one_thread(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _torch_step(self, call: Call, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The chunk path's steps for one token in far fewer ops (h2o_cli.cache.step), on one thread (`attend`
+        packed the store's entries into its lowest slots). query: [1, n_heads, 1, head_dim] rotated by the
+        model. Returns [1, 1, n_heads, head_dim]."""
         store = self.store
-        keys, values, grouped, step_table = self._take_step(query, scaling)
-        store.write(keys, values)
+        grouped, step_table = self._step_query(call, query, scaling)
+        store.write(call.keys, call.values)
         # Every slot below `active` holds an entry now: `attend` packed a chunk's holes, at most one was left
         # (by the last eviction), and the write filled the lowest free slot. So no mask, clamp or validity test.
         active = store.active
@@ -264,29 +292,15 @@ class H2OLayer(CacheLayerMixin):
         query_map = self.maps.query(cos, sin, position, scaling, cos_table, sin_table)
         return query_map, self.rope.step_table(cos_table.shape[0], cos_table.dtype, device)
 
-    def _attend_written(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Attend the chunk just written (query [n_heads, chunk, head_dim], unrotated), accumulate, evict.
-        Returns [1, chunk, n_heads, head_dim]."""
+    def _chunk_attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attend the chunk just written (query [n_heads, chunk, head_dim], unrotated), accumulate, evict: the
+        reference path (`slot_attention`). Returns [1, chunk, n_heads, head_dim]."""
         chunk, store = query.shape[1], self.store
-        dtype = query.dtype
-        if self.positions == "rolling":
-            key_positions = store.rank
-            first_query_position = store.length - chunk
-        else:
-            key_positions = store.token_index
-            first_query_position = store.tokens_seen - chunk
-        cos_table, sin_table = self.rope.table(first_query_position + chunk, dtype, query.device)
-        decay = self.policy.decay_per_query
-        # The prefill kernel sums a chunk's probabilities unweighted: decayed chunks take the torch path.
-        if use_triton(query.device, self.settings.kernels) and (chunk == 1 or decay == 1.0):
-            return self._attend_fused(
-                query, key_positions, first_query_position, cos_table, sin_table, scaling
-            )
+        key_positions, first_query_position = self._chunk_positions(chunk)
+        cos_table, sin_table = self.rope.table(first_query_position + chunk, query.dtype, query.device)
         key_positions = key_positions[:, : store.active].clamp_min(0)
         query_positions = slice(first_query_position, first_query_position + chunk)
-        query_weights = None
-        if decay != 1.0 and chunk > 1:  # query i's probabilities are decayed by the chunk's later queries
-            query_weights = decay ** torch.arange(chunk - 1, -1, -1, dtype=torch.float32, device=query.device)
+        decay = self.policy.decay_per_query
         output, increments, last_probs = slot_attention(
             query,
             store.key_states(store.active),
@@ -297,16 +311,29 @@ class H2OLayer(CacheLayerMixin):
             rows(cos_table, key_positions),
             rows(sin_table, key_positions),
             scaling,
-            query_weights,
+            query_weights(decay, chunk, query.device),
         )
         store.accumulate(increments, last_probs, chunk, decay=decay)
         store.evict(self.policy)
         return output.transpose(0, 1).unsqueeze(0)
 
-    def _attend_fused(self, query, key_positions, first_query_position, cos_table, sin_table, scaling):
+    def _chunk_positions(self, chunk: int) -> tuple[torch.Tensor, int]:
+        """The store's key positions [n_kv_heads, slots] (ranks, or token indices) and the first query's of
+        the chunk just written."""
+        store = self.store
+        if self.positions == "rolling":
+            return store.rank, store.length - chunk
+        return store.token_index, store.tokens_seen - chunk
+
+    def _triton_attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """The CUDA path: one Triton launch per layer for decode (scores accumulated in place, eviction
-        candidate found in the same pass), the two-pass prefill kernel for a chunk."""
-        chunk, store = query.shape[1], self.store
+        candidate found in the same pass), the two-pass prefill kernel for a chunk. The prefill kernel sums a
+        chunk's probabilities unweighted: a decayed chunk takes `_chunk_attend`."""
+        chunk, store, policy = query.shape[1], self.store, self.policy
+        if chunk > 1 and policy.decay_per_query != 1.0:
+            return self._chunk_attend(query, scaling)
+        key_positions, first_query_position = self._chunk_positions(chunk)
+        cos_table, sin_table = self.rope.table(first_query_position + chunk, query.dtype, query.device)
         if chunk > 1:
             output, increments, last_probs = prefill_attention(
                 query, store.key_states(), store.value_states(), store.valid, store.token_index, key_positions,
@@ -314,9 +341,8 @@ class H2OLayer(CacheLayerMixin):
                 kernels=self.settings.kernels,
             )  # fmt: skip
             store.accumulate(increments, last_probs, chunk)
-            store.evict(self.policy)
+            store.evict(policy)
             return output.transpose(0, 1).unsqueeze(0)
-        policy = self.policy
         if policy.decay_per_query != 1.0:  # the kernel adds this step's probabilities to γ·õ
             store.scores.mul_(policy.decay_per_query)
         heavy_hitter = policy.kernel_victim and store.length - store.budget == 1
@@ -346,8 +372,16 @@ class H2OLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.store.reset()
-        self._chunk = 0
-        self._new_states = None
+        self._call = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise UnsupportedModelError("beam search is not supported with the H2O cache; use greedy or sampling")
+
+
+def query_weights(decay: float, chunk: int, device: torch.device) -> torch.Tensor | None:
+    """`slot_attention`'s weights [chunk] of a chunk's queries in the score increments under decay γ: query i's
+    probabilities are decayed by the chunk's later queries, γ**(chunk-1-i) (docs/spec.md); None for γ = 1 or
+    one query."""
+    if decay == 1.0 or chunk == 1:
+        return None
+    return decay ** torch.arange(chunk - 1, -1, -1, dtype=torch.float32, device=device)

@@ -111,3 +111,23 @@ class Rope:
             cos, sin = cos[:, :half], sin[:, :half]
             self._step = torch.cat([cos, sin, sin, cos], dim=1)
         return self._step
+
+
+def rolling_positions(token_index: torch.Tensor, present: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """Rolling positions over a set of entries per KV head (docs/spec.md): each entry's rank by token index
+    among the entries present, heads with fewer entries shifted up so that every head's newest entry sits at
+    the same position (RoPE logits depend only on the distance, which stays the rank's).
+
+    token_index: [n_kv_heads, n] int64; present: [n_kv_heads, n] bool, the columns that hold an entry (None:
+    every one, then no shift and no read back). Returns the positions [n_kv_heads, n] (0 where absent) and the
+    entries of the fullest head (the newest entry's position + 1). The C step's merge is its twin (step.c)."""
+    if present is not None:
+        token_index = token_index.masked_fill(~present, torch.iinfo(torch.int64).max)  # absent: ranked last
+    order = torch.argsort(token_index, dim=1)
+    steps = torch.arange(order.shape[1], device=order.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(1, order, steps)
+    if present is None:
+        return rank, order.shape[1]
+    counts = present.sum(dim=1, keepdim=True)  # [n_kv, 1] entries per head
+    entries = int(counts.max())  # a read back: only while some head holds fewer entries than another can
+    return torch.where(present, rank + (entries - counts), 0), entries

@@ -112,24 +112,38 @@ def step_attention(
     values: torch.Tensor,
     key_positions: torch.Tensor,
     step_table: torch.Tensor,
+    recalled: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact softmax attention of one query per head over slots that all hold an entry (the set E_q).
+    """Exact softmax attention of one query per head over S's slots, which all hold an entry (the set E_q),
+    and, for `recall`, the recall slots R in the same softmax (`h2o`'s step is the case R = ∅).
 
     query: [n_kv_heads, group, 2 * head_dim] in `expand`'s form (rotated, scaled); keys, values:
-    [n_kv_heads, slots, head_dim] unrotated; key_positions: [n_kv_heads, slots] int64; step_table:
-    [positions, 2 * head_dim] (`Rope.step_table`: row p is [c, s, s, c], the cos and sin of position p over
-    the first half of the dims).
-    Returns output [n_kv_heads, group, head_dim] and probabilities [n_kv_heads, group, slots] (float32).
+    [n_kv_heads, n, head_dim] unrotated; recalled: None, or R's keys, values [n_kv_heads, r, head_dim]
+    (unrotated, read where they lie: no concatenation) and which of its slots hold a token [n_kv_heads, r] bool
+    (None: all); key_positions: [n_kv_heads, n + r] int64, S's then R's; step_table: [positions, 2 * head_dim]
+    (`Rope.step_table`: row p is [c, s, s, c], the cos and sin of position p over the first half of the dims).
+    Returns output [n_kv_heads, group, head_dim] and probabilities [n_kv_heads, group, n + r] (float32; an empty
+    recall slot gets 0). The C step (h2o_kernels/step.c) is its twin.
     """
-    n_kv_heads, slots, head_dim = keys.shape
+    n_kv_heads, n, head_dim = keys.shape
+    total = key_positions.shape[1]
     # Why the rotated keys are not needed: a key with halves a, b rotated at a position whose half-dim
     # cos, sin are c, s is (a·c - b·s, b·c + a·s), so its dot product with a query's halves q1, q2 is
     # [q1, -q1]·[a·c, b·s] + [q2, q2]·[a·s, b·c]. The key's row [c, s, s, c] times [a, b] twice gives those
-    # terms, and the bmm with the expanded query sums them: one gather and two in-place multiplies instead
+    # terms, and the bmm with the expanded query sums them: one gather and an in-place multiply instead
     # of two gathers and the rotation's five element-wise passes.
-    terms = step_table.index_select(0, key_positions.reshape(-1)).view(n_kv_heads, slots, 2, head_dim)
-    terms[:, :, 0].mul_(keys)  # [a·c, b·s]
-    terms[:, :, 1].mul_(keys)  # [a·s, b·c]
-    logits = torch.bmm(query, terms.view(n_kv_heads, slots, 2 * head_dim).transpose(1, 2))
-    probs = torch.softmax(logits.float(), dim=-1)  # [n_kv, group, slots]
-    return torch.bmm(probs.to(values.dtype), values), probs
+    terms = step_table.index_select(0, key_positions.reshape(-1)).view(n_kv_heads, total, 2, head_dim)
+    if recalled is None:
+        terms.mul_(keys.unsqueeze(2))  # [a·c, b·s] and [a·s, b·c] of each key
+    else:
+        terms[:, :n].mul_(keys.unsqueeze(2))
+        terms[:, n:].mul_(recalled[0].unsqueeze(2))
+    logits = torch.bmm(query, terms.view(n_kv_heads, total, 2 * head_dim).transpose(1, 2))
+    if recalled is not None and recalled[2] is not None:
+        logits[:, :, n:].masked_fill_(~recalled[2].unsqueeze(1), float("-inf"))
+    probs = torch.softmax(logits.float(), dim=-1)  # [n_kv, group, n + r]
+    weights = probs.to(values.dtype)
+    if recalled is None:
+        return torch.bmm(weights, values), probs
+    output = torch.bmm(weights[:, :, :n], values)
+    return output.baddbmm_(weights[:, :, n:], recalled[1]), probs

@@ -1,4 +1,7 @@
-"""What every eviction policy is and sees, and the shared tie rule (names: `h2o_cli.policy_registry`)."""
+"""What every eviction policy is and sees, and the eviction choice (`select_evictions`).
+
+Policies are known by name through `h2o_cli.policy_registry`.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +9,12 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
+from h2o_kernels.reference import NEVER, OLDEST_LAST, lowest_oldest
 
 from h2o_cli.errors import UsageError
 
 if TYPE_CHECKING:
     from h2o_cli.config import CacheSettings
-
-NEVER = float("inf")
 
 
 class SlotState(Protocol):
@@ -112,34 +114,14 @@ def protect_recent(priority: torch.Tensor, state: SlotState, recent: int) -> tor
     return priority.masked_fill(~state.valid, NEVER)
 
 
-def lowest_outside_recent(scores: torch.Tensor, rank: torch.Tensor, limit: int) -> torch.Tensor:
-    """The one entry to evict per head for a `kernel_victim` policy: the lowest score among the entries of
-    rank < `limit` (`length - recent_slots`: the recent window is protected), ties to the oldest.
-
-    scores, rank: [n_kv_heads, n] for slots that all hold an entry (a compacted store's first `active`).
-    Returns [n_kv_heads, 1] slot indices. Needs `limit >= 1` (then rank 0 qualifies). The same choice as
-    `select_evictions(policy.priority(state), ..., 1)` in fewer ops: ranks are dense and ordered by token
-    index, so the lowest rank is the oldest token.
-    """
-    priority = torch.where(rank < limit, scores, NEVER)
-    lowest = priority.min(dim=1, keepdim=True).values  # finite: some entry is eligible
-    oldest = torch.where(priority == lowest, rank, torch.iinfo(torch.int64).max)
-    return oldest.argmin(dim=1, keepdim=True)
-
-
 def select_evictions(priority: torch.Tensor, token_index: torch.Tensor, count: int) -> torch.Tensor:
     """Slots to evict per head: the `count` lowest priorities, ties to the oldest token.
 
     priority, token_index: [n_kv_heads, slots]. Returns [n_kv_heads, count] slot indices.
     """
-    if count == 1:
-        # Decode step: one min per head, then the oldest among equal minima. No sort. Empty slots
-        # (token_index -1) never qualify, even when every valid priority is NEVER.
+    if count == 1:  # decode: one min per head, no sort; empty slots (token_index -1) never qualify
         empty = token_index < 0
-        lowest = priority.masked_fill(empty, NEVER).min(dim=1, keepdim=True).values
-        candidates = (priority == lowest) & ~empty
-        oldest = torch.where(candidates, token_index, torch.iinfo(torch.int64).max)
-        return oldest.argmin(dim=1, keepdim=True)
+        return lowest_oldest(priority.masked_fill(empty, NEVER), token_index.masked_fill(empty, OLDEST_LAST))
     # Lexicographic (priority, token_index): order by age, then a stable sort by priority keeps age order in ties.
     by_age = torch.argsort(torch.where(token_index < 0, torch.iinfo(torch.int64).max, token_index), dim=1)
     by_priority = torch.argsort(priority.gather(1, by_age), dim=1, stable=True)

@@ -34,11 +34,6 @@ class RecallPolicy(HeavyHitterPolicy):
                 f"{self.budget}; keep at least 2 (a smaller ratio or a larger budget)"
             )
         split_slots(self.resident, self.heavy_ratio)
-        if self.score_decay != 1.0:  # the recall step accumulates plain sums (RecallLayer)
-            raise UsageError(
-                f"--score-decay {self.score_decay} is not supported with --policy recall yet; drop it, "
-                "or use --policy h2o"
-            )
 
     @property
     def recall_slots(self) -> int:

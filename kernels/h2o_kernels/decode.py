@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from h2o_kernels.reference import rotate, rows
-
-NO_CANDIDATE = -1
+from h2o_kernels.reference import lowest_outside_recent, rotate, rows
 
 
 def decode_attention(
@@ -48,10 +46,5 @@ def decode_attention(
     output = torch.bmm(probs, values.float()).to(query.dtype).view(n_heads, head_dim)
     increments = probs.sum(dim=1)
     scores += increments
-    candidates = valid & (rank < recent_rank)
-    priority = torch.where(candidates, scores, float("inf"))
-    lowest = priority.min(dim=1, keepdim=True).values
-    oldest = torch.where(candidates & (priority == lowest), token_index, torch.iinfo(torch.int64).max)
-    candidate = oldest.argmin(dim=1)
-    candidate = torch.where(candidates.any(dim=1), candidate, NO_CANDIDATE)
+    candidate = lowest_outside_recent(scores, rank, recent_rank, valid)[:, 0]
     return output, increments, candidate

@@ -63,3 +63,39 @@ def slot_attention(
     else:
         score_increments = last_probs if chunk == 1 else probs.sum(dim=(1, 2))
     return output.view(n_heads, chunk, head_dim), score_increments, last_probs
+
+
+NEVER = float("inf")
+OLDEST_LAST = torch.iinfo(torch.int64).max
+
+
+def lowest_oldest(priority: torch.Tensor, age: torch.Tensor) -> torch.Tensor:
+    """The slot to evict per head: the lowest priority, ties to the lowest age (the oldest token).
+
+    priority: [n_kv_heads, n] float (`inf`: never, unless every slot is); age: [n_kv_heads, n] int64, ordered
+    as token indices (`OLDEST_LAST` for a slot that may not be chosen). Returns [n_kv_heads, 1] slot indices.
+    """
+    lowest = priority.min(dim=1, keepdim=True).values
+    oldest = torch.where(priority == lowest, age, OLDEST_LAST)
+    return oldest.argmin(dim=1, keepdim=True)
+
+
+def lowest_outside_recent(
+    scores: torch.Tensor, rank: torch.Tensor, limit: int, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The victim rule of a `kernel_victim` policy: per head, the lowest score among the entries of rank
+    < `limit` (`length - recent_slots`: the recent window is protected), ties to the oldest.
+
+    scores, rank: [n_kv_heads, n]; valid: [n_kv_heads, n] bool, the slots that hold an entry (None: every one,
+    as in a compacted store's first `active` slots, and then `limit >= 1`). Ranks are dense and ordered by token
+    index, so the lowest rank is the oldest token. Returns [n_kv_heads, 1] slot indices; with `valid`, -1 for a
+    head with no entry of rank < `limit`. The fused decode kernels (triton_decode.py, the C step's
+    `score_and_evict`) are its twins; `select_evictions(policy.priority(...), ..., 1)` is the same choice.
+    """
+    eligible = rank < limit
+    if valid is not None:
+        eligible &= valid
+    victim = lowest_oldest(torch.where(eligible, scores, NEVER), rank)
+    if valid is None:
+        return victim
+    return torch.where(eligible.any(dim=1, keepdim=True), victim, -1)

@@ -1,5 +1,6 @@
-/* What the CPU decode steps share (decode_step.c for `h2o`, recall_step.c for `recall`): float kernels and
- * the parts of a one-token step on a store (write, rotate-and-dot, softmax, scores and eviction).
+/* What the C twins share (step.c: the one-token step; archive.c: the archive's write and choice): float
+ * kernels, the parts of a one-token step on a store (write, rotate-and-dot, softmax, scores and eviction) and a
+ * sort of (key, item) pairs.
  *
  * Every array is row-major and contiguous; `slots` is the store's row length (its preallocation). Only the
  * float rounding differs from the torch path: sums run in another order, and exp is a polynomial (2 ulp).
@@ -163,14 +164,57 @@ static inline int64_t score_and_evict(const float *restrict p, int64_t stride, i
     return victim;
 }
 
-/* recall_step.c: the one-token step over S and the recall slots; `h2o_decode_step` is it with none. */
-int64_t recall_decode_step(int64_t n_kv, int64_t group, int64_t head_dim, int64_t slots, int64_t active,
-                           const float *query, const float *new_key, const float *new_value, const float *table,
-                           float *keys, float *values, float *scores, float *seen, float *last_probs,
-                           int64_t *token_index, int64_t *rank, uint8_t *valid, int64_t rolling,
-                           int64_t tokens_seen, int64_t length, int64_t limit, float decay, int64_t recall,
-                           const float *recall_keys, const float *recall_values, const int64_t *recall_index,
-                           const int64_t *counts, int64_t entries, float *output, float *scratch, int64_t *order,
-                           int64_t *victims);
+typedef struct {
+    int64_t key, item;
+} Pair;
+
+static inline void swap_pairs(Pair *a, Pair *b) {
+    const Pair t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* Hoare's partition of a[lo..hi] around a median of three, larger keys first: afterwards a[lo..*j] >= the
+ * pivot >= a[*i..hi], and the pairs between equal it. */
+static void partition_desc(Pair *a, int64_t lo, int64_t hi, int64_t *i_out, int64_t *j_out) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (a[mid].key > a[lo].key) swap_pairs(&a[mid], &a[lo]);
+    if (a[hi].key > a[lo].key) swap_pairs(&a[hi], &a[lo]);
+    if (a[hi].key > a[mid].key) swap_pairs(&a[hi], &a[mid]);
+    const int64_t pivot = a[mid].key;
+    int64_t i = lo, j = hi;
+    while (i <= j) {
+        while (a[i].key > pivot) i++;
+        while (a[j].key < pivot) j--;
+        if (i <= j) swap_pairs(&a[i++], &a[j--]);
+    }
+    *i_out = i;
+    *j_out = j;
+}
+
+/* Sort a[0..n) by key, largest first (small runs by insertion). */
+static void sort_desc(Pair *a, int64_t n) {
+    while (n > 16) {
+        int64_t i, j;
+        partition_desc(a, 0, n - 1, &i, &j);
+        if (j + 1 < n - i) { /* recurse into the smaller side: stack depth stays logarithmic */
+            sort_desc(a, j + 1);
+            a += i;
+            n -= i;
+        } else {
+            sort_desc(a + i, n - i);
+            n = j + 1;
+        }
+    }
+    for (int64_t i = 1; i < n; i++) {
+        const Pair t = a[i];
+        int64_t j = i - 1;
+        while (j >= 0 && a[j].key < t.key) {
+            a[j + 1] = a[j];
+            j--;
+        }
+        a[j + 1] = t;
+    }
+}
 
 #endif

@@ -47,23 +47,10 @@ def best_page_bound(query: torch.Tensor, summary: torch.Tensor, block: int = 128
     return best
 
 
-def rank_key(bound: torch.Tensor, page_start: torch.Tensor, tokens: int) -> torch.Tensor:
-    """One float64 key per (KV head, page) whose descending order is "larger bound first, then the older
-    page": the float32 bound plus a tie-break under a quarter of its float32 spacing (ulp), larger for older
-    pages. Distinct float32 bounds stay in their order (the tie-break never reaches half an ulp) and equal ones
-    are ordered by age, so one `topk` replaces a sort by age and a stable sort by bound.
-
-    bound: [n_kv_heads, pages] float32 (-inf for pages that cannot be chosen); page_start: [pages] token index
-    of each page's first token (smaller = older; -1 = empty), every one below `tokens` (a Python int, so the
-    key needs no read back from the device)."""
-    ulp = (torch.nextafter(bound, torch.full_like(bound, float("inf"))) - bound).double()
-    youth = (page_start + 1).double() / (tokens + 1)  # [0, 1): smaller for older pages
-    return bound.double() + torch.nan_to_num(ulp * 0.25 * (1.0 - youth), nan=0.0, posinf=0.0)
-
-
 def order_key(bound: torch.Tensor, page_start: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
-    """`rank_key`'s order as one int64 per (KV head, page), in fewer ops: larger bound first, then the older
-    page; pages without a candidate (`candidate` False) last.
+    """The page order of a recall step as one int64 per (KV head, page), so one `topk` ranks the pages: larger
+    bound first, then the older page; pages without a candidate (`candidate` False) last. archive.c's
+    `order_key` is its C twin.
 
     bound: [n_kv_heads, pages] float32 (any value where `candidate` is False); page_start: [pages] token index
     of each page's first token (below 2**31). The float's bits, made monotone in its value (negative floats
@@ -219,7 +206,8 @@ class PageArchive:
         ]
 
     def _write_token(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """`_write_piece` of one token (a decode step): the same writes, its slot and page as Python ints."""
+        """`_write_piece` of one token (a decode step's fast form, in half the ops): the same writes, its slot
+        and page as Python ints (held to it by tests/test_recall.py; archive.c's `archive_token` is its C twin)."""
         token = self.tokens
         slot = token % self.capacity
         page = slot // self.page_size
@@ -312,16 +300,14 @@ class PageArchive:
         has_candidate = candidate.view(n_kv, self.pages, self.page_size).any(dim=2)
         # The ring fills from page 0: pages past the last one written hold nothing (no need to bound them).
         used = min(self.pages, -(-self.tokens // self.page_size))
-        bound = torch.full((n_kv, self.pages), float("-inf"), device=device)
+        bound = torch.zeros(n_kv, self.pages, device=device)  # pages past `used` hold no candidate
         if used:
             bound[:, :used] = best_page_bound(query.float(), self.summary[:, :used])
-        bound = bound.masked_fill(~has_candidate, float("-inf"))
         # Every page with a candidate holds at least one, so the first `slots` pages in rank order suffice.
         page_start = self.token_index.view(self.pages, self.page_size)[:, 0]
         top = min(slots, self.pages)
-        pages = torch.topk(
-            rank_key(bound, page_start, self.tokens), top, dim=1, sorted=True
-        ).indices  # [n_kv, top]
+        key = order_key(bound, page_start, has_candidate)
+        pages = torch.topk(key, top, dim=1, sorted=True).indices  # [n_kv, top]
         # Their slots in reading order (page rank, then offset = token age in the page); take the candidates.
         offset = torch.arange(self.page_size, device=device)
         in_order = (pages.unsqueeze(-1) * self.page_size + offset).flatten(1)  # [n_kv, top * page_size]
@@ -350,7 +336,7 @@ class PageArchive:
         Why the same: the step's token is the only archived one not older than it, and it is resident, so a
         candidate is an archived token not in S; only the ring slots written so far (`used` pages) can hold
         one, and pages without a candidate rank below every page with one, so ranking the used pages alone
-        keeps their order (`order_key` is `rank_key`'s order); the first `slots` candidates in reading order are
+        keeps their order (the same `order_key`); the first `slots` candidates in reading order are
         found by a running count.
         """
         n_kv, size, span = self.n_kv_heads, self.page_size, self.span

@@ -3,19 +3,18 @@ recall slots refilled from it at every step."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
-from h2o_kernels import native, slot_attention
+from h2o_kernels import slot_attention
 from h2o_kernels.dispatch import use_native
 
-from h2o_cli.cache.layer import H2OLayer
-from h2o_cli.cache.positions import rotate, unrotate
+from h2o_cli.cache.layer import STEPS, Call, H2OLayer, query_weights
+from h2o_cli.cache.positions import rolling_positions, rotate, unrotate
 from h2o_cli.cache.recall.archive import PageArchive
-from h2o_cli.cache.recall.step import (
-    RecallCounts,
-    recall_is_full,
-    recall_step_attention,
-    rolling_step_positions,
-)
+from h2o_cli.cache.recall.c_step import RecallCStep
+from h2o_cli.cache.recall.step import RecallCounts, recall_is_full, rolling_step_positions
+from h2o_cli.cache.step import step_attention
 
 
 class RecallLayer(H2OLayer):
@@ -24,13 +23,14 @@ class RecallLayer(H2OLayer):
 
     The step runs on the torch reference (also on CUDA): pass 1 chooses the recalled tokens with the chunk's
     queries, pass 2 attends over S, them and the chunk with the exact softmax, scores S only, evicts. A
-    one-token call takes the same steps in far fewer ops (`_step_on_one_thread`, h2o_cli.recall_step), or as
-    C calls on the CPU once S is full (`_native_recall_step`, h2o_kernels/recall_step.c).
+    one-token call takes the same steps in far fewer ops (`_torch_step`, h2o_cli.cache.recall.step), or as
+    C calls on the CPU once S is full (`_c_step`, h2o_kernels/archive.c and step.c).
     """
 
     # The new keys are unrotated elementwise, as the chunk path does, so the archive, its page summaries and
     # hence the page choice are bit for bit the chunk path's.
     step_keys_by_map = False
+    fused_kernels = False  # the Triton kernels know nothing of the recall slots
 
     def add_archive(
         self,
@@ -51,8 +51,6 @@ class RecallLayer(H2OLayer):
         self.recall_values = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)
         self.recall_index = torch.full(shape, -1, dtype=torch.int64, device=device)  # token index, -1 = empty
         self.counts = RecallCounts(store.n_kv_heads)
-        # The C step's fixed arguments (`_recall_buffers`); None: not looked at yet, False: not for this layer.
-        self._native_recall: native.RecallBuffers | bool | None = None
 
     @property
     def recalled(self) -> float:
@@ -80,17 +78,17 @@ class RecallLayer(H2OLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs=None, **extra):
         """As `H2OLayer.update`, and archive the call's unrotated K/V (write-through, before any eviction)."""
         result = super().update(key_states, value_states, *args, kwargs=kwargs, **extra)
-        keys, values = self._new_states
-        if keys.shape[1] == 1 and self._step and self._recall_buffers() is not None:
-            native.archive_token(self._native_recall, keys, values)  # one C call for the same writes
+        call = self._call
+        if call.path in STEPS and self._c_buffers is not None:
+            self._c_buffers.archive_token(call.keys, call.values)  # one C call for the same writes
         else:
-            self.archive.write(keys, values)
+            self.archive.write(call.keys, call.values)
         return result
 
-    def _attend_written(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _chunk_attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """The recall step for the chunk just written (query [n_heads, chunk, head_dim], unrotated).
         Returns [1, chunk, n_heads, head_dim]."""
-        chunk, store = query.shape[1], self.store
+        chunk, store, decay = query.shape[1], self.store, self.policy.decay_per_query
         n_kv, active, first = store.n_kv_heads, store.active, store.tokens_seen - chunk
         slots, hits = self.recall_index.shape[1], 0
         if slots:  # pass 1: the chunk's queries choose archived tokens, read back into the recall slots
@@ -110,15 +108,9 @@ class RecallLayer(H2OLayer):
             ],
             dim=2,
         )
-        if self.positions == "rolling":
-            # Rank by token index among the entries present; heads with fewer entries are shifted up so every
-            # head's queries share positions (RoPE logits depend only on the distance, which stays the rank's).
-            order = torch.argsort(token_index.masked_fill(~present, torch.iinfo(torch.int64).max), dim=1)
-            steps = torch.arange(order.shape[1], device=order.device).expand_as(order)
-            rank = torch.empty_like(order).scatter_(1, order, steps)
-            entries = present.sum(dim=1, keepdim=True)
-            key_positions = torch.where(present, rank + entries.max() - entries, 0)
-            first_query_position = int(entries.max()) - chunk
+        if self.positions == "rolling":  # ranks of E_q by token index, every head's queries at one position
+            key_positions, entries = rolling_positions(token_index, present)
+            first_query_position = entries - chunk
         else:
             key_positions = token_index.clamp_min(0)
             first_query_position = first
@@ -134,32 +126,29 @@ class RecallLayer(H2OLayer):
             cos_table[key_positions],
             sin_table[key_positions],
             scaling,
+            query_weights(decay, chunk, query.device),
         )
-        store.accumulate(increments[:, :active], last_probs[:, :active], chunk)  # S only: r = 0 is h2o
+        # S only (r = 0 is h2o), decayed as h2o's: R's entries are not S's, so nothing decays them.
+        store.accumulate(increments[:, :active], last_probs[:, :active], chunk, decay=decay)
         store.evict(self.policy)
         return output.transpose(0, 1).unsqueeze(0)
 
-    def _step_on_one_thread(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """The recall step of one token (decode) on the torch path (`update` chose it; `attend` packed S into
-        its lowest slots): pass 1 by `PageArchive.choose_one`, pass 2 by one softmax over S and R at the
-        positions of `rolling_step_positions` or token indices, S's scores, eviction. The chunk path's result
-        (docs/spec.md; h2o_cli.recall_step says why each part is the same). query: [1, n_heads, 1, head_dim]
-        rotated by the model. Returns [1, 1, n_heads, head_dim]."""
-        if self.store.length == self.store.budget and self._recall_buffers() is not None:
-            return self._native_recall_step(query, scaling)
+    def _torch_step(self, call: Call, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The recall step of one token (decode) on the torch path (`attend` packed S into its lowest slots):
+        pass 1 by `PageArchive.choose_one`, pass 2 by one softmax over S and R (`step_attention` with R) at
+        the positions of `rolling_step_positions` or token indices, S's scores, eviction. The chunk path's
+        result (docs/spec.md; h2o_cli.cache.recall.step says why each part is the same).
+        query: [1, n_heads, 1, head_dim] rotated by the model. Returns [1, 1, n_heads, head_dim]."""
         store, archive = self.store, self.archive
-        keys, values, cos, sin = self._call_left()
-        store.write(keys, values)
+        store.write(call.keys, call.values)
         active, n_kv, head_dim = store.active, store.n_kv_heads, store.head_dim  # active == length: packed
         resident = store.token_index[:, :active]
         slots = self.recall_index.shape[1]
         full = recall_is_full(archive.held(), store.length, slots)
         if slots:
-            chosen, valid = archive.choose_one(self._step_page_query(query, cos, sin), resident, slots)
-            if archive.region is None:
-                hits = self._read_all(chosen, valid, full)
-            else:  # a file archive reads only the tokens new to the recall slots
-                hits = self._read_back(chosen, valid)
+            page_query = self._step_page_query(query, call.cos, call.sin)
+            chosen, valid = archive.choose_one(page_query, resident, slots)
+            hits = self._read_back(chosen, valid, full)
             self.counts.add(slots * n_kv if full else valid.sum(), hits)
         else:
             self.counts.add(0, 0)
@@ -169,65 +158,59 @@ class RecallLayer(H2OLayer):
         else:
             key_positions = torch.cat([resident, self.recall_index.clamp_min(0)], dim=1)
             position = store.tokens_seen - 1
-        query_map, step_table = self._step_maps(cos, sin, position, scaling, query.device)
-        output, probs = recall_step_attention(
+        query_map, step_table = self._step_maps(call.cos, call.sin, position, scaling, query.device)
+        output, probs = step_attention(
             self._grouped(query, query_map),
             store.key_states(active),
             store.value_states(active),
-            self.recall_keys,
-            self.recall_values,
             key_positions,
             step_table,
-            present,
+            (self.recall_keys, self.recall_values, present),
         )
         increments = probs[:, :, :active].sum(dim=1)  # [n_kv, active]: S only (r = 0 is h2o)
-        store.accumulate(increments, increments, 1)
+        store.accumulate(increments, increments, 1, decay=self.policy.decay_per_query)
         self._evict_after_step()
         return output.to(query.dtype).view(1, 1, -1, head_dim)
 
-    def _recall_buffers(self) -> native.RecallBuffers | None:
-        """The C step's fixed arguments when it can run this layer (h2o_kernels.native, recall_step.c): a
+    @functools.cached_property
+    def _c_buffers(self) -> RecallCStep | None:
+        """The C calls' fixed arguments when they can run this layer (h2o_cli.cache.recall.c_step): a
         `kernel_victim` policy, float32 store and a float32 archive in RAM on the CPU, `--kernels auto` or
         `native` with a C compiler; else None (the torch step)."""
-        if self._native_recall is None:
-            store, archive = self.store, self.archive
-            self._native_recall = False
-            if (
-                self.policy.kernel_victim
-                and store.keys.dtype == store.compute_dtype == torch.float32
-                and archive.region is None
-                and archive.keys.dtype == archive.dtype == torch.float32
-                and use_native(store.keys.device, self.settings.kernels)
-            ):
-                self._native_recall = native.RecallBuffers(self)
-        return self._native_recall or None
+        store, archive = self.store, self.archive
+        if (
+            self.policy.kernel_victim
+            and store.keys.dtype == store.compute_dtype == torch.float32
+            and archive.region is None
+            and archive.keys.dtype == archive.dtype == torch.float32
+            and use_native(store.keys.device, self.settings.kernels)
+        ):
+            return RecallCStep(self)
+        return None
 
-    def _native_recall_step(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """`_step_on_one_thread` as two C calls (recall_step.c) for a full S: the page bounds by torch
-        (`PageArchive.step_bounds`), then `recall_choose` (the rest of `choose_one` and the read into the
-        recall slots), the query map for the position that leaves, and `recall_decode_step` (write, attention
-        over S ∪ R, S's scores, eviction). The same recalled tokens as the torch step, the rest to float
-        rounding."""
+    def _c_step(self, call: Call, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """`_torch_step` as two C calls for a full S: the page bounds by torch (`PageArchive.step_bounds`),
+        then `RecallCStep.choose` (the rest of `choose_one` and the read into the recall slots), the query map
+        for the position that leaves, and `RecallCStep.run` (write, attention over S ∪ R, S's scores,
+        eviction). The same recalled tokens as the torch step, the rest to float rounding."""
         store, archive, policy = self.store, self.archive, self.policy
-        keys, values, cos, sin = self._call_left()
-        buffers = self._native_recall
+        buffers = self._c_buffers
         most = 0  # recall slots of the fullest head
         if self.recall_index.shape[1]:
-            bounds = archive.step_bounds(self._step_page_query(query, cos, sin))
-            recalled, hits = native.recall_choose(buffers, bounds)
-            most = buffers.totals[1]
+            bounds = archive.step_bounds(self._step_page_query(query, call.cos, call.sin))
+            recalled, hits = buffers.choose(bounds)
+            most = buffers.most
             self.counts.add(recalled, hits)
         else:
             self.counts.add(0, 0)
         rolling = self.positions == "rolling"
         # The query's position: its rank in E_q (S after the write, and the fullest head's R), or its index.
         position = store.length + most if rolling else store.tokens_seen
-        query_map, step_table = self._step_maps(cos, sin, position, scaling, query.device)
-        output = native.recall_step(
-            buffers,
+        query_map, step_table = self._step_maps(call.cos, call.sin, position, scaling, query.device)
+        output = buffers.run(
             self._grouped(query, query_map),
-            keys,
-            values,
+            call.keys,
+            call.values,
             step_table,
             rolling=rolling,
             limit=store.length + 1 - policy.recent_slots,
@@ -258,45 +241,36 @@ class RecallLayer(H2OLayer):
         slots = self.recall_index.shape[1]
         return self.rope.table(max(position + 1, self.store.slots) + slots, self.store.compute_dtype, device)
 
-    def _read_all(self, chosen: torch.Tensor, valid: torch.Tensor, full: bool) -> torch.Tensor:
-        """`_read_back` for a RAM archive: every chosen token read from the archive in one row gather (a
-        hit's K/V are the archive's own, so the slots end up the same). Returns the hits (a 0-d tensor)."""
+    def _read_back(self, chosen: torch.Tensor, valid: torch.Tensor, full: bool = False) -> torch.Tensor:
+        """Fill the recall slots with archive slots `chosen` [n_kv, r] where `valid` (all of them when `full`),
+        in that order (empty: 0). Returns the hits summed over KV heads (a 0-d tensor): chosen tokens the
+        slots held already.
+
+        A hit's K/V in the slots are the archive's own, so a RAM archive reads every chosen token in one row
+        gather; a file archive moves the hits inside the slots and reads only the others, so it reads just
+        the pages that are new to the slots. Either way the slots end up the same."""
         archive = self.archive
         wanted = archive.token_index.take(chosen)  # [n_kv, r] token indices
         if not full:
             wanted.masked_fill_(~valid, -1)
-        # Hits: the slots' tokens so far, placed at their ring slots (they were archived at the last step, so
-        # no two share one, all below `span`; empty slots go to a spare column), read at the chosen slots.
-        held, span = self.recall_index, archive.span
-        before = torch.full((held.shape[0], span + 1), -1, dtype=held.dtype, device=held.device)
-        before.scatter_(1, torch.where(held >= 0, held % archive.capacity, span), held)
-        hit = before.gather(1, chosen) == wanted
-        hits = (hit if full else hit & valid).sum()
-        archive.read_into(chosen, self.recall_keys, self.recall_values)
+        held, order = self.recall_index.sort(dim=1)
+        place = torch.searchsorted(held, wanted).clamp_max_(held.shape[1] - 1)
+        hit = held.gather(1, place) == wanted
+        if not full:
+            hit &= valid
+        if archive.region is None:
+            archive.read_into(chosen, self.recall_keys, self.recall_values)
+        else:
+            source = order.gather(1, place).unsqueeze(-1).expand(-1, -1, self.recall_keys.shape[-1])
+            keys, values = self.recall_keys.gather(1, source), self.recall_values.gather(1, source)
+            heads, columns = (valid & ~hit).nonzero(as_tuple=True)
+            keys[heads, columns], values[heads, columns] = archive.read(heads, chosen[heads, columns])
+            self.recall_keys.copy_(keys)
+            self.recall_values.copy_(values)
         if not full:
             empty = ~valid.unsqueeze(-1)
             self.recall_keys.masked_fill_(empty, 0)
             self.recall_values.masked_fill_(empty, 0)
-        self.recall_index.copy_(wanted)
-        return hits
-
-    def _read_back(self, chosen: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Fill the recall slots with archive slots `chosen` [n_kv, r] where `valid`, in that order (empty: 0).
-
-        A token already in a recall slot (a hit: chosen again) is moved from there; only the others are read
-        from the archive, so a disk archive reads just the pages that are new to the slots.
-        Returns the hits summed over KV heads (a 0-d tensor)."""
-        wanted = torch.where(valid, self.archive.token_index[chosen], -1)  # [n_kv, r] token indices
-        held, order = self.recall_index.sort(dim=1)
-        place = torch.searchsorted(held, wanted).clamp_max(held.shape[1] - 1)
-        hit = (held.gather(1, place) == wanted) & valid
-        source = order.gather(1, place).unsqueeze(-1).expand(-1, -1, self.recall_keys.shape[-1])
-        keys, values = self.recall_keys.gather(1, source), self.recall_values.gather(1, source)
-        heads, columns = (valid & ~hit).nonzero(as_tuple=True)
-        keys[heads, columns], values[heads, columns] = self.archive.read(heads, chosen[heads, columns])
-        empty = ~valid.unsqueeze(-1)
-        self.recall_keys.copy_(keys.masked_fill_(empty, 0))
-        self.recall_values.copy_(values.masked_fill_(empty, 0))
         self.recall_index.copy_(wanted)
         return hit.sum()
 

@@ -1,0 +1,75 @@
+"""The cache's side of `recall`'s C step (h2o_kernels/archive.c and step.c): one `RecallLayer`'s archive and
+recall-slot buffers next to its store's (`CStep`), and the calls that run the archive write, the page choice and
+the step on them."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from h2o_kernels import native
+
+from h2o_cli.cache.c_step import CStep
+
+
+class RecallCStep(CStep):
+    """The fixed arguments of one `RecallLayer`'s C calls: the store's (`CStep`), its archive's and recall
+    slots' addresses, and scratch (the archive is a float32 ring in RAM: its buffers never move)."""
+
+    def __init__(self, layer) -> None:
+        store, archive = layer.store, layer.archive
+        super().__init__(store)
+        self.archive = archive
+        self.recall_index = layer.recall_index
+        assert archive.region is None and archive.keys.dtype == torch.float32
+        slots_held = (layer.recall_keys, layer.recall_values, layer.recall_index)
+        tensors = (archive.token_index, archive.keys, archive.values, *slots_held)
+        assert all(tensor.is_contiguous() for tensor in tensors)
+        self.archive_pointers = tuple(tensor.data_ptr() for tensor in tensors[:3])
+        self.recall_pointers = tuple(tensor.data_ptr() for tensor in tensors[3:])
+        self.summary_pointer = archive.summary.data_ptr()
+        self.store_index_pointers = (store.token_index.data_ptr(), store.valid.data_ptr())
+        self.recall = recall = layer.recall_index.shape[1]
+        self.candidate = torch.empty(archive.capacity, dtype=torch.uint8)
+        self.previous = torch.full((archive.capacity,), -1, dtype=torch.int64)  # -1 between calls
+        self.pages = torch.empty(archive.pages, 2, dtype=torch.int64)
+        self.chosen = torch.empty(max(recall, 1), dtype=torch.int64)
+        self.choose_scratch = tuple(
+            tensor.data_ptr() for tensor in (self.candidate, self.previous, self.pages, self.chosen)
+        )
+        self.counts = torch.zeros(store.n_kv_heads, dtype=torch.int64)
+        self.totals = (ctypes.c_int64 * 2)()  # read without a tensor op: recalled, the most of one head
+        self.order = torch.empty(2 * store.slots + 3 * recall, dtype=torch.int64)
+        self.recall_arguments = (recall, *self.recall_pointers, self.counts.data_ptr(), self.order.data_ptr())
+
+    def archive_token(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """`PageArchive.write` of one token: key, value [n_kv_heads, 1, head_dim] unrotated."""
+        archive = self.archive
+        native.archive_token(
+            key, value, archive.capacity, archive.page_size, archive.tokens, self.archive_pointers,
+            self.summary_pointer,
+        )  # fmt: skip
+        archive.tokens += 1
+
+    def choose(self, bound: torch.Tensor) -> tuple[int, int]:
+        """Pass 1 of a one-token step from the page bounds on: `PageArchive.choose_one` and the read into the
+        recall slots, for the token the step is about to write (`store.tokens_seen`, already archived).
+        bound: [n_kv_heads, used pages] float32 (`PageArchive.step_bounds`). Returns (tokens recalled, hits),
+        summed over KV heads; `counts` holds each head's, `most` the most of one head."""
+        store, archive = self.store, self.archive
+        hits = native.archive_choose(
+            bound, store.head_dim, self.store_index_pointers, store.slots, store.active, store.tokens_seen,
+            archive.capacity, archive.page_size, self.archive_pointers, self.recall, self.recall_pointers,
+            self.choose_scratch, self.counts, self.totals,
+        )  # fmt: skip
+        return self.totals[0], hits
+
+    @property
+    def most(self) -> int:
+        """Recall slots filled in the fullest head by the last `choose`."""
+        return self.totals[1]
+
+    def run(self, query, key, value, table, rolling, limit, decay, entries=None) -> torch.Tensor:
+        """`CStep.run` over S and the recall slots (`entries`: the query's position + 1 with rolling
+        positions)."""
+        return super().run(query, key, value, table, rolling, limit, decay, self.recall_arguments, entries)
