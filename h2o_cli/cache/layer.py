@@ -29,7 +29,7 @@ from h2o_cli.policies import make_policy
 LAYER_KWARG = "h2o_layer"
 
 
-class Path(enum.Enum):
+class CallPath(enum.Enum):
     """How a call is attended (`H2OLayer._path` chooses, once per call)."""
 
     CHUNK = "chunk"  # the reference: write, `slot_attention`, accumulate, evict (in sub-chunks that fit)
@@ -38,7 +38,7 @@ class Path(enum.Enum):
     C_STEP = "C step"  # one token as one C call, once the cache is full (h2o_cli.cache.c_step)
 
 
-STEPS = (Path.TORCH_STEP, Path.C_STEP)
+STEPS = (CallPath.TORCH_STEP, CallPath.C_STEP)
 
 
 @dataclass(slots=True)
@@ -49,7 +49,7 @@ class Call:
     values: torch.Tensor
     cos: torch.Tensor  # [chunk, head_dim]
     sin: torch.Tensor
-    path: Path
+    path: CallPath
 
     @property
     def chunk(self) -> int:
@@ -146,7 +146,7 @@ class H2OLayer(CacheLayerMixin):
             kwargs[LAYER_KWARG] = self  # read by h2o_cli.attention.h2o_attention right after this call
         return self.keys, self.values
 
-    def _path(self, chunk: int, states: torch.Tensor) -> Path:
+    def _path(self, chunk: int, states: torch.Tensor) -> CallPath:
         """The path of a call of `chunk` tokens in `states`' dtype and device. A one-token call takes a step when
         the store computes in float32/64 (the call in its dtype) and `DecodeMaps.usable` says the rotation
         allows it: in C once the cache is full and the C step can run this layer (`_c_buffers`), else the torch
@@ -160,8 +160,8 @@ class H2OLayer(CacheLayerMixin):
             and self.maps.usable(*self._step_tables(self._new_position(), states.device))
         ):
             full = store.length == store.budget
-            return Path.C_STEP if full and self._c_buffers is not None else Path.TORCH_STEP
-        return Path.TRITON if triton and self.fused_kernels else Path.CHUNK
+            return CallPath.C_STEP if full and self._c_buffers is not None else CallPath.TORCH_STEP
+        return CallPath.TRITON if triton and self.fused_kernels else CallPath.CHUNK
 
     @functools.cached_property
     def _c_buffers(self) -> CStep | None:
@@ -188,12 +188,12 @@ class H2OLayer(CacheLayerMixin):
         store = self.store
         if call.chunk == 1 and self._step_path and store.active > store.length + 1:
             store.compact()  # a chunk's evictions left holes: decode steps read `budget + 1` slots from now on
-        if call.path is Path.C_STEP:
+        if call.path is CallPath.C_STEP:
             return self._c_step(call, query, scaling)
-        if call.path is Path.TORCH_STEP:
+        if call.path is CallPath.TORCH_STEP:
             with one_thread():
                 return self._torch_step(call, query, scaling)
-        attend_written = self._triton_attend if call.path is Path.TRITON else self._chunk_attend
+        attend_written = self._triton_attend if call.path is CallPath.TRITON else self._chunk_attend
         cos, sin = call.cos.to(query.dtype), call.sin.to(query.dtype)
         query = unrotate(query[0], cos, sin)  # [n_heads, chunk, head_dim]
         outputs, start = [], 0
