@@ -15,7 +15,7 @@ from h2o_cli.config import CacheSettings
 from h2o_cli.errors import InputError
 
 # Spare cache slots beside the budget: a chat reads a turn in 256-token forward calls and the cache attends
-# them 16 at a time, so at budget 32 it holds 48 slots per head, not 288 (issue 9.4).
+# them 16 at a time, so at budget 32 it holds 48 slots per head, not 288.
 CHAT_CHUNK = 16
 
 EXAMPLES = """

@@ -1,6 +1,6 @@
 """H2O (Zhang et al. 2023): evict the smallest accumulated attention outside the recent window.
 
-The defaults are the paper's policy. Two settings vary it (issue 13): `score_decay` γ < 1 makes scores
+The defaults are the paper's policy. Two settings vary it: `score_decay` γ < 1 makes scores
 forget (õ ← γ·õ + p per query token, docs/spec.md), and `h2o_sinks` keeps the first tokens of the stream
 in heavy slots whatever their score.
 """

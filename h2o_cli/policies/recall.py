@@ -1,4 +1,4 @@
-"""Recall (issue 11): `h2o` on a resident share of the budget, plus slots refilled from an archive at every step.
+"""Recall: `h2o` on a resident share of the budget, plus slots refilled from an archive at every step.
 
 The resident set S is managed exactly as `h2o` with budget `budget - recall_slots`; the archive of every token
 (`h2o_cli.cache.recall.archive`) and the recall step live in the cache (`RecallLayer`), which asks this policy for its sizes.
