@@ -331,13 +331,7 @@ class PageArchive:
         indices of S, every one an entry (no -1), the newest archived token (the step's own) among them in
         every head. Returns archive slots [n_kv_heads, slots] and which hold a chosen token; the valid ones are
         `choose(query, resident, self.tokens - 1, slots)`'s, in its order (where `valid` is False the slot
-        numbers may differ: they are never read).
-
-        Why the same: the step's token is the only archived one not older than it, and it is resident, so a
-        candidate is an archived token not in S; only the ring slots written so far (`used` pages) can hold
-        one, and pages without a candidate rank below every page with one, so ranking the used pages alone
-        keeps their order (the same `order_key`); the first `slots` candidates in reading order are
-        found by a running count.
+        numbers may differ: they are never read). Why the result is `choose`'s: docs/design.md, recall.
         """
         n_kv, size, span = self.n_kv_heads, self.page_size, self.span
         used = span // size
