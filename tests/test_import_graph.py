@@ -189,6 +189,7 @@ def test_the_library_imports_no_terminal_package():
     assert not found, sorted(found)
 
 
+@pytest.mark.heavy  # a fresh interpreter importing torch
 def test_settings_check_policy_names_in_a_fresh_interpreter():
     """`h2o_cli.config` imports no policy, yet the built-in ones are registered before any settings exist."""
     code = (
