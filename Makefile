@@ -14,9 +14,10 @@ setup:
 test:
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q
 
-# Hermetic tier: tiny random-weight models only (no embedded model, no data folder, no Triton), < 1 min.
+# Hermetic tier: tiny random-weight models only (no embedded model, no data folder, no Triton), and none of
+# the `heavy` tests (fresh interpreters, seconds each; `make test` runs them): < 1 min.
 test-fast:
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -m "not model and not data and not triton and not slow and not gpu"
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -m "not model and not data and not triton and not slow and not gpu and not heavy"
 
 test-all:
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -m "not gpu"

@@ -1,8 +1,11 @@
 """An independent, deliberately naive simulation of SPEC.md, for tests only.
 
 Full K/V history is kept; evictions are per-KV-head masks; every rule is applied literally, one entry at a
-time, with Python loops over heads. It shares no code with h2o_cli except nothing: rotary frequencies come
-from the config, attention and eviction are written out here.
+time, with Python loops over heads. It imports nothing from h2o_cli (tests/test_naive.py checks): rotary
+frequencies come from the model config, the slot split (heavy, recent, recall) is the contract's arithmetic
+written out here from the settings' plain fields, and attention and eviction are written out here too. The
+settings object is only read as data (`budget` in tokens, `policy`, `heavy_ratio`, ...), never asked to
+compute anything.
 """
 
 from __future__ import annotations
@@ -45,6 +48,31 @@ class NaiveHeadState:
         return [t for t, a in enumerate(self.alive) if a]
 
 
+def recall_slots(settings) -> int:
+    """r: slots per KV head refilled from the archive, `round(k × recall_ratio)` for `recall` (docs/spec.md)."""
+    return round(settings.budget * settings.recall_ratio) if settings.policy == "recall" else 0
+
+
+def resident_budget(settings) -> int:
+    """Entries a head keeps after a step: the budget `k`, less the recall slots for `recall` (|S| = k − r)."""
+    return settings.budget - recall_slots(settings)
+
+
+def heavy_slots(settings) -> int:
+    """Slots kept for what the entries are: `round(|S| × heavy_ratio)` for h2o, recall (of its resident set)
+    and tova; the first `sinks` tokens for sink; none for the window policies (SPEC.md, docs/spec.md)."""
+    if settings.policy in ("h2o", "recall", "tova"):
+        return round(resident_budget(settings) * settings.heavy_ratio)
+    if settings.policy == "sink":
+        return settings.sinks
+    return 0
+
+
+def recent_slots(settings) -> int:
+    """Slots for the newest entries: `recent = |S| − heavy`."""
+    return resident_budget(settings) - heavy_slots(settings)
+
+
 def choose_victim(head: NaiveHeadState, settings) -> int:
     """SPEC step 4, literally: one entry to evict from this head."""
     alive = head.alive_indices()  # token order
@@ -53,7 +81,8 @@ def choose_victim(head: NaiveHeadState, settings) -> int:
         return alive[0]
     if policy == "sink":
         return next(t for t in alive if t >= settings.sinks)
-    candidates = alive[: len(alive) - settings.recent] if settings.recent else alive
+    recent = recent_slots(settings)
+    candidates = alive[: len(alive) - recent] if recent else alive
     if policy in ("h2o", "recall"):  # recall manages its resident set exactly as h2o
         candidates = [t for t in candidates if t >= settings.h2o_sinks]  # explicit sinks stay
         if settings.score_norm == "mean":
@@ -68,15 +97,6 @@ def choose_victim(head: NaiveHeadState, settings) -> int:
     return min(t for t in candidates if key[t] == best)  # ties go to the oldest
 
 
-def resident_budget(settings) -> int:
-    """Entries a head keeps after a step: the budget, less the recall slots for `recall` (docs/spec.md)."""
-    return settings.budget - recall_slots(settings)
-
-
-def recall_slots(settings) -> int:
-    return round(settings.budget * settings.recall_ratio) if settings.policy == "recall" else 0
-
-
 def naive_recall(
     head: NaiveHeadState, queries: torch.Tensor, first_token: int, chunk: int, settings, inv_freq
 ) -> list[int]:
@@ -85,13 +105,13 @@ def naive_recall(
     queries: [m, d] unrotated, the chunk's queries of the head's query heads. `head` already holds the chunk.
     A page's bound comes from every key archived so far (up to the chunk's last token). With the positional
     page score each query is first replaced by the mean of its rotations over the distances from
-    `settings.recent` up to the most E_q entries (rolling) or the tokens seen (original).
+    the recent slots of S up to the most E_q entries (rolling) or the tokens seen (original).
     """
     size = settings.page_size
     candidates = [t for t in range(first_token) if not head.alive[t]]
     if settings.page_score == "positional":
         high = settings.budget + chunk if settings.positions == "rolling" else first_token + chunk
-        distances = range(min(settings.recent, high - 1), high)
+        distances = range(min(recent_slots(settings), high - 1), high)
         queries = torch.stack([rope(queries, torch.tensor([d] * len(queries)), inv_freq) for d in distances])
         queries = queries.mean(dim=0)
 

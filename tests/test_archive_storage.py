@@ -239,6 +239,7 @@ EXIT_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.heavy  # four fresh interpreters importing torch and transformers
 def test_the_archive_file_is_removed_at_exit_unless_kept(tmp_path):
     """A normal end, an exception, Ctrl-C (KeyboardInterrupt) and --keep-archive, one process each (at once)."""
     env = {
@@ -274,6 +275,7 @@ def rss_probe(archive: str, env: dict) -> subprocess.Popen:
     )
 
 
+@pytest.mark.heavy  # two fresh interpreters streaming 2,048 tokens through a wide model
 def test_a_disk_archive_keeps_the_peak_rss_flat_where_a_ram_archive_grows(tmp_path):
     """1,536 more tokens of 64 KiB of K/V each: 96 MiB more archive. In RAM the peak RSS grows by about that;
     in a file (written through the page cache, mapped pages released after each read) it does not."""

@@ -297,6 +297,7 @@ def start_up() -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.heavy  # three fresh interpreters (huggingface_hub reads its endpoint when imported)
 @pytest.mark.parametrize(
     ("args", "repo"),
     [

@@ -20,6 +20,7 @@ SETTINGS = [
     dict(policy="h2o", positions="original"),
     dict(policy="h2o", positions="rolling", score_norm="mean"),
     dict(policy="h2o", positions="rolling", heavy_ratio=1.0),
+    dict(policy="h2o", positions="rolling", heavy_ratio=0.6),  # round(4.8): a split where rounding matters
     dict(policy="h2o", positions="rolling", score_decay=0.7),
     dict(policy="h2o", positions="original", score_decay=0.9, h2o_sinks=2),
     dict(policy="h2o", positions="rolling", h2o_sinks=3),

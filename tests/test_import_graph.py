@@ -125,6 +125,7 @@ def test_memory_is_a_leaf():
     assert import_graph()["h2o_cli.memory"] == set()
 
 
+@pytest.mark.heavy  # a fresh interpreter importing torch and transformers
 @pytest.mark.parametrize("first", ["h2o_cli.memory", "h2o_cli.cache.families", "h2o_cli.config"])
 def test_each_entry_module_imports_first_in_a_fresh_interpreter(first):
     code = f"import {first}; import h2o_cli.cache, h2o_cli.models, h2o_cli.memory, h2o_cli.runtime"
@@ -188,6 +189,7 @@ def test_the_library_imports_no_terminal_package():
     assert not found, sorted(found)
 
 
+@pytest.mark.heavy  # a fresh interpreter importing torch
 def test_settings_check_policy_names_in_a_fresh_interpreter():
     """`h2o_cli.config` imports no policy, yet the built-in ones are registered before any settings exist."""
     code = (

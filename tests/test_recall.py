@@ -65,7 +65,7 @@ def make_recall_layer(settings: CacheSettings) -> tuple[RecallLayer, torch.Tenso
 
 
 @pytest.mark.parametrize("positions", ["rolling", "original"])
-@pytest.mark.parametrize("ratio", [0.5, 0.75])
+@pytest.mark.parametrize("ratio", [0.5, 0.75, 0.125])  # 0.125: |S| = 7, heavy = round(3.5)
 @pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6]], ids=["decode", "chunked"])
 def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
     """Outputs, the resident set and the recalled tokens follow docs/spec.md literally (tests/naive.py)."""
