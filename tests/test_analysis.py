@@ -1,4 +1,4 @@
-"""Heavy-slot figures (issue 13) against values computed by hand and against what a policy guarantees."""
+"""Heavy-slot figures against values computed by hand and against what a policy guarantees."""
 
 from __future__ import annotations
 

@@ -283,7 +283,7 @@ def test_a_disk_archive_keeps_the_peak_rss_flat_where_a_ram_archive_grows(tmp_pa
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "kernels")])
     runs = {archive: rss_probe(archive, env) for archive in ("ram", "disk")}  # at once: half the wait
     reports = {archive: json.loads(run.communicate(timeout=600)[0]) for archive, run in runs.items()}
-    growth = {  # the peak: what the issue bounds
+    growth = {  # the peak: what the flat-RSS claim bounds
         archive: report["peak_rss_bytes"]["2048"] - report["peak_rss_bytes"]["512"]
         for archive, report in reports.items()
     }

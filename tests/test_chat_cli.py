@@ -236,7 +236,7 @@ def test_terminal_session_shows_prompt_panel_and_answer(home):
 
 
 def test_transcripts_and_input_history_are_private(loaded, home):
-    """Issue 9.14: under the usual umask 022 these were 0644 in 0755 folders."""
+    """Regression: under the usual umask 022 these were 0644 in 0755 folders."""
     from h2o_cli.cli.chat_repl import TerminalReader, history_path
 
     (home / "chat_history").write_text("an old line\n")  # the history's former place, 0644

@@ -141,7 +141,7 @@ def test_save_markdown_and_json(smollm, tmp_path):
 
 
 def test_chat_keeps_few_spare_slots_and_reads_long_turns_in_fixed_buffers(smollm):
-    """Issue 9.4: at budget 32 the chat held 256 spare slots beside the budget (the panel read "cache 13.4 MiB
+    """Regression: at budget 32 the chat held 256 spare slots beside the budget (the panel read "cache 13.4 MiB
     vs full KV 3.6 MiB"). `h2o chat` now keeps 16; a turn longer than that is split inside the cache."""
     from h2o_cli.cli.chat import CHAT_CHUNK
 
@@ -168,7 +168,7 @@ def tiny_chat(smollm):
 
 
 def test_failed_policy_change_keeps_the_conversation(tiny_chat, home_dir):
-    """Issue 9.6: `/policy full` on a chat longer than the window replaced the cache and settings before the
+    """Regression: `/policy full` on a chat longer than the window replaced the cache and settings before the
     re-read failed, wiping the conversation. Now the new cache is built aside and the chat goes on."""
     from h2o_cli.cli.chat_repl import ChatLoop, LineReader
     from h2o_cli.errors import ContextOverflowError

@@ -204,7 +204,7 @@ def loaded_stream(smollm, monkeypatch):
 
 
 def test_max_tokens_cuts_the_text_and_still_asks_the_question(loaded_stream, monkeypatch, capsys):
-    """Issue 9.2: the limit was applied after the question was appended, so the question was never read."""
+    """Regression: the limit was applied after the question was appended, so the question was never read."""
     from h2o_cli.prompting import user_frame
 
     _, tokenizer = loaded_stream
@@ -235,7 +235,7 @@ def test_read_then_answer_puts_the_question_after_the_cut_text(smollm):
 
 
 def test_partial_read_before_an_answer_reports_what_it_read(loaded_stream, monkeypatch, capsys, tmp_path):
-    """Issue 9.10: prefill did not catch errors as the perplexity loop does; a bad byte mid-text lost the
+    """Regression: prefill did not catch errors as the perplexity loop does; a bad byte mid-text lost the
     report. Now: the tokens read, the error in the JSON, one red line, exit 1."""
     broken = tmp_path / "broken.txt"
     broken.write_bytes(open(EXCERPT, "rb").read() + b"\n\xff\xff more\n")

@@ -105,7 +105,7 @@ def test_embedded_model_streams_past_8192_in_fixed_buffers(smollm):
 
 @pytest.mark.parametrize("policy", ["h2o", "local", "sink", "tova"])
 def test_one_call_longer_than_the_spare_is_split_inside_the_cache(tiny_pair, policy):
-    """Issue 9.4: one 100-token call with 8 spare slots grew the buffers for good. Now the cache splits it
+    """Regression: one 100-token call with 8 spare slots grew the buffers for good. Now the cache splits it
     into sub-chunks that fit its free slots; SPEC allows any chunking, so the result must equal the naive
     reference run with those chunks: 40 (32 budget + 8 spare, empty cache), then 8 at a time."""
     from naive import naive_model_nll

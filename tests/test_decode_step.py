@@ -126,7 +126,7 @@ class OpCounter(TorchDispatchMode):
 
 def test_one_token_call_stays_within_its_op_budget():
     """A full cache's decode call of a layer (not the first: the pass's maps exist) computes with at most
-    36 tensor ops (33 now); the chunk path took 62 for the same call (issue 12: ops bound the step)."""
+    36 tensor ops (33 now); the chunk path took 62 for the same call (ops bound the step)."""
     torch.manual_seed(0)
     rope_tables, _ = make_rope()
     settings = CacheSettings(budget=8, chunk=4, kernels="torch").resolved(256)  # the C step: test_native_step

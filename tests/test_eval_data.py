@@ -41,7 +41,7 @@ def run_eval(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize("task", list(CASES))
 def test_data_option_scores_the_given_file(loaded_eval, monkeypatch, capsys, task):
-    """Issue 9.11: the lm-eval tasks ended in a traceback (`load_dataset(path=None)`). Every example of the
+    """Regression: the lm-eval tasks ended in a traceback (`load_dataset(path=None)`). Every example of the
     given file is scored, and only those: n equals the file's count, not the shared copy's."""
     name, count = CASES[task]
     code, out, err = run_eval(
@@ -95,7 +95,7 @@ def test_wrong_data_file_is_one_line(loaded_eval, monkeypatch, capsys, task, fil
 
 @pytest.mark.model  # loads the embedded model in the subprocess (the hook only sees the `smollm` fixture)
 def test_lm_eval_command_line_reaches_the_h2o_model(tmp_path):
-    """Issue 9.12: `lm_eval --model h2o` (lm-eval's own CLI) could not find the model. `h2o lm-eval` hands
+    """Regression: `lm_eval --model h2o` (lm-eval's own CLI) could not find the model. `h2o lm-eval` hands
     every argument to that CLI with the model registered; run as a user would, on a local task."""
     import os
     import subprocess

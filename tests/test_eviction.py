@@ -82,7 +82,7 @@ def test_ties_go_to_the_oldest():
 
 
 def test_one_eviction_never_picks_an_empty_slot_when_every_priority_is_never():
-    """Issue 9.5: with every valid priority inf, the fast path picked the empty slot (token_index -1)."""
+    """Regression: with every valid priority inf, the fast path picked the empty slot (token_index -1)."""
     from dataclasses import dataclass
 
     from h2o_cli.policies import select_evictions
@@ -112,7 +112,7 @@ def test_one_eviction_never_picks_an_empty_slot_when_every_priority_is_never():
 
 @pytest.mark.parametrize("overrides", SETTINGS, ids=lambda o: "-".join(str(v) for v in o.values()))
 def test_calls_longer_than_the_spare_equal_the_naive_reference_in_sub_chunks(overrides):
-    """Issue 9.4: with 3 spare slots, calls of up to 9 tokens are split by the layer into sub-chunks that fit
+    """Regression: with 3 spare slots, calls of up to 9 tokens are split by the layer into sub-chunks that fit
     its free slots (budget + spare - held), and equal the naive reference fed those sub-chunks; the buffers
     never move or grow."""
     torch.manual_seed(1)

@@ -25,7 +25,7 @@ def snapshot_of(token_index: list[int], tokens_seen: int, recent: int) -> CacheS
 
 
 def test_short_conversation_draws_empty_cells_blank_not_evicted():
-    """Issue 9.13: 10 tokens, all kept, on a ~80-cell strip: no cell may read as evicted."""
+    """Regression: 10 tokens, all kept, on a ~80-cell strip: no cell may read as evicted."""
     console = Console(width=120, record=True, color_system=None)
     console.print(render_panel(snapshot_of(list(range(10)), 10, recent=5), PanelView(), 120, 40))
     row = next(line for line in console.export_text().splitlines() if line.startswith("L0"))

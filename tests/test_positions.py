@@ -9,7 +9,7 @@ from h2o_cli.config import CacheSettings
 
 
 def test_position_tensor_rewritten_in_place_is_not_served_stale_rotations(tiny_pair):
-    """Issue 9.10: the RoPE memo was keyed on tensor identity; a caller reusing its position tensor in place
+    """Regression: the RoPE memo was keyed on tensor identity; a caller reusing its position tensor in place
     got the previous chunk's cos/sin for the first layer. Compare with fresh tensors for every call."""
     reference, model = tiny_pair
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1))

@@ -229,7 +229,7 @@ def test_a_full_decode_step_reads_nothing_back_and_the_statistics_wait_until_rea
 
 def test_a_recall_decode_call_stays_within_its_op_budget(tiny_pair):
     """A full decode call of a layer (not the first: the pass's maps exist), a page starting, computes with at
-    most 112 tensor ops (108 now); the chunk path takes 168 for the same call (issue 11: ops bound the step)."""
+    most 112 tensor ops (108 now); the chunk path takes 168 for the same call (ops bound the step)."""
     from test_decode_step import OpCounter
 
     _, model = tiny_pair

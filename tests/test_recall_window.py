@@ -1,4 +1,4 @@
-"""Recall past the model's context window (issue 11.3): rolling positions keep every position inside the
+"""Recall past the model's context window: rolling positions keep every position inside the
 window while the archive brings back tokens read several windows earlier, exactly as docs/spec.md says."""
 
 from __future__ import annotations

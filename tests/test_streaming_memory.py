@@ -8,7 +8,7 @@ from h2o_cli.config import CacheSettings
 
 
 def test_no_chunk_logits_outlive_their_chunk(tiny_pair, monkeypatch):
-    """Issue 9.10: `previous` was a view of the whole [chunk, vocab] log-probs, keeping it alive through the
+    """Regression: `previous` was a view of the whole [chunk, vocab] log-probs, keeping it alive through the
     next chunk's forward pass. Every chunk-sized tensor must be gone when the next chunk starts."""
     _, model = tiny_pair
     alive = []

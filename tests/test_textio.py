@@ -73,7 +73,7 @@ def minified(text: str) -> str:
     ids=["paragraph-per-line", "no-newline", "minified"],
 )
 def test_unwrapped_text_is_cut_and_tokenizes_the_same(smollm, excerpt, shape):
-    """Issue 9.1: without hard line wraps the old reader held the whole text as one block."""
+    """Regression: without hard line wraps the old reader held the whole text as one block."""
     _, tokenizer = smollm
     text = shape(excerpt)
     blocks = list(text_blocks(io.BytesIO(text.encode()), block_bytes=200))
