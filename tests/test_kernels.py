@@ -48,11 +48,9 @@ def tolerance(result: torch.Tensor, exact: torch.Tensor, torch_result: torch.Ten
     return kernel_err <= 2 * torch_err + 1e-5
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    ("n_heads", "n_kv", "slots", "length"), [(6, 2, 63, 40), (4, 4, 33, 33), (9, 3, 130, 97)]
-)
-def test_decode_matches_reference(dtype, n_heads, n_kv, slots, length):
+def check_decode(dtype, n_heads, n_kv, slots, length, recent=8):
+    """The decode kernel against the torch reference and the float64 reference (FlagAttention's rule), and
+    its eviction candidate by hand."""
     head_dim = 32
     gen = torch.Generator().manual_seed(slots)
     query = torch.randn(n_heads, head_dim, generator=gen)
@@ -60,7 +58,7 @@ def test_decode_matches_reference(dtype, n_heads, n_kv, slots, length):
     values = torch.randn(n_kv, slots, head_dim, generator=gen)
     valid, token_index, rank = slot_state(n_kv, slots, length, seed=slots)
     scores = torch.rand(n_kv, slots, generator=gen).to(DEVICE)
-    recent_rank = length - 8
+    recent_rank = length - recent
 
     def run(fn, q_dtype, table_dtype):
         cos, sin = rope_tables(length + 1, head_dim, table_dtype)
@@ -83,11 +81,56 @@ def test_decode_matches_reference(dtype, n_heads, n_kv, slots, length):
         assert tolerance(kernel_out[index], exact[index], torch_out[index])
     assert kernel_out[0].dtype == dtype
     # The candidate, by hand on the kernel's own updated scores: the lowest score outside the recent window,
-    # ties to the oldest token (SPEC.md), whatever slot it sits in.
-    priority = torch.where(valid & (rank < recent_rank), kernel_out[3], float("inf"))
-    lowest = priority == priority.min(dim=1, keepdim=True).values
+    # ties to the oldest token (SPEC.md), whatever slot it sits in; -1 for a head with no such entry.
+    eligible = valid & (rank < recent_rank)
+    priority = torch.where(eligible, kernel_out[3], float("inf"))
+    lowest = eligible & (priority == priority.min(dim=1, keepdim=True).values)
     want = torch.where(lowest, token_index, torch.iinfo(torch.int64).max).argmin(dim=1)
+    want = torch.where(eligible.any(dim=1), want, -1)
     assert torch.equal(kernel_out[2], want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("n_heads", "n_kv", "slots", "length"), [(6, 2, 63, 40), (4, 4, 33, 33), (9, 3, 130, 97)]
+)
+def test_decode_matches_reference(dtype, n_heads, n_kv, slots, length):
+    check_decode(dtype, n_heads, n_kv, slots, length)
+
+
+@pytest.mark.parametrize("tiles", [(16, 16), (16, 32), (16, 48), (32, 32)], ids=str)
+@pytest.mark.parametrize(
+    ("n_heads", "n_kv", "slots", "length", "recent"),
+    [
+        (6, 2, 63, 40, 8),  # GQA, odd slot count: the last range is partial
+        (8, 2, 63, 63, 8),  # every slot valid
+        (4, 4, 97, 5, 2),  # few valid entries: some ranges hold none (their partial max is -inf)
+        (6, 3, 63, 1, 0),  # a single cached token: one probability of 1, candidate only outside the window
+        (6, 3, 63, 1, 1),  # ... and none when it is the recent window: -1
+    ],
+)
+def test_decode_split_ranges_match_reference(monkeypatch, tiles, n_heads, n_kv, slots, length, recent):
+    """The slot axis cut into several ranges (the combine pass merges their partial max, sum, output and
+    candidates): the same results as the reference, whatever the cut."""
+    block_n, split_size = tiles
+    monkeypatch.setattr(
+        triton_decode, "decode_tiles", lambda slots, *_: (block_n, split_size, -(-slots // split_size))
+    )
+    check_decode(torch.float32, n_heads, n_kv, slots, length, recent)
+    check_decode(torch.bfloat16, n_heads, n_kv, slots, length, recent)
+
+
+def test_decode_tiles_split_the_slots_into_whole_blocks():
+    for slots, n_kv, group, head_dim in [
+        (1, 1, 1, 64),
+        (63, 2, 3, 32),
+        (4096, 8, 4, 128),
+        (32768, 32, 1, 128),
+    ]:
+        block_n, split_size, splits = triton_decode.decode_tiles(slots, n_kv, group, head_dim)
+        assert split_size % block_n == 0 and (splits - 1) * split_size < slots <= splits * split_size
+        assert 1 <= splits <= triton_decode.MAX_SPLITS
+    assert triton_decode.decode_tiles(32768, 8, 4, 128)[2] > 1  # a long cache is spread over programs
 
 
 def test_decode_candidate_ties_go_to_oldest():
