@@ -191,6 +191,33 @@ def test_prefill_matches_reference(dtype, n_heads, n_kv, slots, old, chunk):
     assert kernel_out[0].dtype == dtype
 
 
+@pytest.mark.parametrize("tiles", [(16, 16), (16, 32)], ids=str)
+@pytest.mark.parametrize(
+    ("n_heads", "n_kv", "slots", "old", "chunk"), [(6, 2, 90, 40, 37), (4, 4, 63, 0, 63)]
+)
+def test_prefill_query_and_slot_blocks_match_reference(monkeypatch, tiles, n_heads, n_kv, slots, old, chunk):
+    """Several query blocks (forward pass) and slot blocks (column pass), partial last blocks included."""
+    monkeypatch.setattr(triton_prefill, "tiles", lambda *_: tiles)
+    head_dim = 32
+    gen = torch.Generator().manual_seed(chunk)
+    tensors = (
+        torch.randn(n_heads, chunk, head_dim, generator=gen),
+        torch.randn(n_kv, slots, head_dim, generator=gen),
+        torch.randn(n_kv, slots, head_dim, generator=gen),
+    )
+    state = chunk_state(n_kv, slots, old, chunk, seed=chunk)
+    exact = run_prefill(
+        prefill_ref.prefill_attention, torch.float64, torch.float64, tensors, state, chunk, head_dim
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        torch_out = run_prefill(prefill_ref.prefill_attention, dtype, dtype, tensors, state, chunk, head_dim)
+        kernel_out = run_prefill(
+            triton_prefill.prefill_attention, dtype, dtype, tensors, state, chunk, head_dim
+        )
+        for got, want, theirs in zip(kernel_out, exact, torch_out, strict=True):
+            assert tolerance(got, want, theirs)
+
+
 @pytest.mark.slow
 def test_prefill_long_chunk_4001():
     head_dim, chunk = 16, 4001
