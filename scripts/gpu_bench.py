@@ -307,32 +307,53 @@ def model_rows(args, contexts: list[int], deadline: float) -> tuple[list[dict], 
             return
         guarded(f"model {variant} @ {context}", limit(scale), fn, rows, base)
 
-    def h2o_row(context: int, name: str, kernels: str, decode_kernels: str | None = None) -> dict:
-        budget = h2o_budget(context, args.fraction)
-        os.environ.pop("H2O_KERNELS", None)
-        cache = H2OCache(model, make_settings(model, str(budget), chunk=chunk, kernels=kernels))
-        started = time.perf_counter()
-        token = fill(model, cache, ids[:context], chunk)
-        prefill_s = time.perf_counter() - started
-        note = ""
-        if decode_kernels is not None:  # decode on another path than the prefill (`auto` reads $H2O_KERNELS)
-            from h2o_kernels import dispatch
+    kept: dict = {}  # the torch row's cache, decoded on further by the Triton row of the same context
 
-            os.environ["H2O_KERNELS"] = decode_kernels
-            note = "prefill on the torch path; decode on Triton"
-            if not dispatch.use_triton(torch.device(device), "auto"):
-                note = "decode on the torch path: Triton does not run here" + (
-                    f" ({dispatch._failure})" if dispatch._failure else " (needs CUDA)"
-                )
+    def on_kernels(kernels: str, fn: Callable[[], object]):
+        """`fn()` with the cache's `--kernels auto` read as `kernels` ($H2O_KERNELS, read per call)."""
+        os.environ["H2O_KERNELS"] = kernels
         try:
-            speed = greedy_decode(model, cache, token, tokens)[0]
+            return fn()
         finally:
             os.environ.pop("H2O_KERNELS", None)
-        if decode_kernels is not None and dispatch._failure:
-            note = f"Triton failed, torch path ran: {dispatch._failure}"
+
+    def h2o_filled(context: int) -> tuple[object, int, float]:
+        """A fresh h2o cache that read `context` ids on the torch path: (cache, next token, prefill seconds)."""
+        budget = h2o_budget(context, args.fraction)
+        cache = H2OCache(model, make_settings(model, str(budget), chunk=chunk, kernels="auto"))
+        started = time.perf_counter()
+        token = on_kernels("torch", lambda: fill(model, cache, ids[:context], chunk))
+        return cache, token, time.perf_counter() - started
+
+    def h2o_row(context: int, name: str, keep: bool = False) -> dict:
+        cache, token, prefill_s = h2o_filled(context)
+        speed, token = on_kernels("torch", lambda: greedy_decode(model, cache, token, tokens))
+        if keep:
+            kept.update(context=context, cache=cache, token=token)
         if context == contexts[-1]:
             memory[name] = cache.nbytes()
+        budget = h2o_budget(context, args.fraction)
         return {"kept": budget, "prefill tok/s": context / prefill_s, "decode tok/s": speed,
+                "cache MiB": cache.nbytes() / 2**20}  # fmt: skip
+
+    def triton_row(context: int) -> dict:
+        from h2o_kernels import dispatch
+
+        if kept.get("context") == context:
+            cache, token, prefill = kept["cache"], kept["token"], None
+            note = "continues the torch row's cache (same prefill)"
+        else:
+            cache, token, prefill_s = h2o_filled(context)
+            prefill, note = context / prefill_s, "prefill on the torch path"
+        kept.clear()
+        if not dispatch.use_triton(torch.device(device), "triton"):
+            note += "; decode on the torch path: Triton does not run here" + (
+                f" ({dispatch._failure})" if dispatch._failure else " (needs CUDA)"
+            )
+        speed, _ = on_kernels("triton", lambda: greedy_decode(model, cache, token, tokens))
+        if dispatch._failure:
+            note = f"Triton failed, the torch path ran: {dispatch._failure}"
+        return {"kept": h2o_budget(context, args.fraction), "prefill tok/s": prefill, "decode tok/s": speed,
                 "cache MiB": cache.nbytes() / 2**20, "note": note}  # fmt: skip
 
     # plain transformers, one DynamicCache topped up from context to context (as `h2o bench` does)
@@ -352,10 +373,10 @@ def model_rows(args, contexts: list[int], deadline: float) -> tuple[list[dict], 
         run(VARIANTS[0], context, plain_row)
     plain = None  # its cache's memory back before the h2o rows
 
-    for context in contexts:
-        run(VARIANTS[1], context, lambda context=context: h2o_row(context, VARIANTS[1], "torch"))
-    for context in contexts:
-        run(VARIANTS[2], context, lambda context=context: h2o_row(context, VARIANTS[2], "auto", "triton"))
+    for context in contexts:  # the Triton row decodes on the torch row's cache, after it
+        run(VARIANTS[1], context, lambda context=context: h2o_row(context, VARIANTS[1], keep=True))
+        run(VARIANTS[2], context, lambda context=context: triton_row(context))
+        kept.clear()
 
     # static cache sized for the longest context, decode compiled (CUDA graphs on a GPU); compiled once
     static: dict = {}
@@ -388,7 +409,7 @@ def model_rows(args, contexts: list[int], deadline: float) -> tuple[list[dict], 
             VARIANTS[3],
             context,
             lambda context=context: static_row(context),
-            scale=3.0 if context == contexts[0] else 1,
+            scale=2.5 if context == contexts[0] else 1,
         )
     static.clear()
     torch._dynamo.reset()
@@ -415,7 +436,7 @@ def model_rows(args, contexts: list[int], deadline: float) -> tuple[list[dict], 
             rows.append({"variant": VARIANTS[5], "context": context, "note": quant_rows[0]["note"]})
     else:
         for context in contexts:
-            run(VARIANTS[5], context, lambda context=context: h2o_row(context, VARIANTS[5], "torch"))
+            run(VARIANTS[5], context, lambda context=context: h2o_row(context, VARIANTS[5]))
     shape = {"layers": config.num_hidden_layers, "hidden": config.hidden_size, "heads": config.num_attention_heads,
              "kv_heads": config.num_key_value_heads, "dtype": str(dtype), "device": device}  # fmt: skip
     return rows, {"memory_at_longest": memory, "model": shape}
@@ -459,7 +480,9 @@ def markdown(report: dict) -> str:
         f"{model.get('device')}): each context read in chunks of {report['chunk']}, then {report['tokens']} greedy "
         f"decode tokens (`h2o_cli.bench_speed.greedy_decode`); h2o keeps {report['fraction']:.0%} of the context. "
         "Peak GPU memory is `torch.cuda.max_memory_allocated` over the row (weights included), reset per row; "
-        "plain rows top one cache up from context to context, so their prefill covers the new tokens only.",
+        "plain rows top one cache up from context to context, so their prefill covers the new tokens only. "
+        "Cache MiB: the cache's own buffers (h2o: `H2OCache.nbytes()`, the budget plus spare slots for one "
+        "prefill chunk, with scores and bookkeeping; plain: its K and V).",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
@@ -509,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fraction", type=float, default=0.1, help="h2o's budget, a fraction of the context")
     parser.add_argument("--row-limit", type=float, default=None, help="seconds per row (default 60; dry 60)")
     parser.add_argument("--kernel-limit", type=float, default=30.0, help="seconds per kernel cell")
-    parser.add_argument("--kernel-time", type=float, default=90.0, help="seconds for the kernel part in all")
+    parser.add_argument("--kernel-time", type=float, default=60.0, help="seconds for the kernel part in all")
     parser.add_argument(
         "--deadline", type=float, default=330.0, help="seconds from the start after which no model row starts"
     )

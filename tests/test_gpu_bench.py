@@ -58,7 +58,13 @@ def test_dry_run_writes_every_row_and_column(tmp_path):
         if variant == "h2o 10% captured/compiled":
             assert note.startswith("not available")
             continue
-        assert row["decode tok/s"] > 0 and row["prefill tok/s"] > 0 and row["cache MiB"] > 0, row
+        assert row["decode tok/s"] > 0 and row["cache MiB"] > 0, row
+        if (
+            variant == "h2o 10% Triton decode"
+        ):  # decodes further on the torch row's cache: no prefill of its own
+            assert row["prefill tok/s"] is None and note.startswith("continues the torch row's cache"), row
+        else:
+            assert row["prefill tok/s"] > 0, row
         assert row["kept"] == (row["context"] if variant.startswith("plain") else round(row["context"] * 0.1))
 
     # h2o keeps a tenth of the tokens, so its cache is smaller than the full KV at the longest context
