@@ -9,6 +9,7 @@
 # Writes docs/benchmarks.md's GPU table (between the gpu-bench markers), and copies it, the JSON rows and the
 # log to $OUT when set (the device machine's return folder).
 # Usage, from the repo root:   bash scripts/gpu_check.sh
+# (GPU_BENCH_ARGS="--dry-run" T_TESTS=1 bash scripts/gpu_check.sh: the script's own plumbing, on a CPU.)
 # Needs torch with CUDA and triton. Wheels in .whl/ are installed to /tmp/site first when present: the GPU
 # image's transformers (5.17) is older than our floor and it has no bitsandbytes. Fetch them beforehand with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -35,6 +36,6 @@ timeout "$T_TESTS" "$PY" -m pytest tests/test_kernels.py tests/test_kernel_fallb
   -p no:cacheprovider || echo "kernel tests failed or ran past ${T_TESTS}s (exit $?)"
 
 echo "== 2. gpu_bench (limit ${T_BENCH}s) =="
-timeout "$T_BENCH" "$PY" scripts/gpu_bench.py --deadline "$BENCH_DEADLINE" --row-limit "$ROW_LIMIT" \
+timeout "$T_BENCH" "$PY" scripts/gpu_bench.py ${GPU_BENCH_ARGS:-} --deadline "$BENCH_DEADLINE" --row-limit "$ROW_LIMIT" \
   --write docs/benchmarks.md --json "$OUT_DIR/gpu_bench.json" || echo "gpu_bench failed or ran past ${T_BENCH}s (exit $?)"
 cp docs/benchmarks.md "$OUT_DIR/benchmarks.md" 2>/dev/null || true
