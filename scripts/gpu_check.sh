@@ -32,7 +32,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 "$PY" -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'triton', triton.__version__)"
 
 echo "== 1. kernel tests (limit ${T_TESTS}s) =="
-timeout "$T_TESTS" "$PY" -m pytest tests/test_kernels.py tests/test_kernel_fallback.py -v -o addopts="" \
+# ~60 kernel variants to compile: spread over 8 processes when pytest-xdist is there (the GPU image has it)
+PARALLEL=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8" || true)
+timeout "$T_TESTS" "$PY" -m pytest tests/test_kernels.py tests/test_kernel_fallback.py -v -o addopts="" $PARALLEL \
   -p no:cacheprovider || echo "kernel tests failed or ran past ${T_TESTS}s (exit $?)"
 
 echo "== 2. gpu_bench (limit ${T_BENCH}s) =="
