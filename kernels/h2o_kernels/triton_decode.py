@@ -1,10 +1,21 @@
-"""Fused decode attention over the slot cache (Triton). Reference: `h2o_kernels.decode.decode_attention`.
+"""Decode attention over the slot cache, split over the slot axis (Triton). Reference:
+`h2o_kernels.decode.decode_attention`.
 
-One program per KV head: it rotates the group's queries and every key on the fly (rolling or original
-positions from the cos/sin tables), runs an online softmax over key blocks for the output, then a second
-pass adds the normalised probabilities (summed over the group) to the scores in place and tracks the
-eviction candidate (argmin of the updated score over non-recent valid slots, ties to the oldest token).
-A program owns its KV head's slots, so no atomics are needed. Arithmetic is fp32 throughout.
+Flash-decoding's split-K, with H2O's score column on top. The slots of each KV head are cut into `splits`
+ranges (`decode_tiles` chooses them), one program per (KV head, range) in two launches:
+
+1. `_partial_kernel`: rotate the group's queries and the range's keys on the fly (rolling or original
+   positions from the cos/sin tables), write each logit, and run an online softmax over the range's key
+   blocks: a partial max, sum and unnormalised output per query head.
+2. `_combine_kernel`: merge every range's max and sum into the global ones (each program redoes this small
+   merge), turn its own range's logits into probabilities with them, add the probabilities summed over the
+   group to the scores in place (the increments), and find its range's eviction candidate: the lowest
+   updated score among valid slots of rank < `recent_rank`, ties to the oldest token. The range-0 program
+   also merges the partial outputs. The last program of a KV head to finish (an int32 counter, atomic) picks
+   the candidate among the ranges'.
+
+Only the second launch writes the caller's tensors, so a kernel that fails to compile or launch leaves the
+scores untouched and the torch path can redo the call. Arithmetic is fp32 throughout; no atomics on floats.
 """
 
 from __future__ import annotations
@@ -16,6 +27,8 @@ import triton.language as tl
 INT64_MAX = tl.constexpr(
     2**63 - 1
 )  # a Triton global must be a constexpr (real compiler; the interpreter allows any)
+PROGRAMS = 264  # about two programs per multiprocessor of an H100/H200 (132)
+MAX_SPLITS = 64
 
 
 @triton.jit
@@ -38,13 +51,14 @@ def _rotated(base, rows, row_mask, positions, cos_ptr, sin_ptr, HEAD_DIM: tl.con
 
 
 @triton.jit
-def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, valid_ptr, kpos_ptr, rank_ptr, tok_ptr, cos_ptr, sin_ptr,
-    scores_ptr, out_ptr, inc_ptr, cand_ptr,
-    query_position, scaling, recent_rank, slots,
+def _partial_kernel(
+    q_ptr, k_ptr, v_ptr, valid_ptr, kpos_ptr, cos_ptr, sin_ptr,
+    logit_ptr, m_ptr, l_ptr, acc_ptr,
+    query_position, scaling, slots, split_size, splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     kv = tl.program_id(0)
+    split = tl.program_id(1)
     heads = tl.arange(0, BLOCK_G)
     head_mask = heads < GROUP
     dims = tl.arange(0, HEAD_DIM)
@@ -53,17 +67,21 @@ def _decode_kernel(
     k_base = k_ptr + kv * slots * HEAD_DIM
     v_base = v_ptr + kv * slots * HEAD_DIM
     row = kv * slots
+    logit_base = logit_ptr + kv * BLOCK_G * slots
+    first = split * split_size
+    end = tl.minimum(first + split_size, slots)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for start in range(0, slots, BLOCK_N):
+    for start in range(first, end, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
-        in_range = offs < slots
+        in_range = offs < end
         valid = tl.load(valid_ptr + row + offs, mask=in_range, other=0) != 0
         pos = tl.maximum(tl.load(kpos_ptr + row + offs, mask=in_range, other=0), 0)
         k = _rotated(k_base, offs, in_range, pos, cos_ptr, sin_ptr, HEAD_DIM)  # [N, d]
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scaling  # [G, N]
         s = tl.where(valid[None, :], s, float("-inf"))
+        tl.store(logit_base + heads[:, None] * slots + offs[None, :], s, mask=in_range[None, :])
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing valid yet
         alpha = tl.exp(m - m_safe)
@@ -72,23 +90,63 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         m = m_new
-    out = acc / l_sum[:, None]
-    tl.store(
-        out_ptr + (kv * GROUP + heads[:, None]) * HEAD_DIM + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=head_mask[:, None],
-    )
+    part = (kv * splits + split) * BLOCK_G + heads
+    tl.store(m_ptr + part, m)
+    tl.store(l_ptr + part, l_sum)
+    tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc)
+
+
+@triton.jit
+def _combine_kernel(
+    logit_ptr, m_ptr, l_ptr, acc_ptr, valid_ptr, rank_ptr, tok_ptr,
+    scores_ptr, out_ptr, inc_ptr, best_score_ptr, best_token_ptr, best_slot_ptr, done_ptr, cand_ptr,
+    recent_rank, slots, split_size, splits,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    kv = tl.program_id(0)
+    split = tl.program_id(1)
+    heads = tl.arange(0, BLOCK_G)
+    head_mask = heads < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    parts = tl.arange(0, BLOCK_S)
+    part_mask = parts < splits
+    # the global max and sum of each query head, from every range's partial ones
+    part_index = (kv * splits + parts[:, None]) * BLOCK_G + heads[None, :]  # [S, G]
+    m_parts = tl.load(m_ptr + part_index, mask=part_mask[:, None], other=float("-inf"))
+    l_parts = tl.load(l_ptr + part_index, mask=part_mask[:, None], other=0.0)
+    m_all = tl.max(m_parts, axis=0)  # [G]
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    weights = tl.exp(m_parts - m_safe[None, :])  # [S, G]; 0 for a range with nothing valid
+    l_all = tl.sum(l_parts * weights, axis=0)
+    l_safe = tl.where(l_all > 0, l_all, 1.0)
+    if split == 0:  # the output: the ranges' partial outputs, rescaled to the global max, over the global sum
+        out = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        for part in range(0, splits):
+            index = (kv * splits + part) * BLOCK_G + heads
+            m_part = tl.load(m_ptr + index)
+            acc = tl.load(acc_ptr + index[:, None] * HEAD_DIM + dims[None, :])
+            out += acc * tl.exp(m_part - m_safe)[:, None]
+        out = out / l_safe[:, None]
+        tl.store(
+            out_ptr + (kv * GROUP + heads[:, None]) * HEAD_DIM + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=head_mask[:, None],
+        )
+    # this range's probabilities, increments, scores and eviction candidate
+    row = kv * slots
+    logit_base = logit_ptr + kv * BLOCK_G * slots
+    first = split * split_size
+    end = tl.minimum(first + split_size, slots)
     best_score = tl.full([], float("inf"), tl.float32)
     best_token = tl.full([], INT64_MAX, tl.int64)
-    best_slot = tl.full([], -1, tl.int32)
-    for start in range(0, slots, BLOCK_N):
+    best_slot = tl.full([], -1, tl.int64)
+    for start in range(first, end, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
-        in_range = offs < slots
+        in_range = offs < end
         valid = tl.load(valid_ptr + row + offs, mask=in_range, other=0) != 0
-        pos = tl.maximum(tl.load(kpos_ptr + row + offs, mask=in_range, other=0), 0)
-        k = _rotated(k_base, offs, in_range, pos, cos_ptr, sin_ptr, HEAD_DIM)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scaling
-        p = tl.exp(s - m[:, None]) / l_sum[:, None]
+        s = tl.load(logit_base + heads[:, None] * slots + offs[None, :], mask=in_range[None, :], other=0.0)
+        p = tl.exp(s - m_safe[:, None]) / l_safe[:, None]
         p = tl.where(valid[None, :] & head_mask[:, None], p, 0.0)
         inc = tl.sum(p, axis=0)  # [N]
         score = tl.load(scores_ptr + row + offs, mask=in_range, other=0.0) + inc
@@ -96,17 +154,50 @@ def _decode_kernel(
         tl.store(inc_ptr + row + offs, inc, mask=in_range)
         rank = tl.load(rank_ptr + row + offs, mask=in_range, other=0)
         token = tl.load(tok_ptr + row + offs, mask=in_range, other=0)
-        candidate = valid & (rank < recent_rank)
+        candidate = valid & (rank < recent_rank) & in_range
         priority = tl.where(candidate, score, float("inf"))
         low = tl.min(priority, axis=0)
         oldest = tl.min(tl.where(candidate & (priority == low), token, INT64_MAX), axis=0)
-        slot = tl.min(tl.where(candidate & (priority == low) & (token == oldest), offs, slots), axis=0)
+        slot = tl.min(
+            tl.where(candidate & (priority == low) & (token == oldest), offs.to(tl.int64), slots), axis=0
+        )
         better = (low < best_score) | ((low == best_score) & (oldest < best_token))
         better = better & (oldest != INT64_MAX)
         best_score = tl.where(better, low, best_score)
         best_token = tl.where(better, oldest, best_token)
         best_slot = tl.where(better, slot, best_slot)
-    tl.store(cand_ptr + kv, best_slot.to(tl.int64))
+    tl.store(best_score_ptr + kv * splits + split, best_score)
+    tl.store(best_token_ptr + kv * splits + split, best_token)
+    tl.store(best_slot_ptr + kv * splits + split, best_slot)
+    # the last range of this KV head to finish picks among the ranges' candidates (acq_rel: their stores
+    # above are visible to it)
+    finished = tl.atomic_add(done_ptr + kv, 1)
+    if finished == splits - 1:
+        scores_in = tl.load(best_score_ptr + kv * splits + parts, mask=part_mask, other=float("inf"))
+        tokens_in = tl.load(best_token_ptr + kv * splits + parts, mask=part_mask, other=INT64_MAX)
+        slots_in = tl.load(best_slot_ptr + kv * splits + parts, mask=part_mask, other=-1)
+        present = tokens_in != INT64_MAX
+        low = tl.min(tl.where(present, scores_in, float("inf")), axis=0)
+        oldest = tl.min(tl.where(present & (scores_in == low), tokens_in, INT64_MAX), axis=0)
+        slot = tl.min(
+            tl.where(present & (scores_in == low) & (tokens_in == oldest), slots_in, INT64_MAX), axis=0
+        )
+        tl.store(cand_ptr + kv, tl.where(oldest == INT64_MAX, -1, slot))
+
+
+def decode_tiles(slots: int, n_kv_heads: int, group: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, split_size, splits): the one place the decode kernel's tiling is chosen.
+
+    A key block of BLOCK_N slots makes a [group, BLOCK_N, head_dim] fp32 product in registers: about 8K
+    values at most. The slots are cut into ranges of whole blocks so that n_kv_heads x splits programs come
+    near `PROGRAMS` (at most `MAX_SPLITS` ranges per KV head, at least one block per range).
+    """
+    block_g = triton.next_power_of_2(group)
+    block_n = max(16, min(64, triton.next_power_of_2(8192 // (block_g * head_dim) + 1) // 2))
+    blocks = triton.cdiv(slots, block_n)
+    splits = max(1, min(blocks, MAX_SPLITS, triton.cdiv(PROGRAMS, n_kv_heads)))
+    split_size = triton.cdiv(blocks, splits) * block_n
+    return block_n, split_size, triton.cdiv(slots, split_size)
 
 
 def decode_attention(
@@ -128,14 +219,30 @@ def decode_attention(
     n_heads, head_dim = query.shape
     n_kv_heads, slots = valid.shape
     group = n_heads // n_kv_heads
+    block_g = triton.next_power_of_2(group)
+    block_n, split_size, splits = decode_tiles(slots, n_kv_heads, group, head_dim)
+    device = query.device
     output = torch.empty_like(query)
-    increments = torch.empty(n_kv_heads, slots, dtype=torch.float32, device=query.device)
-    candidate = torch.empty(n_kv_heads, dtype=torch.int64, device=query.device)
-    block_n = 64 if head_dim <= 64 else 32
-    _decode_kernel[(n_kv_heads,)](
-        query.contiguous(), keys, values, valid.view(torch.uint8), key_positions, rank, token_index,
-        cos_table, sin_table, scores, output, increments, candidate,
-        query_position, scaling, recent_rank, slots,
-        GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=block_n, HEAD_DIM=head_dim,
+    increments = torch.empty(n_kv_heads, slots, dtype=torch.float32, device=device)
+    candidate = torch.empty(n_kv_heads, dtype=torch.int64, device=device)
+    logits = torch.empty(n_kv_heads, block_g, slots, dtype=torch.float32, device=device)
+    m_part = torch.empty(n_kv_heads, splits, block_g, dtype=torch.float32, device=device)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(n_kv_heads, splits, block_g, head_dim, dtype=torch.float32, device=device)
+    best_score = torch.empty(n_kv_heads, splits, dtype=torch.float32, device=device)
+    best_token = torch.empty(n_kv_heads, splits, dtype=torch.int64, device=device)
+    best_slot = torch.empty_like(best_token)
+    done = torch.zeros(n_kv_heads, dtype=torch.int32, device=device)
+    meta = {"GROUP": group, "BLOCK_G": block_g, "BLOCK_N": block_n, "HEAD_DIM": head_dim}
+    valid_bytes = valid.view(torch.uint8)
+    _partial_kernel[(n_kv_heads, splits)](
+        query.contiguous(), keys, values, valid_bytes, key_positions, cos_table, sin_table,
+        logits, m_part, l_part, acc_part,
+        query_position, scaling, slots, split_size, splits, **meta,
+    )  # fmt: skip
+    _combine_kernel[(n_kv_heads, splits)](
+        logits, m_part, l_part, acc_part, valid_bytes, rank, token_index,
+        scores, output, increments, best_score, best_token, best_slot, done, candidate,
+        recent_rank, slots, split_size, splits, BLOCK_S=triton.next_power_of_2(splits), **meta,
     )  # fmt: skip
     return output, increments, candidate
