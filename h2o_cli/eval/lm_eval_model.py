@@ -7,7 +7,13 @@ From the command line, through `h2o lm-eval` (lm-eval's own CLI with this module
 
 From Python: `import h2o_cli.eval.lm_eval_model`, then `lm_eval.simple_evaluate(model="h2o", ...)`.
 
-Requests run one at a time (the cache holds one sequence). Requests sharing a context are prefilled once.
+lm-eval's own models (`hf`, `vllm`, ...) stay available beside it: lm-eval 0.4.13 lists them lazily in its
+registry only when `get_model` finds the registry empty, so this module imports `lm_eval.models` (the list,
+not the models) before registering `h2o`.
+
+Requests run one at a time (the cache holds one sequence). Requests sharing a context are scored together
+(`CachePool.scores`: a short context is read again with each choice in one forward call, a long one
+prefilled once).
 Every request's budget (in tokens) is recorded in `budget_tokens` for reporting.
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 import os
 from itertools import groupby
 
+import lm_eval.models  # noqa: F401 - lm-eval's own models first (see above)
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -108,13 +115,8 @@ class H2OLM(TemplateLM):
             window = self.max_length
             continuations = [requests[i][2] for i in indices]
             context_ids = list(context)[-(window - max(len(c) for c in continuations)) :]
-            scores = continuation_scores(
-                self.model,
-                self._cache(len(context_ids), max(len(c) for c in continuations)),
-                context_ids,
-                continuations,
-                self.settings.chunk,
-            )
+            scores, budget = self.pool.scores(context_ids, continuations)
+            self.budget_tokens.append(budget)
             for index, score in zip(indices, scores, strict=False):
                 results[index] = score
                 self.cache_hook.add_partial("loglikelihood", requests[index][0], score)
