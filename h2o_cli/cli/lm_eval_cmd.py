@@ -33,7 +33,7 @@ def lm_eval(ctx: typer.Context) -> None:
 
     Added unless you give them: --include_path (the h2o task folder), --device auto.
 
-    Model args: model, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk, kv_bits, quant.
+    Model args: model, device_map, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk, kv_bits, quant.
     """
     try:
         from lm_eval.__main__ import cli_evaluate

@@ -35,7 +35,7 @@ from h2o_cli.policies import policy_class
 
 @register_model("h2o")
 class H2OLM(TemplateLM):
-    """Model args: model, device, dtype, quant, threads, and every `CacheSettings` field (budget, policy,
+    """Model args: model, device, device_map, dtype, quant, threads, and every `CacheSettings` field (budget, policy,
     heavy_ratio, sinks, positions, score_norm, chunk, kv_bits). The budget is a fraction of each prompt.
 
     `model` may also be an already loaded `(model, tokenizer)` pair (from Python, not the command line).
@@ -48,6 +48,7 @@ class H2OLM(TemplateLM):
         dtype: str = "auto",
         quant: str = "none",
         threads: int = 0,
+        device_map: str | None = None,
         pretrained=None,
         budget: float | str = 0.2,
         **args,
@@ -61,7 +62,7 @@ class H2OLM(TemplateLM):
             from h2o_cli.models import load_model
 
             self.model, self.tokenizer = load_model(
-                pretrained or model, device=device or "cpu", dtype=dtype, quant=quant
+                pretrained or model, device=device or "cpu", dtype=dtype, quant=quant, device_map=device_map
             )
         self.configure(CacheSettings.from_args(budget=budget, **args))  # other names (batch_size, ...) unused
 
