@@ -1,6 +1,7 @@
 """Does evaluating through the cache cost more than lm-eval's own model? lm-eval's `hf` model and `--model h2o`
 (one `CachePool` per policy) on the same weights and task, run interleaved in one process (hf, h2o full,
 h2o 20 %, hf, ...) so that load from other processes falls on all of them alike; the median of each.
+`--prefill-too` adds each policy scored the way it was before (every context prefilled in a call of its own).
 
 Times `lm_eval.simple_evaluate` only (the weights are loaded once, before), with the accuracy of every run.
 
@@ -45,6 +46,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--policies", default="full,h2o", help="h2o policies to time beside hf")
     parser.add_argument("--budget", default="0.2")
+    parser.add_argument(
+        "--prefill-too", action="store_true", help="also time each policy with every context prefilled alone"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -58,6 +62,9 @@ def main() -> None:
     pair = load_model(args.model, device="cpu", dtype="float32")  # h2o attention: a model of its own
     for policy in args.policies.split(","):
         lms[policy] = H2OLM(model=pair, policy=policy, budget=args.budget)
+        if args.prefill_too:  # the same policy, every context prefilled alone (the scoring before)
+            lms[f"{policy}-prefill"] = H2OLM(model=pair, policy=policy, budget=args.budget)
+            lms[f"{policy}-prefill"].pool.joint_tokens = -1
     times: dict[str, list[float]] = {name: [] for name in lms}
     print(f"threads {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, "
           f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
@@ -65,12 +72,12 @@ def main() -> None:
         for name, lm in lms.items():
             seconds, acc = evaluate(lm, args.task, args.limit)
             times[name].append(seconds)
-            print(f"round {number} {name:6} {seconds:6.1f} s  acc {acc:.4f}  load {os.getloadavg()[0]:.1f}",
+            print(f"round {number} {name:12} {seconds:6.1f} s  acc {acc:.4f}  load {os.getloadavg()[0]:.1f}",
                   flush=True)  # fmt: skip
     base = statistics.median(times["hf"])
     for name, values in times.items():
         median = statistics.median(values)
-        print(f"{name:6} median {median:6.1f} s  {median / base:.2f}x hf")
+        print(f"{name:12} median {median:6.1f} s  {median / base:.2f}x hf")
 
 
 if __name__ == "__main__":

@@ -123,6 +123,26 @@ def test_full_gives_lm_eval_hf_loglikelihoods_per_request(tiny_pair):
     assert len({round(score, 2) for score, _ in ours}) > 30  # the requests really differ
 
 
+@pytest.mark.parametrize("policy", ["h2o", "sink"])
+def test_scoring_in_one_call_or_after_a_prefill_gives_the_same_requests(tiny_pair, policy):
+    """`CachePool.scores` picks one call per choice where it can: every request's score, greediness and the
+    budget recorded per context equal those of the context prefilled alone for every request."""
+    from h2o_cli.eval.lm_eval_model import H2OLM
+
+    _, model = tiny_pair
+    tokenizer = word_tokenizer(128)
+    requests = random_requests(40, seed=12)
+    chosen = H2OLM(model=(model, tokenizer), policy=policy, budget=0.3)
+    prefilled = H2OLM(model=(model, tokenizer), policy=policy, budget=0.3)
+    prefilled.pool.joint_tokens = -1
+    ours = chosen._loglikelihood_tokens(requests, disable_tqdm=True)
+    theirs = prefilled._loglikelihood_tokens(requests, disable_tqdm=True)
+    for (score, greedy), (other, other_greedy) in zip(ours, theirs, strict=True):
+        assert score == pytest.approx(other, abs=1e-4)
+        assert greedy == other_greedy
+    assert chosen.budget_tokens == prefilled.budget_tokens
+
+
 def test_h2o_lm_eval_model_keeps_lm_evals_own_models():
     """Registering `h2o` must not hide `hf` and the rest (lm-eval lists its own models only into an empty
     registry); in a fresh interpreter, as `h2o lm-eval` imports it."""
@@ -169,3 +189,46 @@ def _env() -> dict:
         "HF_DATASETS_OFFLINE": "1",
         "TQDM_DISABLE": "1",
     }
+
+
+@pytest.mark.model  # the embedded model's tokenizer
+def test_two_processes_give_the_metrics_of_one(smollm, tmp_path):
+    """Data-parallel lm-eval (`torchrun --nproc_per_node 2 -m h2o_cli lm-eval ...`, gloo on the CPU; on GPUs
+    `accelerate launch --multi_gpu`): each process scores every other document with its own cache, rank 0
+    gathers; the metrics and every document's scores equal a one-process run."""
+    from transformers import LlamaForCausalLM
+
+    tokenizer = smollm[1]
+    folder = tmp_path / "tiny"
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config(vocab_size=len(tokenizer))).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    metadata = json.dumps({"data_path": str(FIXTURES / "tasks" / "copa.xml")})
+    command = ["-m", "h2o_cli", "lm-eval", "--model", "h2o", "--model_args",
+               f"model={folder},policy=h2o,budget=0.5,threads=1", "--tasks", "h2o_copa", "--metadata", metadata,
+               "--log_samples"]  # fmt: skip
+    runs = {}
+    for processes in (1, 2):
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+        out = tmp_path / f"out{processes}"
+        result = subprocess.run(
+            [sys.executable, *(launcher if processes > 1 else []), *command, "--output_path", str(out)],
+            capture_output=True, env=_env(), timeout=600, cwd=tmp_path,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr.decode()[-2000:]
+        (results,) = out.rglob("results_*.json")
+        (samples,) = out.rglob("samples_*.jsonl")
+        rows = [json.loads(line) for line in samples.read_text().splitlines()]
+        scores = {row["doc_id"]: [float(resp[0][0]) for resp in row["resps"]] for row in rows}
+        runs[processes] = (
+            json.loads(results.read_text())["results"]["h2o_copa"],
+            scores,
+            [r["doc_id"] for r in rows],
+        )
+    (one, one_scores, _), (two, two_scores, order) = runs[1], runs[2]
+    assert len(one_scores) == 4 and order != sorted(order)  # the documents were split (gathered by rank)
+    for metric in ("acc,none", "acc_norm,none", "sample_len"):
+        assert one[metric] == two[metric]
+    assert one_scores.keys() == two_scores.keys()
+    for doc, scores in one_scores.items():
+        assert two_scores[doc] == pytest.approx(scores, abs=1e-5)

@@ -56,6 +56,9 @@ class H2OLM(TemplateLM):
         super().__init__()
         if threads:
             torch.set_num_threads(int(threads))
+        self._rank, self._world_size = join_processes(device)
+        if self._world_size > 1 and str(device).startswith(("cuda", "auto")) and torch.cuda.is_available():
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"  # one GPU per process
         if isinstance(model, tuple):
             self.model, self.tokenizer = model
         else:
@@ -71,6 +74,32 @@ class H2OLM(TemplateLM):
         self.settings = settings
         self.pool = CachePool(self.model, settings)
         self.budget_tokens: list[int] = []
+
+    # lm-eval's data parallelism: under `accelerate launch` (or torchrun) each process is given every
+    # `world_size`-th document and scores it with its own cache; rank 0 gathers the metrics.
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._world_size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        parts = [torch.zeros_like(tensor) for _ in range(self._world_size)]
+        dist.all_gather(parts, tensor)
+        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+    def gather_object(self, obj, dst: int = 0):
+        if self._world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        gathered = [None] * self._world_size if self._rank == dst else None
+        dist.gather_object(obj, gathered, dst=dst)
+        return gathered
+
+    def barrier(self) -> None:
+        if self._world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
 
     @property
     def eot_token_id(self) -> int:
@@ -181,3 +210,19 @@ class H2OLM(TemplateLM):
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             results.append(text)
         return results
+
+
+def join_processes(device: str | None) -> tuple[int, int]:
+    """(rank, world size): (0, 1) in a single process; under `accelerate launch` / torchrun (`$WORLD_SIZE` > 1)
+    joins their process group (gloo on the CPU, nccl on GPUs) once."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        gpus = str(device or "cpu").startswith(("cuda", "auto")) and torch.cuda.is_available()
+        if gpus:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if gpus else "gloo")
+    return dist.get_rank(), dist.get_world_size()

@@ -35,6 +35,7 @@ class CachePool:
         self.model = model
         self.settings = settings
         self.window = context_window(model)
+        self.joint_tokens = JOINT_TOKENS  # -1: always prefill the context once (for comparisons)
 
     def cache_for(self, prompt_tokens: int, extra_tokens: int = 0, chunk: int | None = None) -> H2OCache:
         """A cache for a prompt followed by `extra_tokens` (continuation or answer): the budget is resolved
@@ -78,7 +79,7 @@ class CachePool:
         context shared by every continuation. The same scores either way, to float rounding."""
         longest = max(len(continuation) for continuation in continuations)
         joint = self.joint_chunk(len(context), longest - 1)
-        if joint is not None and (len(continuations) - 1) * len(context) <= JOINT_TOKENS:
+        if joint is not None and (len(continuations) - 1) * len(context) <= self.joint_tokens:
             cache = self.cache_for(len(context), longest, chunk=joint)
             return joint_scores(self.model, cache, context, continuations), budget_used(cache, len(context))
         cache = self.cache_for(len(context), longest)
