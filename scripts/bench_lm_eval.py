@@ -37,6 +37,23 @@ def evaluate(lm, task: str, limit: int) -> tuple[float, float]:
     return time.perf_counter() - start, out["results"][task]["acc,none"]
 
 
+def task_requests(task: str, limit: int) -> list:
+    """The task's loglikelihood requests (lm-eval `Instance`s), built once, for `--requests-only`."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    from h2o_cli.eval.runner import TASKS_DIR
+
+    built = get_task_dict([task], TaskManager(include_path=[str(TASKS_DIR)]))[task]
+    built.build_all_requests(limit=limit, rank=0, world_size=1)
+    return built.instances
+
+
+def score_requests(lm, requests: list) -> tuple[float, list[float]]:
+    start = time.perf_counter()
+    scores = [score for score, _ in lm.loglikelihood(requests, disable_tqdm=True)]
+    return time.perf_counter() - start, scores
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a safetensors folder (both models load it)")
@@ -46,6 +63,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--policies", default="full,h2o", help="h2o policies to time beside hf")
     parser.add_argument("--budget", default="0.2")
+    parser.add_argument(
+        "--requests-only",
+        action="store_true",
+        help="time only the models' loglikelihood calls on the task's requests (built once), not lm-eval's "
+        "task building; prints each model's largest score difference from hf (a -prefill variant's: from its "
+        "policy scored in one call) instead of the accuracy",
+    )
     parser.add_argument(
         "--prefill-too", action="store_true", help="also time each policy with every context prefilled alone"
     )
@@ -68,11 +92,20 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in lms}
     print(f"threads {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, "
           f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    requests = task_requests(args.task, args.limit) if args.requests_only else None
+    scored: dict[str, list[float]] = {}
     for number in range(args.rounds):
         for name, lm in lms.items():
-            seconds, acc = evaluate(lm, args.task, args.limit)
+            if requests is None:
+                seconds, acc = evaluate(lm, args.task, args.limit)
+                figure = f"acc {acc:.4f}"
+            else:
+                seconds, scored[name] = score_requests(lm, requests)
+                other = name.removesuffix("-prefill") if name.endswith("-prefill") else "hf"
+                gap = max(abs(a - b) for a, b in zip(scored[name], scored[other], strict=True))
+                figure = f"{len(requests)} requests, max |score - {other}| {gap:.1e}"
             times[name].append(seconds)
-            print(f"round {number} {name:12} {seconds:6.1f} s  acc {acc:.4f}  load {os.getloadavg()[0]:.1f}",
+            print(f"round {number} {name:12} {seconds:6.1f} s  {figure}  load {os.getloadavg()[0]:.1f}",
                   flush=True)  # fmt: skip
     base = statistics.median(times["hf"])
     for name, values in times.items():
