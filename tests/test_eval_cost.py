@@ -160,14 +160,7 @@ def test_h2o_lm_eval_model_keeps_lm_evals_own_models():
 def test_h2o_lm_eval_runs_lm_evals_hf_model(smollm, tmp_path):
     """`h2o lm-eval --model hf --model_args pretrained=FOLDER` runs lm-eval's own model end to end, on a tiny
     random Llama saved with the embedded model's tokenizer, on the h2o_copa task's fixture file."""
-    from transformers import LlamaForCausalLM
-
-    tokenizer = smollm[1]
-    folder = tmp_path / "tiny"
-    torch.manual_seed(0)
-    LlamaForCausalLM(tiny_config(vocab_size=len(tokenizer))).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    metadata = json.dumps({"data_path": str(FIXTURES / "tasks" / "copa.xml")})
+    folder, metadata = tiny_copa_model(smollm[1], tmp_path)
     result = subprocess.run(
         [sys.executable, "-m", "h2o_cli", "lm-eval", "--model", "hf", "--model_args",
          f"pretrained={folder},dtype=float32", "--tasks", "h2o_copa", "--limit", "3", "--metadata", metadata,
@@ -178,6 +171,18 @@ def test_h2o_lm_eval_runs_lm_evals_hf_model(smollm, tmp_path):
     (saved,) = (tmp_path / "out").rglob("results_*.json")
     results = json.loads(saved.read_text())
     assert results["config"]["model"] == "hf" and results["n-samples"]["h2o_copa"]["effective"] == 3
+
+
+def tiny_copa_model(tokenizer, tmp_path) -> tuple:
+    """(a folder holding a tiny random Llama with the embedded model's tokenizer, lm-eval `--metadata` that
+    points h2o_copa at the fixture file)."""
+    from transformers import LlamaForCausalLM
+
+    folder = tmp_path / "tiny"
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config(vocab_size=len(tokenizer))).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, json.dumps({"data_path": str(FIXTURES / "tasks" / "copa.xml")})
 
 
 def _env() -> dict:
@@ -196,14 +201,7 @@ def test_two_processes_give_the_metrics_of_one(smollm, tmp_path):
     """Data-parallel lm-eval (`torchrun --nproc_per_node 2 -m h2o_cli lm-eval ...`, gloo on the CPU; on GPUs
     `accelerate launch --multi_gpu`): each process scores every other document with its own cache, rank 0
     gathers; the metrics and every document's scores equal a one-process run."""
-    from transformers import LlamaForCausalLM
-
-    tokenizer = smollm[1]
-    folder = tmp_path / "tiny"
-    torch.manual_seed(0)
-    LlamaForCausalLM(tiny_config(vocab_size=len(tokenizer))).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    metadata = json.dumps({"data_path": str(FIXTURES / "tasks" / "copa.xml")})
+    folder, metadata = tiny_copa_model(smollm[1], tmp_path)
     command = ["-m", "h2o_cli", "lm-eval", "--model", "h2o", "--model_args",
                f"model={folder},policy=h2o,budget=0.5,threads=1", "--tasks", "h2o_copa", "--metadata", metadata,
                "--log_samples"]  # fmt: skip
