@@ -33,6 +33,38 @@ def compute_dtype(model) -> torch.dtype:
     return model.dtype
 
 
+def execution_device(module: torch.nn.Module) -> torch.device | None:
+    """Where `module` runs: the execution device of an accelerate hook on it (`dispatch_model`, `cpu_offload`,
+    `device_map=` with CPU or disk offload, whose weights then sit on `meta` or the CPU between calls), else
+    its own weights' device; None for a module without weights (or only `meta` ones) and no hook."""
+    hooks = [getattr(module, "_hf_hook", None)]
+    while hooks:
+        hook = hooks.pop()
+        device = getattr(hook, "execution_device", None)
+        if device is not None:
+            return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+        hooks.extend(getattr(hook, "hooks", ()))  # accelerate's SequentialHook holds several
+    for param in module.parameters(recurse=False):
+        if param.device.type != "meta":
+            return param.device
+    return None
+
+
+def layer_devices(model) -> list[torch.device]:
+    """Each decoder layer's device, for its store, scores and archive: where its attention runs (its own hook
+    or weights, else its decoder layer's, else the first weight's that is not on `meta`)."""
+    fallback = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    devices = []
+    for layer in model.model.layers:
+        found = None
+        for module in (layer.self_attn, *layer.self_attn.modules(), layer):
+            found = execution_device(module)
+            if found is not None:
+                break
+        devices.append(found or fallback)
+    return devices
+
+
 class H2OCache(Cache):
     """A fixed-memory KV cache for one sequence with H2O (or another) eviction policy.
 
@@ -59,10 +91,13 @@ class H2OCache(Cache):
         budget = policy.kept_tokens(min(span or shape.context, shape.context))
         # Attention reads the kept entries, the recall slots and the chunk: positions reach their sum.
         check_rolling_window(settings, budget + policy.recall_slots, span, shape.context)
-        param = next(model.parameters())
-        check_kernels(settings.kernels, param.device)
+        # Every layer's buffers live where its attention runs (a device map may split the model).
+        self.devices = devices = layer_devices(model)
+        for device in dict.fromkeys(devices):
+            check_kernels(settings.kernels, device)
         # What `generate_ids` decodes on; on a GPU the step's time is not the CPU's threads' to choose.
-        self.decode_threads = DecodeThreads(settings.decode_threads, measure=param.device.type == "cpu")
+        on_cpu = all(device.type == "cpu" for device in devices)
+        self.decode_threads = DecodeThreads(settings.decode_threads, measure=on_cpu)
         dtype = compute_dtype(model)
         rope = Rope(model.model.rotary_emb, shape.head_dim)
         maps = DecodeMaps()
@@ -75,7 +110,7 @@ class H2OCache(Cache):
                     budget,
                     settings.chunk,
                     storage_dtype(settings.kv_bits, dtype),
-                    param.device,
+                    devices[number],
                     compute_dtype=dtype,
                 ),
                 settings,
@@ -88,10 +123,10 @@ class H2OCache(Cache):
         ]
         self.archive_file = None  # the recall archive's mapped file, with --archive disk or PATH
         if policy.recalls:
-            self._add_archives(layers, policy, span, dtype, param.device)
+            self._add_archives(layers, policy, span, dtype, devices)
         super().__init__(layers=layers)
 
-    def _add_archives(self, layers: list[RecallLayer], policy, span: int | None, dtype, device) -> None:
+    def _add_archives(self, layers: list[RecallLayer], policy, span: int | None, dtype, devices) -> None:
         """Give every layer its `PageArchive`, in RAM or in one mapped file (docs/spec.md, recall: storage)."""
         from h2o_cli import memory
         from h2o_cli.cache.recall.archive_file import ArchiveFile, aligned, archive_location
@@ -102,6 +137,7 @@ class H2OCache(Cache):
         capacity = policy.archive_tokens(span, page_bytes)
         regions = [None] * len(layers)
         if settings.archive != "ram":
+            device = next((device for device in devices if device.type != "cpu"), devices[0])
             if device.type != "cpu":
                 raise UsageError(
                     f"--archive {settings.archive} maps a file into CPU memory, but the model runs on {device}; "
@@ -113,7 +149,7 @@ class H2OCache(Cache):
             where = archive_location(settings.archive, settings.keep_archive)
             self.archive_file = ArchiveFile(where, region * len(layers), settings.keep_archive)
             regions = [self.archive_file.region(region) for _ in layers]
-        for layer, region in zip(layers, regions, strict=True):
+        for layer, region, device in zip(layers, regions, devices, strict=True):
             layer.add_archive(capacity, dtype, device, bits, region)
 
     def close(self) -> None:
@@ -279,4 +315,11 @@ def check_kernels(kernels: str, device: torch.device) -> None:
         )
 
 
-__all__ = ["H2OCache", "check_kernels", "check_rolling_window", "compute_dtype"]
+__all__ = [
+    "H2OCache",
+    "check_kernels",
+    "check_rolling_window",
+    "compute_dtype",
+    "execution_device",
+    "layer_devices",
+]

@@ -72,6 +72,7 @@ def bench(
         int, typer.Option("--rounds", min=1, help="Alternating plain/h2o rounds of the speed part.")
     ] = 2,
     device: opt.Device = "cpu",
+    device_map: opt.DeviceMap = None,
     kernels: opt.Kernels = "auto",
     data_dir: opt.DataDir = None,
     model: opt.Model = opt.DEFAULTS["model"],
@@ -94,7 +95,7 @@ def bench(
         plan = dataclasses.replace(plan, contexts=parse_contexts(contexts))
     if flat_to is not None:
         plan = dataclasses.replace(plan, flat_points=(min(plan.flat_points[0], flat_to // 2), flat_to))
-    lm, tokenizer = load(model, device, "auto", False, threads)
+    lm, tokenizer = load(model, device, "auto", False, threads, device_map=device_map)
     import torch
 
     stderr.print(f"torch threads: {torch.get_num_threads()}; another process may share the CPU")

@@ -49,6 +49,7 @@ def chat(
     ] = False,
     quant: opt.Quant = "none",
     device: opt.Device = "auto",
+    device_map: opt.DeviceMap = None,
     dtype: opt.Dtype = "auto",
     threads: opt.Threads = 0,
     trust_remote_code: opt.TrustRemoteCode = False,
@@ -64,7 +65,7 @@ def chat(
     sampling = Sampling(max_new_tokens, temperature, top_p, seed)
     one_shot = not interactive and not sys.stdin.isatty()
     message = _read_stdin() if one_shot else None
-    lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant)
+    lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant, device_map)
     settings = settings.resolved(context_window(lm))
     session = ChatSession(lm, tokenizer, settings, sampling, system)
     if one_shot:

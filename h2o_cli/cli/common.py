@@ -40,15 +40,24 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def load(model: str, device: str, dtype: str, trust_remote_code: bool, threads: int = 0, quant: str = "none"):
+def load(
+    model: str,
+    device: str,
+    dtype: str,
+    trust_remote_code: bool,
+    threads: int = 0,
+    quant: str = "none",
+    device_map: str | None = None,
+):
     """(model, tokenizer), with a status line on a terminal while the weights load."""
     from h2o_cli.models import load_model
 
     quiet_transformers()
     set_threads(threads)
+    args = dict(
+        device=device, dtype=dtype, trust_remote_code=trust_remote_code, quant=quant, device_map=device_map
+    )
     if sys.stderr.isatty():
         with stderr.status(f"loading {model} …"):
-            return load_model(
-                model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, quant=quant
-            )
-    return load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, quant=quant)
+            return load_model(model, **args)
+    return load_model(model, **args)

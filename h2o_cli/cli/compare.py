@@ -45,6 +45,7 @@ def compare(
     ] = 4096,
     model: options.Model = options.DEFAULTS["model"],
     device: options.Device = "auto",
+    device_map: options.DeviceMap = None,
     dtype: options.Dtype = "auto",
     quant: options.Quant = "none",
     threads: options.Threads = 0,
@@ -59,7 +60,7 @@ def compare(
 
     fractions = [budget_value(value) for value in budgets.split(",") if value.strip()]
     chosen = options.parse_policies(policies)
-    model_obj, tokenizer = load(model, device, dtype, False, threads, quant)
+    model_obj, tokenizer = load(model, device, dtype, False, threads, quant, device_map)
     with open_source(file) as stream:
         text = stream.read(max_tokens * 16).decode("utf-8", errors="replace").lstrip("\ufeff")
     ids = tokenizer(text)["input_ids"][:max_tokens]

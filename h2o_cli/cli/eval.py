@@ -121,6 +121,7 @@ def eval(  # noqa: A001 - the command is called eval
     data_dir: options.DataDir = None,
     model: options.Model = options.DEFAULTS["model"],
     device: options.Device = "auto",
+    device_map: options.DeviceMap = None,
     dtype: options.Dtype = "auto",
     quant: options.Quant = "none",
     threads: options.Threads = 0,
@@ -148,7 +149,7 @@ def eval(  # noqa: A001 - the command is called eval
         os.environ[DATA_ENV] = str(data_dir)
     if data is None and any(task in HARNESS_TASKS or task in LONG_TASKS for task in tasks):
         data_folder()  # no data folder: one line before the model loads, not after
-    loaded = load(model, device, dtype, False, threads, quant)
+    loaded = load(model, device, dtype, False, threads, quant, device_map)
     lm = H2OLM(model=loaded)
     rows: list[dict] = []
     for task in tasks:

@@ -1,7 +1,8 @@
 """`h2o lm-eval ...`: lm-eval's own command line with the h2o model and tasks registered.
 
 lm-eval 0.4.13 loads models only from modules it imports itself (not from an entry-point group), so
-`lm_eval --model h2o` cannot find the model; this command imports it first, then hands over.
+`lm_eval --model h2o` cannot find the model; this command imports it first, then hands over. lm-eval's own
+models stay available (`h2o_cli.eval.lm_eval_model` lists them in lm-eval's registry before its own).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ Examples:
 
   h2o lm-eval --model h2o --model_args model=smollm2-135m,budget=0.2,policy=h2o --tasks h2o_copa
   h2o lm-eval --model h2o --model_args budget=0.1,policy=sink --tasks h2o_piqa --limit 50
+  h2o lm-eval --model hf --model_args pretrained=FOLDER --tasks h2o_copa   (lm-eval's own model)
   h2o lm-eval ls tasks
   h2o lm-eval run -h                  (lm-eval's own options)
 """
@@ -26,11 +28,12 @@ Examples:
 def lm_eval(ctx: typer.Context) -> None:
     """Run lm-eval's own command line with `--model h2o` and the h2o_* task YAMLs available.
 
-    Every argument goes to lm-eval unchanged; `h2o lm-eval run -h` lists its options.
+    Every argument goes to lm-eval unchanged; `h2o lm-eval run -h` lists its options. lm-eval's own
+    models (hf, vllm, ...) stay available beside h2o, for comparisons on the same tasks.
 
     Added unless you give them: --include_path (the h2o task folder), --device auto.
 
-    Model args: model, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk, kv_bits, quant.
+    Model args: model, device_map, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk, kv_bits, quant.
     """
     try:
         from lm_eval.__main__ import cli_evaluate

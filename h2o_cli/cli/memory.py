@@ -39,11 +39,13 @@ def memory(
     quant: opt.Quant = "none",
     dtype: opt.Dtype = "auto",
     device: opt.Device = "cpu",
+    device_map: opt.DeviceMap = None,
     as_json: opt.Json = False,
 ) -> None:
     """Memory for context lengths 4K … 1M: weights, KV cache full vs H2O (per head and total), activations.
 
     Computed from the model config without loading weights (a built-in public config for offline aliases).
+    With --device-map, also the H2O cache (and a RAM recall archive) on each device, as the layers are placed.
     """
     from h2o_cli.cache.recall.limits import archive_capacity
     from h2o_cli.memory import ModelShape, archive_bytes, memory_table
@@ -70,6 +72,10 @@ def memory(
         archive_storage=storage,
     )
     table.update(model=model, config_source=origin)
+    if device_map:
+        table["cache_by_device"] = cache_by_device(
+            config, device_map, pick_dtype(dtype, pick_device(device)), shape, table
+        )
     if as_json:
         print(json.dumps(table))
         return
@@ -102,6 +108,11 @@ def memory(
             size(row["h2o_total_bytes"]),
         )
     stdout_console().print(grid)
+    for name, placed in table.get("cache_by_device", {}).items():
+        stderr.print(
+            f"--device-map {device_map}: {name}: {placed['layers']} layers, H2O cache "
+            f"{size(placed['h2o_kv_bytes'])}, recall archive in RAM {size(placed['recall_archive_ram_bytes'])}"
+        )
     stderr.print(
         f"per head = one KV head of one layer ({table['kv_heads_total']} in all); "
         "* = beyond the context window (full attention cannot go there; H2O with rolling positions can); "
@@ -118,6 +129,20 @@ def memory(
         f"Per token: {size(by_bits['model'])} in the model dtype, {size(by_bits['16'])} 16-bit, "
         f"{size(by_bits['8'])} int8 (the summaries and index, in RAM, are part of each)"
     )
+
+
+def cache_by_device(config, device_map: str, dtype, shape, table: dict) -> dict[str, dict]:
+    """{device: layers, their H2O cache bytes and RAM archive bytes} as `--device-map` places the layers
+    (`planned_layer_devices`); every layer's share is equal."""
+    from h2o_cli.models.loading import planned_layer_devices
+
+    placed: dict[str, dict] = {}
+    for device in planned_layer_devices(config, device_map, dtype):
+        entry = placed.setdefault(device, {"layers": 0, "h2o_kv_bytes": 0, "recall_archive_ram_bytes": 0})
+        entry["layers"] += 1
+        entry["h2o_kv_bytes"] += table["rows"][0]["h2o_kv_bytes"] // shape.n_layers
+        entry["recall_archive_ram_bytes"] += table["recall_archive_ram_bytes"] // shape.n_layers
+    return placed
 
 
 memory.__doc__ = (memory.__doc__ or "") + EXAMPLES

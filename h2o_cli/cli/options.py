@@ -110,6 +110,14 @@ Chunk = Annotated[
     ),
 ]
 Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
+DeviceMap = Annotated[
+    str | None,
+    typer.Option(
+        "--device-map",
+        help="Split the model over devices with accelerate: auto, balanced, or a JSON file of module -> device "
+        '("cuda:0", "cpu", "disk"). Each layer\'s cache lives on its layer\'s device. Overrides --device.',
+    ),
+]
 Dtype = Annotated[
     str, typer.Option("--dtype", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16.")
 ]

@@ -80,6 +80,7 @@ def stream(
     seed: opt.Seed = None,
     as_json: opt.Json = False,
     device: opt.Device = "auto",
+    device_map: opt.DeviceMap = None,
     dtype: opt.Dtype = "auto",
     threads: opt.Threads = 0,
     trust_remote_code: opt.TrustRemoteCode = False,
@@ -105,7 +106,7 @@ def stream(
         source_file.seek(0)
         if total_bytes == 0:
             raise InputError(f"{source} is empty; give a text with at least two tokens")
-    lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant)
+    lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant, device_map)
     cache = H2OCache(lm, settings.resolved(context_window(lm)))
     chunk = settings.chunk
     run = _run_ppl if ppl else _run_generate

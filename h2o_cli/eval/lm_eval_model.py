@@ -7,7 +7,13 @@ From the command line, through `h2o lm-eval` (lm-eval's own CLI with this module
 
 From Python: `import h2o_cli.eval.lm_eval_model`, then `lm_eval.simple_evaluate(model="h2o", ...)`.
 
-Requests run one at a time (the cache holds one sequence). Requests sharing a context are prefilled once.
+lm-eval's own models (`hf`, `vllm`, ...) stay available beside it: lm-eval 0.4.13 lists them lazily in its
+registry only when `get_model` finds the registry empty, so this module imports `lm_eval.models` (the list,
+not the models) before registering `h2o`.
+
+Requests run one at a time (the cache holds one sequence). Requests sharing a context are scored together
+(`CachePool.scores`: a short context is read again with each choice in one forward call, a long one
+prefilled once).
 Every request's budget (in tokens) is recorded in `budget_tokens` for reporting.
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 import os
 from itertools import groupby
 
+import lm_eval.models  # noqa: F401 - lm-eval's own models first (see above)
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -28,7 +35,7 @@ from h2o_cli.policies import policy_class
 
 @register_model("h2o")
 class H2OLM(TemplateLM):
-    """Model args: model, device, dtype, quant, threads, and every `CacheSettings` field (budget, policy,
+    """Model args: model, device, device_map, dtype, quant, threads, and every `CacheSettings` field (budget, policy,
     heavy_ratio, sinks, positions, score_norm, chunk, kv_bits). The budget is a fraction of each prompt.
 
     `model` may also be an already loaded `(model, tokenizer)` pair (from Python, not the command line).
@@ -41,6 +48,7 @@ class H2OLM(TemplateLM):
         dtype: str = "auto",
         quant: str = "none",
         threads: int = 0,
+        device_map: str | None = None,
         pretrained=None,
         budget: float | str = 0.2,
         **args,
@@ -48,13 +56,16 @@ class H2OLM(TemplateLM):
         super().__init__()
         if threads:
             torch.set_num_threads(int(threads))
+        self._rank, self._world_size = join_processes(device)
+        if self._world_size > 1 and str(device).startswith(("cuda", "auto")) and torch.cuda.is_available():
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"  # one GPU per process
         if isinstance(model, tuple):
             self.model, self.tokenizer = model
         else:
             from h2o_cli.models import load_model
 
             self.model, self.tokenizer = load_model(
-                pretrained or model, device=device or "cpu", dtype=dtype, quant=quant
+                pretrained or model, device=device or "cpu", dtype=dtype, quant=quant, device_map=device_map
             )
         self.configure(CacheSettings.from_args(budget=budget, **args))  # other names (batch_size, ...) unused
 
@@ -63,6 +74,32 @@ class H2OLM(TemplateLM):
         self.settings = settings
         self.pool = CachePool(self.model, settings)
         self.budget_tokens: list[int] = []
+
+    # lm-eval's data parallelism: under `accelerate launch` (or torchrun) each process is given every
+    # `world_size`-th document and scores it with its own cache; rank 0 gathers the metrics.
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._world_size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        parts = [torch.zeros_like(tensor) for _ in range(self._world_size)]
+        dist.all_gather(parts, tensor)
+        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+    def gather_object(self, obj, dst: int = 0):
+        if self._world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        gathered = [None] * self._world_size if self._rank == dst else None
+        dist.gather_object(obj, gathered, dst=dst)
+        return gathered
+
+    def barrier(self) -> None:
+        if self._world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
 
     @property
     def eot_token_id(self) -> int:
@@ -108,13 +145,8 @@ class H2OLM(TemplateLM):
             window = self.max_length
             continuations = [requests[i][2] for i in indices]
             context_ids = list(context)[-(window - max(len(c) for c in continuations)) :]
-            scores = continuation_scores(
-                self.model,
-                self._cache(len(context_ids), max(len(c) for c in continuations)),
-                context_ids,
-                continuations,
-                self.settings.chunk,
-            )
+            scores, budget = self.pool.scores(context_ids, continuations)
+            self.budget_tokens.append(budget)
             for index, score in zip(indices, scores, strict=False):
                 results[index] = score
                 self.cache_hook.add_partial("loglikelihood", requests[index][0], score)
@@ -178,3 +210,19 @@ class H2OLM(TemplateLM):
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             results.append(text)
         return results
+
+
+def join_processes(device: str | None) -> tuple[int, int]:
+    """(rank, world size): (0, 1) in a single process; under `accelerate launch` / torchrun (`$WORLD_SIZE` > 1)
+    joins their process group (gloo on the CPU, nccl on GPUs) once."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        gpus = str(device or "cpu").startswith(("cuda", "auto")) and torch.cuda.is_available()
+        if gpus:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if gpus else "gloo")
+    return dist.get_rank(), dist.get_world_size()
