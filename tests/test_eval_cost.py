@@ -143,6 +143,7 @@ def test_scoring_in_one_call_or_after_a_prefill_gives_the_same_requests(tiny_pai
     assert chosen.budget_tokens == prefilled.budget_tokens
 
 
+@pytest.mark.heavy  # a fresh interpreter importing torch and lm-eval
 def test_h2o_lm_eval_model_keeps_lm_evals_own_models():
     """Registering `h2o` must not hide `hf` and the rest (lm-eval lists its own models only into an empty
     registry); in a fresh interpreter, as `h2o lm-eval` imports it."""
