@@ -268,7 +268,7 @@ def test_quant_and_kv_bits_reach_the_model_and_the_cache(smollm, monkeypatch, ho
 
     asked = []
 
-    def load(model, device, dtype, trust_remote_code, threads=0, quant="none"):
+    def load(model, device, dtype, trust_remote_code, threads=0, quant="none", device_map=None):
         asked.append(quant)
         return smollm
 
