@@ -28,7 +28,11 @@ def _no_tqdm():
 
 
 def convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantise a GGUF file once and save float safetensors + tokenizer in `target`."""
+    """Dequantise a GGUF file once and save float safetensors + tokenizer in `target`.
+
+    Safe when several processes convert at once: each writes a private folder and renames it into place;
+    the first rename wins and the others keep that folder, so no reader ever sees a partial one.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with _no_tqdm():
@@ -47,8 +51,13 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     try:
         fresh.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
+        if target.exists() and not (target / "config.json").is_file():
+            shutil.rmtree(target, ignore_errors=True)  # a torn folder from an older, non-atomic conversion
+        try:
+            staging.rename(target)
+        except OSError:
+            # Another process (a second torchrun rank, a parallel test worker) finished first: keep its folder.
+            if not (target / "config.json").is_file():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
