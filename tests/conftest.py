@@ -104,6 +104,13 @@ def run_stream(model, settings, ids: torch.Tensor, chunk: int):
     return torch.cat(logits, 1), cache
 
 
+def torch_threads() -> int:
+    """Threads for the in-process model tests: up to 2, split between pytest-xdist's workers (`-n auto`
+    starts one per core), so parallel workers do not oversubscribe the cores."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, min(2, (os.cpu_count() or 1) // workers))
+
+
 @pytest.fixture
 def tiny_pair():
     """(reference model with sdpa attention, identical model for the H2O cache). Separate configs, same weights."""
@@ -120,7 +127,7 @@ def smollm():
     """The embedded SmolLM2-135M (model, tokenizer); converted once into $H2O_HOME."""
     from h2o_cli.models import load_model
 
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(torch_threads())
     return load_model("smollm2-135m", device="cpu", dtype="float32")
 
 
