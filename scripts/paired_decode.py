@@ -50,10 +50,22 @@ with torch.inference_mode():
 
 
 def start_worker(tree: Path, args, context: int) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=f"{tree}:{tree / 'kernels'}", OMP_WAIT_POLICY="PASSIVE", TQDM_DISABLE="1")
+    env = dict(
+        os.environ, PYTHONPATH=f"{tree}:{tree / 'kernels'}", OMP_WAIT_POLICY="PASSIVE", TQDM_DISABLE="1"
+    )
     budget = max(1, round(args.budget * context))
     worker = subprocess.Popen(
-        [sys.executable, "-c", WORKER, args.model, str(args.book.resolve()), str(context), str(budget), str(args.chunk), "1"],
+        [
+            sys.executable,
+            "-c",
+            WORKER,
+            args.model,
+            str(args.book.resolve()),
+            str(context),
+            str(budget),
+            str(args.chunk),
+            "1",
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -89,7 +101,9 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=24, help="decode tokens per block")
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--book", type=Path, default=Path(__file__).parents[1] / "h2o_cli/data/frankenstein_pg84.txt")
+    parser.add_argument(
+        "--book", type=Path, default=Path(__file__).parents[1] / "h2o_cli/data/frankenstein_pg84.txt"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args()
     results = []
@@ -105,7 +119,7 @@ def main() -> None:
         for worker in workers.values():
             worker.stdin.close()
             worker.wait()
-        ratios = [n / o for n, o in zip(speed["new"], speed["old"])]
+        ratios = [n / o for n, o in zip(speed["new"], speed["old"], strict=True)]
         q1, median, q3 = quartiles(ratios)
         row = {
             "context": context,

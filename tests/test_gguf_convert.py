@@ -7,8 +7,8 @@ import json
 
 import pytest
 import transformers
-
 from conftest import tiny_config
+
 from h2o_cli.models.gguf import convert_gguf
 
 
