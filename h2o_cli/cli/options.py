@@ -208,6 +208,15 @@ DecodeThreads = Annotated[
         "first steps and keep the faster; re-timed every 64 steps). Prefill chunks use --threads.",
     ),
 ]
+Compile = Annotated[
+    bool,
+    typer.Option(
+        "--compile",
+        help="Capture the one-token forward with the cache once (torch.compile: inductor, on CUDA as a CUDA "
+        "graph) and replay it; the first token waits for the compilation. Opt-in: measured slower than the "
+        "default C step on a CPU (docs/benchmarks.md).",
+    ),
+]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 DataDir = Annotated[
     Path | None,
