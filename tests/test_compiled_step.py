@@ -79,12 +79,21 @@ def first_layers(smollm):
     """The embedded model cut to its first two decoder layers (the same modules and weights, no copy): the
     graph holds every op of a layer, the first layer's and a later one's, and traces in seconds rather than
     the whole model's minute (tests/test_compiled_step.py's `slow` tests take the whole model)."""
-    model = copy.copy(smollm[0])
-    model.model = copy.copy(model.model)
-    model.config = model.model.config = copy.deepcopy(model.config)
-    model.model.layers = model.model.layers[:2]
+    model, inner = shallow_copy(smollm[0]), shallow_copy(smollm[0].model)
+    model.config = inner.config = copy.deepcopy(model.config)
     model.config.num_hidden_layers = 2
-    return model
+    inner.layers = torch.nn.ModuleList(list(inner.layers)[:2])
+    model.model = inner
+    yield model
+    assert len(smollm[0].model.layers) == smollm[0].config.num_hidden_layers == 30  # the session's is whole
+
+
+def shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A module sharing `module`'s submodules and weights, whose own submodules can be replaced without
+    touching `module` (a plain `copy.copy` shares the dict that holds them)."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    return clone
 
 
 @pytest.mark.parametrize("policy", POLICIES)
