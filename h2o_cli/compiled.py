@@ -25,9 +25,9 @@ class CompiledStep:
     """`step(token) -> logits [vocab]`: feed one token id through `model` and `cache`, as
     `model(input_ids=[[token]], cache=cache).logits[0, -1]` does, on the cache's fixed step.
 
-    `backend`/`mode` go to `torch.compile` (default: `compile_options`); `backend=None` with `compile=False`
-    runs the same step eagerly (what the tests compare against). The first call compiles (seconds to
-    minutes); later calls replay, with no recompilation however full the cache is.
+    `backend`/`mode` go to `torch.compile` (default: `compile_options`); `compile=False` runs the same fixed
+    step without compiling it. The first call compiles (seconds to minutes: the graph holds every layer); later
+    calls replay, with no recompilation however full the cache is.
     """
 
     def __init__(

@@ -213,8 +213,8 @@ Compile = Annotated[
     typer.Option(
         "--compile",
         help="Capture the one-token forward with the cache once (torch.compile: inductor, on CUDA as a CUDA "
-        "graph) and replay it; the first token waits for the compilation. Opt-in: measured slower than the "
-        "default C step on a CPU (docs/benchmarks.md).",
+        "graph) and replay it. The first token waits for the compilation (minutes on a CPU); on a CPU it "
+        "decodes about as fast as the default C step (docs/benchmarks.md).",
     ),
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
