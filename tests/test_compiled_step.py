@@ -215,3 +215,25 @@ def test_generate_ids_on_the_captured_step_gives_the_same_answer(tiny_pair):
         reports.append([getattr(cache.report(), name) for name in FIGURES])
     assert answers[0] == answers[1] and len(answers[0]) == 24
     assert reports[0] == reports[1] == [12, 30 + 24, 30 + 24 - 12]
+
+
+def test_chat_answers_on_the_captured_step_as_without_it(first_layers, smollm, monkeypatch):
+    """`h2o chat --compile`'s session: two turns (the second after a prefill on the same cache, which the
+    captured step must follow without recompiling) give the answers and the cache figures of a plain session."""
+    from h2o_cli import compiled
+    from h2o_cli.chat import ChatSession
+    from h2o_cli.generation import Sampling
+
+    monkeypatch.setattr(compiled, "compile_options", lambda device: {"backend": "eager"})  # traced, fast
+    sessions = [
+        ChatSession(first_layers, smollm[1], CacheSettings(budget=24, chunk=16), Sampling(12), compiled=flag)
+        for flag in (False, True)
+    ]
+    for number, message in enumerate(["Hello there.", "Tell me about the sea."]):
+        with torch._dynamo.config.patch(error_on_recompile=number > 0):
+            plain, captured = (session.ask(message) for session in sessions)
+        assert captured == plain
+    assert [sessions[1].cache.report().tokens_seen, sessions[1].cache.report().evictions] == [
+        sessions[0].cache.report().tokens_seen,
+        sessions[0].cache.report().evictions,
+    ]
