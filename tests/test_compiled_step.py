@@ -103,7 +103,7 @@ def test_captured_decode_equals_eager(first_layers, prompt, policy):
     settings = CacheSettings(budget=32, chunk=16, policy=policy)
     eager, captured, counter = decode_both(first_layers, prompt, settings, 64, "eager")
     assert counter.frame_count == 1  # one graph, compiled once
-    assert eager.report().evictions > 64 * (1 if policy != "recall" else 0)
+    assert eager.report().evictions > 64  # every decode step evicted
     assert_same_cache(eager, captured)
 
 
