@@ -49,7 +49,9 @@ def decode_both(model, ids: torch.Tensor, settings: CacheSettings, steps: int, b
             with torch._dynamo.config.patch(error_on_recompile=number > 0):
                 got = step(token)
         assert int(got.argmax()) == int(want.argmax()), f"step {number}"
-        torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=2e-3, msg=f"step {number}")
+        # Float rounding only, but 30 layers amplify it at some tokens: at one step of this text under `local`
+        # the torch step and the chunk path (the reference) already differ by 9e-3 (logits ~30).
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=2e-2, msg=f"step {number}")
         token = int(want.argmax())
     return eager, captured, counter
 
