@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -62,12 +62,14 @@ def generate_ids(
     logits: torch.Tensor,
     sampling: Sampling,
     stop_ids: set[int] = frozenset(),
+    step: Callable[[int], torch.Tensor] | None = None,
 ) -> Iterator[int]:
     """Yield new ids, starting from the logits after the prompt; each id is fed back through the cache.
 
     The last yielded id is already in the cache when the caller asks for the next one, so stopping early
     (Ctrl-C, a stop id) leaves the cache consistent with what was shown. Each step runs on the cache's
     `decode_threads` choice (h2o_cli.cache.threads); the first, which packs the cache after the prompt, is not timed.
+    `step`: feeds one id and returns the logits [vocab] instead of the model's forward (`CompiledStep`).
     """
     generator = None
     if sampling.seed is not None:
@@ -77,6 +79,10 @@ def generate_ids(
         token = pick_token(logits, sampling, generator, steps)
         if token in stop_ids:
             return
+        if step is not None:
+            logits = step(token)
+            yield token
+            continue
         input_ids = torch.tensor([[token]], dtype=torch.long, device=model.device)
         with cache.decode_threads.step(timed=number > 0):
             logits = model(input_ids=input_ids, cache=cache, use_cache=True).logits[0, -1]

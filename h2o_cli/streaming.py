@@ -72,6 +72,13 @@ def forward_chunk(model, cache: H2OCache, ids: list[int]) -> torch.Tensor:
     return model(input_ids=input_ids, cache=cache, use_cache=True).logits[0].float()
 
 
+def _chunk_logits(model, cache: H2OCache, ids: list[int], step) -> torch.Tensor:
+    """float32 logits [chunk, vocab] of a chunk: a one-id chunk through `step` when given, else the forward."""
+    if step is not None and len(ids) == 1:
+        return step(ids[0]).float()[None]
+    return forward_chunk(model, cache, ids)
+
+
 def _chunk_nll(
     logits: torch.Tensor, ids: list[int], previous: torch.Tensor | None
 ) -> tuple[float, torch.Tensor]:
@@ -96,8 +103,11 @@ def stream_perplexity(
     chunk: int,
     max_tokens: int | None = None,
     on_chunk: Callable[[StreamStats], None] | None = None,
+    step: Callable[[int], torch.Tensor] | None = None,
 ) -> StreamStats:
     """Feed ids through the cache `chunk` at a time and accumulate the NLL of each next token.
+    `step`: feeds a one-id chunk instead of the model's forward and returns its logits [vocab]
+    (`h2o_cli.compiled.CompiledStep`).
 
     Token i+1 is scored from the output at token i (SPEC.md). On Ctrl-C or a cache error the stats so far
     are returned with `interrupted` / `error` set, so a partial stream still reports what it read.
@@ -106,7 +116,7 @@ def stream_perplexity(
     previous: torch.Tensor | None = None  # log-probs [vocab] at the last token of the previous chunk
     try:
         for ids in chunks_of(pieces, chunk, max_tokens):
-            nll, last = _chunk_nll(forward_chunk(model, cache, ids), ids, previous)
+            nll, last = _chunk_nll(_chunk_logits(model, cache, ids, step), ids, previous)
             stats.nll += nll
             stats.predictions += len(ids) - 1 + (previous is not None)
             stats.tokens += len(ids)

@@ -19,6 +19,7 @@ from h2o_kernels.reference import lowest_outside_recent, rows
 from transformers.cache_utils import CacheLayerMixin
 
 from h2o_cli.cache.c_step import CStep
+from h2o_cli.cache.fixed_step import accumulate_fixed, evict_fixed, fixed_query
 from h2o_cli.cache.positions import Rope, unrotate
 from h2o_cli.cache.step import DecodeMaps, one_thread, step_attention
 from h2o_cli.cache.store import LayerStore
@@ -36,6 +37,9 @@ class CallPath(enum.Enum):
     TRITON = "triton"  # the chunk path on the fused Triton kernels (CUDA, `--kernels triton`)
     TORCH_STEP = "torch step"  # one token in far fewer ops (h2o_cli.cache.step), on one thread
     C_STEP = "C step"  # one token as one C call, once the cache is full (h2o_cli.cache.c_step)
+    FIXED_STEP = (
+        "fixed step"  # one token in fixed shapes, from tensors only: capturable (cache/fixed_step.py)
+    )
 
 
 STEPS = (CallPath.TORCH_STEP, CallPath.C_STEP)
@@ -50,6 +54,7 @@ class Call:
     cos: torch.Tensor  # [chunk, head_dim]
     sin: torch.Tensor
     path: CallPath
+    token: torch.Tensor | None = None  # [1] int64, the token's index (the fixed step's, from position_ids)
 
     @property
     def chunk(self) -> int:
@@ -88,6 +93,10 @@ class H2OLayer(CacheLayerMixin):
         self.maps = maps or DecodeMaps()
         # One-token calls may take a step (h2o_cli.cache.step) in these compute dtypes.
         self._step_path = store.compute_dtype in (torch.float32, torch.float64)
+        # While set (`H2OCache.fixed_step`), a one-token call takes the fixed step, the RoPE tables being
+        # `fixed_rows` long (set by `H2OCache.fix_steps`).
+        self.fixed = False
+        self.fixed_rows = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
@@ -118,16 +127,12 @@ class H2OLayer(CacheLayerMixin):
                 "the model attended without the h2o attention function; "
                 "load it with h2o_cli.load_model or call h2o_cli.enable(model) first"
             )
+        if self.fixed:
+            return self._fixed_update(key_states, value_states, kwargs)
         chunk = key_states.shape[2]
         store = self.store
         if self.positions == "original":
-            last = store.tokens_seen + chunk
-            if last > self.max_positions:
-                raise ContextOverflowError(
-                    f"{last} tokens exceed the model's context window ({self.max_positions}) with "
-                    f"{'original positions' if self.policy.evicts else f'policy {self.policy.name}'}; "
-                    "use --positions rolling with an evicting policy to go further"
-                )
+            self.check_room(chunk)
         positions = (kwargs or {}).get("position_ids")
         if positions is None:
             positions = torch.arange(store.tokens_seen, store.tokens_seen + chunk, device=key_states.device)
@@ -144,6 +149,39 @@ class H2OLayer(CacheLayerMixin):
         self._call = Call(keys, value_states[0], cos, sin, path)
         if kwargs is not None:
             kwargs[LAYER_KWARG] = self  # read by h2o_cli.attention.h2o_attention right after this call
+        return self.keys, self.values
+
+    def check_room(self, chunk: int) -> None:
+        """Refuse a call of `chunk` tokens that original positions would rotate past the context window."""
+        if self.positions == "original":
+            last = self.store.tokens_seen + chunk
+            if last > self.max_positions:
+                raise ContextOverflowError(
+                    f"{last} tokens exceed the model's context window ({self.max_positions}) with "
+                    f"{'original positions' if self.policy.evicts else f'policy {self.policy.name}'}; "
+                    "use --positions rolling with an evicting policy to go further"
+                )
+
+    def prepare_fixed(self) -> None:
+        """Size `fixed_rows` for the largest position a fixed step reads: a rank below `slots`, or a token
+        index below the context window."""
+        self.fixed_rows = self.store.slots if self.positions == "rolling" else self.max_positions
+
+    def stepped_fixed(self) -> None:
+        """The Python counters after a fixed step (`LayerStore.stepped_fixed`)."""
+        self.store.stepped_fixed(self.policy.evicts)
+
+    def _fixed_update(self, key_states: torch.Tensor, value_states: torch.Tensor, kwargs: dict | None):
+        """`update` of a one-token call for the fixed step (h2o_cli.cache.fixed_step): its token index is the
+        model's `position_ids` (the caller's tensor; no counter is read), its key unrotated elementwise."""
+        positions = (kwargs or {}).get("position_ids")
+        if key_states.shape[2] != 1 or positions is None:
+            raise UnsupportedModelError("the fixed step takes one token per call, with its position_ids")
+        token = positions.reshape(-1)[-1:]
+        cos, sin = self.rope.rotation(token, key_states.dtype)
+        keys = unrotate(key_states[0], cos, sin)
+        self._call = Call(keys, value_states[0], cos, sin, CallPath.FIXED_STEP, token)
+        kwargs[LAYER_KWARG] = self
         return self.keys, self.values
 
     def _path(self, chunk: int, states: torch.Tensor) -> CallPath:
@@ -185,6 +223,8 @@ class H2OLayer(CacheLayerMixin):
         evict, next), exactly as if the caller had sent those smaller chunks: the buffers never grow.
         """
         call, self._call = self._call, None
+        if call.path is CallPath.FIXED_STEP:
+            return self._fixed_step(call, query, scaling)
         store = self.store
         if call.chunk == 1 and self._step_path and store.active > store.length + 1:
             store.compact()  # a chunk's evictions left holes: decode steps read `budget + 1` slots from now on
@@ -281,6 +321,40 @@ class H2OLayer(CacheLayerMixin):
         torch.sum(probs, dim=1, out=increments)
         store.accumulate(increments, increments, 1, decay=self.policy.decay_per_query)
         self._evict_after_step()
+        return output.to(query.dtype).view(1, 1, -1, store.head_dim)
+
+    def _fixed_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos, sin and `Rope.step_table` of the fixed step: `fixed_rows` long, sized once by `H2OCache.fix_steps`
+        for the largest position this cache can reach (so reading them changes nothing)."""
+        store, rows = self.store, self.fixed_rows
+        cos_table, sin_table = self.rope.table(rows, store.compute_dtype, store.keys.device)
+        return cos_table, sin_table, self.rope.step_table(rows, store.compute_dtype, store.keys.device)
+
+    def _fixed_step(self, call: Call, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The torch step's work in fixed shapes and without a read-back (h2o_cli.cache.fixed_step): write
+        into the lowest free slot, attend over every slot with the empty ones masked, scores, evict where a
+        head passes the budget. query: [1, n_heads, 1, head_dim] rotated by the model. Returns
+        [1, 1, n_heads, head_dim]."""
+        store = self.store
+        length = store.write_fixed(call.keys, call.values, call.token)  # [n_kv, 1], before the write
+        rolling = self.positions == "rolling"
+        cos_table, sin_table, step_table = self._fixed_tables()
+        position = length[0] if rolling else call.token  # [1]: the query's rank, or its token index
+        grouped = fixed_query(
+            query.to(store.compute_dtype),
+            call.cos.to(store.compute_dtype),
+            call.sin.to(store.compute_dtype),
+            cos_table.index_select(0, position),
+            sin_table.index_select(0, position),
+            scaling,
+            store.n_kv_heads,
+        )
+        key_positions = store.rank if rolling else store.token_index.clamp_min(0)
+        output, probs = step_attention(
+            grouped, store.key_states(), store.value_states(), key_positions, step_table, present=store.valid
+        )
+        accumulate_fixed(store, probs.sum(dim=1), self.policy.decay_per_query)
+        evict_fixed(store, self.policy, length + 1)
         return output.to(query.dtype).view(1, 1, -1, store.head_dim)
 
     def _step_maps(

@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from h2o_kernels.dispatch import kernels_choice, triton_possible
 from transformers.cache_utils import Cache
@@ -20,7 +23,7 @@ from h2o_cli.cache.step import DecodeMaps
 from h2o_cli.cache.store import LayerStore
 from h2o_cli.cache.threads import DecodeThreads
 from h2o_cli.config import CacheSettings
-from h2o_cli.errors import UsageError
+from h2o_cli.errors import ContextOverflowError, UsageError
 from h2o_cli.memory import ModelShape
 from h2o_cli.policies import make_policy
 
@@ -157,6 +160,57 @@ class H2OCache(Cache):
         collected or the interpreter exits. The cache must not be used afterwards with a file archive."""
         if self.archive_file is not None:
             self.archive_file.close()
+
+    def fix_steps(self) -> None:
+        """Prepare the fixed decode step (h2o_cli.cache.fixed_step), which `fixed_step` then switches on: check
+        that this cache can take it and size the RoPE tables once for the largest position it can reach (so a
+        captured step never regrows them). Raises `UsageError` where it cannot run."""
+        for layer in self.layers:
+            store = layer.store
+            if not layer._step_path:
+                raise UsageError(
+                    f"the fixed decode step (--compile) computes in float32 or float64, not {store.compute_dtype}"
+                )
+            layer.prepare_fixed()
+            cos_table, sin_table = layer._fixed_tables()[:2]
+            if not layer.maps.usable(cos_table, sin_table):
+                raise UsageError("the fixed decode step (--compile) needs the standard rotate_half RoPE")
+
+    def fixed_buffers(self) -> list[torch.Tensor]:
+        """Every tensor a fixed step reads or writes in place (stores, RoPE tables, recall slots, archives,
+        statistics): what a CUDA graph may keep at fixed addresses (`h2o_cli.compiled.mark_static`)."""
+        found: dict[int, torch.Tensor] = {}
+        for layer in self.layers:
+            tensors = [getattr(layer.store, name) for name in layer.store._state_names()]
+            tensors += [*layer._fixed_tables()]
+            if isinstance(layer, RecallLayer):
+                archive = layer.archive
+                tensors += [layer.recall_keys, layer.recall_values, layer.recall_index, layer.counts._fixed]
+                tensors += [archive.token_index, archive.summary, *archive._stored()]
+            found.update((id(tensor), tensor) for tensor in tensors if tensor is not None)
+        return list(found.values())
+
+    @contextmanager
+    def fixed_step(self) -> Iterator[None]:
+        """Run the enclosed one-token forward on the fixed step (after `fix_steps`): every layer reads only
+        tensors, its token index from the forward's `position_ids` (which must be `tokens_seen`); then
+        advance the Python counters by what they imply. Raises `ContextOverflowError` before the forward where
+        the token cannot be held (original positions past the window, a store that never evicts full)."""
+        for layer in self.layers:
+            layer.check_room(1)
+            store = layer.store
+            if not layer.policy.evicts and store.length >= store.slots:
+                raise ContextOverflowError(
+                    f"the cache holds {store.slots} tokens and policy {layer.policy.name} evicts none"
+                )
+            layer.fixed = True
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.fixed = False
+        for layer in self.layers:
+            layer.stepped_fixed()
 
     @property
     def policy(self):

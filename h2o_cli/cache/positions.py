@@ -63,11 +63,12 @@ class Rope:
         last = self._last
         if reuse and last is not None and last[0] is positions and last[1] == dtype:
             return last[2], last[3]
-        cos, sin = self._rotation(positions, dtype)
+        cos, sin = self.rotation(positions, dtype)
         self._last = (positions, dtype, cos, sin)
         return cos, sin
 
-    def _rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin` without keeping the answer: cos, sin [n, head_dim] for `positions` [n]."""
         dummy = torch.empty(0, dtype=dtype, device=positions.device)
         cos, sin = self.rotary_emb(dummy, positions.reshape(1, -1))
         if cos.shape[-1] != self.head_dim:
@@ -88,7 +89,7 @@ class Rope:
         Kept for the last range asked (every layer of a step asks the same one)."""
         key = (low, high, device)
         if self._mean is None or self._mean[0] != key:
-            cos, sin = self._rotation(torch.arange(low, high, device=device), torch.float32)
+            cos, sin = self.rotation(torch.arange(low, high, device=device), torch.float32)
             self._mean = (key, cos.double().mean(dim=0).float(), sin.double().mean(dim=0).float())
         return self._mean[1], self._mean[2]
 
@@ -113,14 +114,17 @@ class Rope:
         return self._step
 
 
-def rolling_positions(token_index: torch.Tensor, present: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+def rolling_positions(
+    token_index: torch.Tensor, present: torch.Tensor | None, read_back: bool = True
+) -> tuple[torch.Tensor, int | torch.Tensor]:
     """Rolling positions over a set of entries per KV head (docs/spec.md): each entry's rank by token index
     among the entries present, heads with fewer entries shifted up so that every head's newest entry sits at
     the same position (RoPE logits depend only on the distance, which stays the rank's).
 
     token_index: [n_kv_heads, n] int64; present: [n_kv_heads, n] bool, the columns that hold an entry (None:
     every one, then no shift and no read back). Returns the positions [n_kv_heads, n] (0 where absent) and the
-    entries of the fullest head (the newest entry's position + 1). The C step's merge is its twin (step.c)."""
+    entries of the fullest head (the newest entry's position + 1): a Python int, or with `read_back` False a
+    0-d tensor (the fixed step reads nothing back). The C step's merge is its twin (step.c)."""
     if present is not None:
         token_index = token_index.masked_fill(~present, torch.iinfo(torch.int64).max)  # absent: ranked last
     order = torch.argsort(token_index, dim=1)
@@ -129,5 +133,7 @@ def rolling_positions(token_index: torch.Tensor, present: torch.Tensor | None) -
     if present is None:
         return rank, order.shape[1]
     counts = present.sum(dim=1, keepdim=True)  # [n_kv, 1] entries per head
-    entries = int(counts.max())  # a read back: only while some head holds fewer entries than another can
+    most = counts.max()
+    # A read back (unless `read_back` is False): only while some head holds fewer entries than another can.
+    entries = int(most) if read_back else most
     return torch.where(present, rank + (entries - counts), 0), entries

@@ -113,9 +113,11 @@ def step_attention(
     key_positions: torch.Tensor,
     step_table: torch.Tensor,
     recalled: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    present: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention of one query per head over S's slots, which all hold an entry (the set E_q),
-    and, for `recall`, the recall slots R in the same softmax (`h2o`'s step is the case R = ∅).
+    and, for `recall`, the recall slots R in the same softmax (`h2o`'s step is the case R = ∅). `present`
+    [n_kv_heads, n] bool: which of S's slots hold an entry (None: all; the fixed step reads every slot).
 
     query: [n_kv_heads, group, 2 * head_dim] in `expand`'s form (rotated, scaled); keys, values:
     [n_kv_heads, n, head_dim] unrotated; recalled: None, or R's keys, values [n_kv_heads, r, head_dim]
@@ -123,7 +125,7 @@ def step_attention(
     (None: all); key_positions: [n_kv_heads, n + r] int64, S's then R's; step_table: [positions, 2 * head_dim]
     (`Rope.step_table`: row p is [c, s, s, c], the cos and sin of position p over the first half of the dims).
     Returns output [n_kv_heads, group, head_dim] and probabilities [n_kv_heads, group, n + r] (float32; an empty
-    recall slot gets 0). The C step (h2o_kernels/step.c) is its twin.
+    slot gets 0). The C step (h2o_kernels/step.c) is its twin.
     """
     n_kv_heads, n, head_dim = keys.shape
     total = key_positions.shape[1]
@@ -141,6 +143,8 @@ def step_attention(
     logits = torch.bmm(query, terms.view(n_kv_heads, total, 2 * head_dim).transpose(1, 2))
     if recalled is not None and recalled[2] is not None:
         logits[:, :, n:].masked_fill_(~recalled[2].unsqueeze(1), float("-inf"))
+    if present is not None:
+        logits[:, :, :n].masked_fill_(~present.unsqueeze(1), float("-inf"))
     probs = torch.softmax(logits.float(), dim=-1)  # [n_kv, group, n + r]
     weights = probs.to(values.dtype)
     if recalled is None:

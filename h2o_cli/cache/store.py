@@ -146,6 +146,45 @@ class LayerStore:
         self.active = max(self.active, self.length)
         return free
 
+    def write_fixed(self, keys: torch.Tensor, values: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """`write` of one token `[n_kv_heads, 1, head_dim]` read from tensors only, for the fixed step
+        (h2o_cli.cache.fixed_step): into each head's lowest free slot, at token index `token` ([1] int64).
+        Returns the entries per head before the write [n_kv_heads, 1] (int64: the new entry's rank). Nothing
+        is read back and no Python counter moves; `stepped_fixed` advances them after the step."""
+        length = self.valid.sum(dim=1, keepdim=True)
+        # The lowest free slot (one exists: length <= budget) as a min of slot numbers: inductor's CPU code for
+        # `argmin` over uint8 (the `write` form) returned out-of-range indices (torch 2.13).
+        numbers = torch.arange(self.slots, device=self.valid.device).expand_as(self.valid)
+        free = torch.where(self.valid, self.slots, numbers).amin(dim=1, keepdim=True)
+        self._write_states(free.unsqueeze(-1).expand(-1, -1, self.head_dim), free, keys, values)
+        self.token_index.scatter_(1, free, token.view(1, 1).expand(self.n_kv_heads, 1))
+        self.rank.scatter_(1, free, length)
+        self.scores.scatter_(1, free, 0.0)
+        self.seen.scatter_(1, free, 0.0)
+        self.valid.scatter_(1, free, True)
+        return length
+
+    def drop_fixed(self, slots: torch.Tensor, evict: torch.Tensor) -> None:
+        """`drop` of one entry per head where `evict` [n_kv_heads, 1] (bool, a tensor: whether the head holds
+        more than `budget`) is set, read from tensors only; `slots` [n_kv_heads, 1] (any slot where not)."""
+        slots = slots.clamp_min(0)
+        evicted_rank = self.rank.gather(1, slots)
+        self.rank.sub_(((self.rank > evicted_rank) & evict).long())
+        self.valid.scatter_(1, slots, self.valid.gather(1, slots) & ~evict)
+        self.token_index.scatter_(1, slots, torch.where(evict, -1, self.token_index.gather(1, slots)))
+
+    def stepped_fixed(self, evicts: bool) -> None:
+        """The Python counters after a fixed step (`write_fixed`, and `drop_fixed` when the policy `evicts`):
+        what they are follows from themselves, so nothing is read back. The written slot lies below
+        `length + 1`, so every entry still lies below `active`."""
+        self.tokens_seen += 1
+        self.length += 1
+        self.active = max(self.active, self.length)
+        if evicts and self.length > self.budget:
+            self.length -= 1
+            self.evictions += 1
+        self._free_hint = None
+
     def compact(self) -> None:
         """Move every entry into slots [0, length), in their slot order, so that attention reads `length`
         slots again; the slots above are emptied (no entry, no score). A chunk's evictions leave up to

@@ -68,9 +68,11 @@ class ChatSession:
     system: str | None = None
     turns: list[Turn] = field(default_factory=list)
     stop_requested: bool = False
+    compiled: bool = False  # answers decode on the captured one-token forward (`--compile`, h2o_cli.compiled)
 
     def __post_init__(self) -> None:
         self.cache = H2OCache(self.model, self.settings)
+        self._step = None  # the `CompiledStep` of `self.cache`, made on the first answer
         self.ids = array(
             "l"
         )  # every token id fed, by token index (for re-reading and decoding heavy hitters)
@@ -120,7 +122,9 @@ class ChatSession:
         started = time.perf_counter()
         stats.stopped = "stop"
         try:
-            for token in generate_ids(self.model, self.cache, logits, sampling, self._stops):
+            for token in generate_ids(
+                self.model, self.cache, logits, sampling, self._stops, self._decode_step()
+            ):
                 self.ids.append(token)
                 stats.generated_tokens += 1
                 piece = streamer.push(token)
@@ -140,6 +144,16 @@ class ChatSession:
                 self._feed(self._encode(self._suffix))
             answer.end = self.cache.tokens_seen
             self.stop_requested = False
+
+    def _decode_step(self):
+        """With `compiled`, the captured one-token forward over the current cache (made once per cache)."""
+        if not self.compiled:
+            return None
+        if self._step is None or self._step.cache is not self.cache:
+            from h2o_cli.compiled import CompiledStep
+
+            self._step = CompiledStep(self.model, self.cache)
+        return self._step
 
     def ask(self, user_text: str) -> str:
         """The whole answer to one message."""

@@ -53,6 +53,7 @@ def chat(
     dtype: opt.Dtype = "auto",
     threads: opt.Threads = 0,
     trust_remote_code: opt.TrustRemoteCode = False,
+    compiled: opt.Compile = False,
 ) -> None:
     """Chat with a model whose KV cache stays within --budget tokens per head, however long the talk.
 
@@ -67,7 +68,7 @@ def chat(
     message = _read_stdin() if one_shot else None
     lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant, device_map)
     settings = settings.resolved(context_window(lm))
-    session = ChatSession(lm, tokenizer, settings, sampling, system)
+    session = ChatSession(lm, tokenizer, settings, sampling, system, compiled=compiled)
     if one_shot:
         try:
             _answer_once(session, message, as_json, model)

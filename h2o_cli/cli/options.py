@@ -208,6 +208,15 @@ DecodeThreads = Annotated[
         "first steps and keep the faster; re-timed every 64 steps). Prefill chunks use --threads.",
     ),
 ]
+Compile = Annotated[
+    bool,
+    typer.Option(
+        "--compile",
+        help="Capture the one-token forward with the cache once (torch.compile: inductor, on CUDA as a CUDA "
+        "graph) and replay it. The first token waits for the compilation (minutes on a CPU); on a CPU it "
+        "decodes about as fast as the default C step (docs/benchmarks.md).",
+    ),
+]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 DataDir = Annotated[
     Path | None,

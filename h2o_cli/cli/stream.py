@@ -84,6 +84,7 @@ def stream(
     dtype: opt.Dtype = "auto",
     threads: opt.Threads = 0,
     trust_remote_code: opt.TrustRemoteCode = False,
+    compiled: opt.Compile = False,
 ) -> None:
     """Stream a whole text through the H2O cache in constant memory.
 
@@ -109,15 +110,24 @@ def stream(
     lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant, device_map)
     cache = H2OCache(lm, settings.resolved(context_window(lm)))
     chunk = settings.chunk
+    step = _compiled_step(lm, cache, ppl and chunk > 1) if compiled else None
     run = _run_ppl if ppl else _run_generate
-    report = run(
-        lm, tokenizer, cache, source_file, source, total_bytes, max_tokens, chunk, prompt, sampling, as_json
-    )
+    arguments = (source_file, source, total_bytes, max_tokens, chunk, prompt, sampling, as_json, step)
+    report = run(lm, tokenizer, cache, *arguments)
     report["model"] = model
     if as_json:
         print(json.dumps(report))
     if report.get("error"):
         raise InputError(report["error"])
+
+
+def _compiled_step(lm, cache, chunked: bool):
+    """`--compile`: the captured one-token forward (h2o_cli.compiled); a note when the stream feeds chunks."""
+    from h2o_cli.compiled import CompiledStep
+
+    if chunked:
+        stderr.print("[yellow]note:[/] --compile captures one-token calls; --ppl feeds them with --chunk 1")
+    return CompiledStep(lm, cache)
 
 
 def _source(source: str | None, sample: bool) -> str:
@@ -140,7 +150,7 @@ def _pieces(tokenizer, reader, source: str):
 
 
 def _run_ppl(
-    lm, tokenizer, cache, source_file, source, total_bytes, max_tokens, chunk, prompt, sampling, quiet
+    lm, tokenizer, cache, source_file, source, total_bytes, max_tokens, chunk, prompt, sampling, quiet, step
 ) -> dict:
     from h2o_cli.runtime import cache_summary, peak_rss_bytes
     from h2o_cli.streaming import stream_perplexity
@@ -156,7 +166,8 @@ def _run_ppl(
             status += f"cache {size(cache.nbytes())}"
             progress.update(task, status=status)
 
-        stats = stream_perplexity(lm, cache, _pieces(tokenizer, reader, source), chunk, max_tokens, update)
+        pieces = _pieces(tokenizer, reader, source)
+        stats = stream_perplexity(lm, cache, pieces, chunk, max_tokens, update, step)
     if stats.predictions == 0 and not stats.error:
         raise InputError(f"{source} has fewer than two tokens; perplexity needs at least one prediction")
     report = {
@@ -187,7 +198,7 @@ def _run_ppl(
 
 
 def _run_generate(
-    lm, tokenizer, cache, source_file, source, total_bytes, max_tokens, chunk, prompt, sampling, quiet
+    lm, tokenizer, cache, source_file, source, total_bytes, max_tokens, chunk, prompt, sampling, quiet, step
 ) -> dict:
     import time
 
@@ -223,7 +234,7 @@ def _run_generate(
     stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     started, generated = time.perf_counter(), 0
     try:
-        for token in generate_ids(lm, cache, logits, sampling, stop):
+        for token in generate_ids(lm, cache, logits, sampling, stop, step):
             generated += 1
             text = streamer.push(token)
             if not quiet:

@@ -1,12 +1,15 @@
 """Which implementation runs: the Triton kernels or the pure-torch references (same signatures, same results).
 
-`kernels` (the cache setting `--kernels`, else `$H2O_KERNELS`) is `torch`, `triton` or `auto`. `auto` is the
-torch path on a GPU for now: on an H200 (docs/benchmarks.md, "Are the Triton kernels faster on a GPU?") the fused decode
-kernel beat the torch reference at 1,024 slots but lost from 4,096 on, and the two-pass prefill kernel was
-hundreds of times slower than SDPA (each launches one program per KV head), so the kernels are opt-in
-(`--kernels triton`) until they split the slot axis. On the CPU, `auto` (or `native`) runs a full cache's
-decode step as one C function (`native.py`) when a C compiler can build it, else the torch path. The Triton path must not be what a run depends on: a kernel that fails to compile or launch is reported once (one warning line,
-logger `h2o_kernels`) and the torch path runs instead, for that call and the rest of the process.
+`kernels` (the cache setting `--kernels`, else `$H2O_KERNELS`) is `auto`, `torch`, `triton` or `native`.
+`auto` is the torch path on a GPU for now: on an H200 (docs/benchmarks.md, "Are the Triton kernels faster on a
+GPU?") the fused decode kernel beat the torch reference at 1,024 slots but lost from 4,096 on, and the two-pass
+prefill kernel was hundreds of times slower than SDPA (each launches one program per KV head), so the kernels
+are opt-in (`--kernels triton`). On the CPU, `auto` (or `native`) runs a full cache's decode step as one C
+function (`native.py`) when a C compiler can build it, else the torch path. None of these choices applies to a
+decode step captured by `--compile` (h2o_cli.compiled): it always runs the cache's fixed step, in torch ops,
+compiled. The Triton path must not be what a run depends on: a kernel that fails to compile or launch is
+reported once (one warning line, logger `h2o_kernels`) and the torch path runs instead, for that call and the
+rest of the process.
 """
 
 from __future__ import annotations

@@ -228,6 +228,28 @@ class PageArchive:
         torch.maximum(high, exact, out=high)
         self.tokens += 1
 
+    def write_fixed(self, keys: torch.Tensor, values: torch.Tensor, token: torch.Tensor) -> None:
+        """`_write_token` with the token's index a tensor `token` [1] (int64), for the fixed step
+        (h2o_cli.cache.fixed_step): the same writes, its slot, page and page start computed on the device, no
+        Python counter read. RAM archives only; `tokens` is advanced after the step (`stepped_fixed`)."""
+        slot = token % self.capacity
+        page = slot // self.page_size
+        starts = (token % self.page_size == 0).view(1, 1)  # the ring page's old page is gone
+        page_slots = self.token_index.view(self.pages, self.page_size)
+        page_slots.index_copy_(0, page, torch.where(starts, NOTHING, page_slots.index_select(0, page)))
+        for target, data in self._writes(keys, values):
+            target.index_copy_(1, slot, data.to(target.dtype))
+        self.token_index.index_copy_(0, slot, token)
+        exact = keys.float()  # [n_kv, 1, head_dim]: the summaries from the keys as they came
+        low = torch.where(starts, float("inf"), self.low.index_select(1, page))
+        high = torch.where(starts, float("-inf"), self.high.index_select(1, page))
+        self.low.index_copy_(1, page, torch.minimum(low, exact))
+        self.high.index_copy_(1, page, torch.maximum(high, exact))
+
+    def stepped_fixed(self) -> None:
+        """The Python count after a fixed step's `write_fixed`."""
+        self.tokens += 1
+
     def _summarise(self, pages: torch.Tensor) -> None:
         """Recompute the min/max keys of ring `pages` [n] from the tokens they hold (stored keys)."""
         held = (self.token_index.view(self.pages, self.page_size)[pages] != NOTHING).view(
@@ -347,18 +369,51 @@ class PageArchive:
         bound = self.step_bounds(query)
         page_start = self.token_index.view(self.pages, size)[:used, 0]
         key = order_key(bound, page_start, has_candidate)
-        pages = torch.topk(key, min(slots, used), dim=1, sorted=True).indices
-        in_order = (pages.unsqueeze(-1) * size + self._page_offsets).flatten(1)  # [n_kv, top * size]
+        return self._first_candidates(key, candidate, min(slots, used), slots)
+
+    def _first_candidates(
+        self, key: torch.Tensor, candidate: torch.Tensor, top: int, slots: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tail of `choose_one` and `choose_fixed`: the `top` pages by `key` [n_kv_heads, pages] and the
+        first `slots` of their `candidate` ring slots ([n_kv_heads, >= pages * page_size] bool) in reading
+        order. Returns archive slots [n_kv_heads, slots] and which hold a chosen token."""
+        n_kv, device = self.n_kv_heads, key.device
+        pages = torch.topk(key, top, dim=1, sorted=True).indices
+        in_order = (pages.unsqueeze(-1) * self.page_size + self._page_offsets).flatten(
+            1
+        )  # [n_kv, top * size]
         usable = candidate.gather(1, in_order)
         # The first `slots` usable slots in reading order: each goes to column 1 + its running count among
         # them; the others to spare columns (0, and `slots + 1` past the first `slots`); columns left without
         # one stay 0 and invalid, as `choose` pads.
         place = usable.cumsum(dim=1)  # 1-based
         target = (place * usable).clamp_max_(slots + 1)
-        chosen = torch.zeros(n_kv, slots + 2, dtype=torch.int64, device=query.device)
+        chosen = torch.zeros(n_kv, slots + 2, dtype=torch.int64, device=device)
         chosen = chosen.scatter_(1, target, in_order)[:, 1 : slots + 1]
-        valid = torch.arange(slots, device=query.device) < place[:, -1:]
+        valid = torch.arange(slots, device=device) < place[:, -1:]
         return chosen, valid
+
+    def choose_fixed(
+        self, query: torch.Tensor, resident: torch.Tensor, slots: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`choose_one` in fixed shapes, read from tensors only (the fixed step, h2o_cli.cache.fixed_step):
+        every ring page is scored (those never written hold no candidate), and S's slots may be empty.
+
+        query: [n_kv_heads, group, head_dim] unrotated; resident: [n_kv_heads, n] token indices of S (-1 =
+        empty), the step's own token (the newest archived) among them. Returns what `choose` returns for
+        `before` = the step's token: archive slots [n_kv_heads, slots] and which hold a chosen token."""
+        n_kv, size, capacity = self.n_kv_heads, self.page_size, self.capacity
+        resident_slots = resident.clamp_min(0) % capacity
+        marks = (self.token_index.take(resident_slots) == resident) & (resident >= 0)
+        empty = (self.token_index == NOTHING).expand(n_kv, -1)
+        blocked = torch.cat([empty, empty[:, :1]], dim=1)  # + a spare column for the unmarked
+        blocked.scatter_(1, torch.where(marks, resident_slots, capacity), True)
+        candidate = blocked[:, :capacity].logical_not()  # [n_kv, capacity]
+        has_candidate = candidate.view(n_kv, self.pages, size).any(dim=2)
+        bound = best_page_bound(query.float(), self.summary)
+        page_start = self.token_index.view(self.pages, size)[:, 0]
+        key = order_key(bound, page_start, has_candidate)
+        return self._first_candidates(key, candidate, min(slots, self.pages), slots)
 
     def step_bounds(self, query: torch.Tensor) -> torch.Tensor:
         """The page bounds `choose_one` ranks by, for the ring pages written so far: query [n_kv_heads, group,

@@ -9,12 +9,14 @@ import torch
 from h2o_kernels import slot_attention
 from h2o_kernels.dispatch import use_native
 
-from h2o_cli.cache.layer import STEPS, Call, H2OLayer, query_weights
+from h2o_cli.cache.fixed_step import accumulate_fixed, evict_fixed, fixed_query
+from h2o_cli.cache.layer import STEPS, Call, CallPath, H2OLayer, query_weights
 from h2o_cli.cache.positions import rolling_positions, rotate, unrotate
 from h2o_cli.cache.recall.archive import PageArchive
 from h2o_cli.cache.recall.c_step import RecallCStep
 from h2o_cli.cache.recall.step import RecallCounts, recall_is_full, rolling_step_positions
 from h2o_cli.cache.step import step_attention
+from h2o_cli.errors import UsageError
 
 
 class RecallLayer(H2OLayer):
@@ -79,7 +81,9 @@ class RecallLayer(H2OLayer):
         """As `H2OLayer.update`, and archive the call's unrotated K/V (write-through, before any eviction)."""
         result = super().update(key_states, value_states, *args, kwargs=kwargs, **extra)
         call = self._call
-        if call.path in STEPS and self._c_buffers is not None:
+        if call.path is CallPath.FIXED_STEP:
+            self.archive.write_fixed(call.keys, call.values, call.token)
+        elif call.path in STEPS and self._c_buffers is not None:
             self._c_buffers.archive_token(call.keys, call.values)  # one C call for the same writes
         else:
             self.archive.write(call.keys, call.values)
@@ -171,6 +175,84 @@ class RecallLayer(H2OLayer):
         store.accumulate(increments, increments, 1, decay=self.policy.decay_per_query)
         self._evict_after_step()
         return output.to(query.dtype).view(1, 1, -1, head_dim)
+
+    def prepare_fixed(self) -> None:
+        """As `H2OLayer.prepare_fixed`, with room for the recall slots' positions, the page score's mean
+        rotation taken once, and the statistics kept on the device. A file archive, or original positions
+        with `--page-score positional` (whose distances grow with the tokens seen), cannot take the fixed
+        step: `UsageError`."""
+        super().prepare_fixed()
+        policy, archive, device = self.policy, self.archive, self.store.keys.device
+        if archive.region is not None:
+            raise UsageError(
+                "the fixed decode step (--compile) needs the recall archive in RAM: --archive ram"
+            )
+        rolling = self.positions == "rolling"
+        distances = policy.score_distances(rolling, 1, archive.tokens)
+        if distances is not None and not rolling:
+            raise UsageError(
+                "the fixed decode step (--compile) with original positions needs --page-score unrotated "
+                "(the positional score's distances grow with every token)"
+            )
+        self._fixed_mean = None
+        if distances is not None:
+            self._fixed_mean = tuple(part.clone() for part in self.rope.mean_rotation(*distances, device))
+        if rolling:
+            self.fixed_rows = self.store.slots + self.recall_index.shape[1]
+        self.counts.fix(device)
+
+    def stepped_fixed(self) -> None:
+        super().stepped_fixed()
+        self.archive.stepped_fixed()
+        self.counts.stepped_fixed()
+
+    def _fixed_step(self, call: Call, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """`_torch_step` in fixed shapes, read from tensors only (h2o_cli.cache.fixed_step): S written into its
+        lowest free slot, pass 1 by `PageArchive.choose_fixed` and `_read_back`, one softmax over every slot of
+        S (empty ones masked) and R, rolling positions ranked on the device, S's scores, eviction where S passes
+        its budget. query: [1, n_heads, 1, head_dim] rotated by the model. Returns [1, 1, n_heads, head_dim]."""
+        store, archive, dtype = self.store, self.archive, self.store.compute_dtype
+        length = store.write_fixed(call.keys, call.values, call.token)
+        slots = self.recall_index.shape[1]
+        if slots:
+            page_query = unrotate(query[0, :, 0], call.cos.to(query.dtype), call.sin.to(query.dtype)).float()
+            if self._fixed_mean is not None:
+                page_query = rotate(page_query, *self._fixed_mean)
+            chosen, valid = archive.choose_fixed(
+                page_query.view(store.n_kv_heads, -1, store.head_dim), store.token_index, slots
+            )
+            self.counts.add_fixed(valid.sum(), self._read_back(chosen, valid))
+        recalled = self.recall_index >= 0
+        if self.positions == "rolling":
+            tokens = torch.cat([store.token_index, self.recall_index], dim=1)
+            present = torch.cat([store.valid, recalled], dim=1)
+            key_positions, entries = rolling_positions(tokens, present, read_back=False)
+            position = (entries - 1).view(1)
+        else:
+            key_positions = torch.cat([store.token_index, self.recall_index], dim=1).clamp_min(0)
+            position = call.token
+        cos_table, sin_table, step_table = self._fixed_tables()
+        grouped = fixed_query(
+            query.to(dtype),
+            call.cos.to(dtype),
+            call.sin.to(dtype),
+            cos_table.index_select(0, position),
+            sin_table.index_select(0, position),
+            scaling,
+            store.n_kv_heads,
+        )
+        output, probs = step_attention(
+            grouped,
+            store.key_states(),
+            store.value_states(),
+            key_positions,
+            step_table,
+            (self.recall_keys, self.recall_values, recalled),
+            present=store.valid,
+        )
+        accumulate_fixed(store, probs[:, :, : store.slots].sum(dim=1), self.policy.decay_per_query)
+        evict_fixed(store, self.policy, length + 1)
+        return output.to(query.dtype).view(1, 1, -1, store.head_dim)
 
     @functools.cached_property
     def _c_buffers(self) -> RecallCStep | None:

@@ -31,12 +31,32 @@ class RecallCounts:
 
     def __init__(self, n_kv_heads: int) -> None:
         self.n_kv_heads = n_kv_heads
+        self._fixed: torch.Tensor | None = None  # `fix`: the fixed step's counts, kept on the device
         self.reset()
 
     def reset(self) -> None:
         self._last: tuple = (0, 0)
         self._sums = [[0, 0], [0, 0]]  # recalled, hits: [what came as Python ints, what came as tensors]
         self.steps = 0
+        if self._fixed is not None:
+            self._fixed.zero_()
+
+    def fix(self, device: torch.device) -> None:
+        """Keep room for `add_fixed`: [last recalled, last hits, recalled total, hits total] on `device`."""
+        if self._fixed is None:
+            self._fixed = torch.zeros(4, dtype=torch.int64, device=device)
+            self._fixed_last = (self._fixed[0], self._fixed[1])
+
+    def add_fixed(self, recalled: torch.Tensor, hits: torch.Tensor) -> None:
+        """`add` inside a fixed step (0-d int64 tensors): written in place, so a captured step changes no
+        Python value; `stepped_fixed` counts the step after it."""
+        last = torch.stack([recalled, hits])
+        self._fixed[:2].copy_(last)
+        self._fixed[2:].add_(last)
+
+    def stepped_fixed(self) -> None:
+        self._last = self._fixed_last
+        self.steps += 1
 
     def add(self, recalled, hits) -> None:
         """One step's counts over the KV heads: `recalled` tokens in the recall slots, `hits` of them kept."""
@@ -59,14 +79,19 @@ class RecallCounts:
         """Of them, already in the recall slots the step before (not read again)."""
         return self._mean(self._last[1])
 
+    def _total(self, which: int):
+        total = sum(self._sums[which])
+        fixed = self._fixed
+        return total if fixed is None else total + fixed[2 + which]
+
     @property
     def recalled_total(self) -> float:
         """`recalled` summed over every step since the start."""
-        return self._mean(sum(self._sums[0]))
+        return self._mean(self._total(0))
 
     @property
     def hits_total(self) -> float:
-        return self._mean(sum(self._sums[1]))
+        return self._mean(self._total(1))
 
 
 def recall_is_full(held: int, length: int, slots: int) -> bool:

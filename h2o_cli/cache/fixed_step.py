@@ -1,0 +1,84 @@
+"""The fixed decode step: one token in fixed shapes, read from tensors only, so that a whole one-token forward
+can be captured once (torch.compile with `fullgraph=True`, CUDA graphs) and replayed (h2o_cli.compiled).
+
+The torch step (h2o_cli.cache.step) and the C step take their sizes and positions from the store's Python
+counters (`length`, `active`, `tokens_seen`), which is what makes them cheap on the CPU and what a captured
+graph cannot do: each Python value read would be baked into the graph (a recompile each step), and each
+tensor read back to Python is a host sync. The fixed step computes the same thing from tensors alone:
+- the token index is the model's `position_ids` (a tensor the caller passes), the entries per head are
+  `valid.sum()`, the query's rolling position is that count: no counter is read;
+- it attends over every slot of the store (`budget + chunk`), the empty ones masked out of the softmax, so
+  no shape depends on how full the cache is (the same graph while the cache fills and once it is full);
+- the victim is the policy's rule over all slots, and it is dropped only where the head holds more than
+  `budget` entries (`LayerStore.drop_fixed`, a select, not a branch);
+- the RoPE tables are sized once, for the largest position the cache can reach (`H2OCache.fix_steps`).
+The Python counters then advance by what they imply (`LayerStore.stepped_fixed`, called by
+`H2OCache.fixed_step` after the forward): every figure `report()` gives stays exact, with no read-back.
+The results are the torch step's to float rounding (the layer tests compare them token by token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from h2o_kernels.reference import lowest_outside_recent
+
+from h2o_cli.cache.positions import rotate, unrotate
+from h2o_cli.cache.step import expand
+from h2o_cli.cache.store import LayerStore
+from h2o_cli.policies import select_evictions
+
+
+@dataclass
+class FixedState:
+    """What a policy's `priority` reads (`SlotState`), with `length` a tensor [n_kv_heads, 1]: the store's
+    buffers over all its slots."""
+
+    valid: torch.Tensor
+    token_index: torch.Tensor
+    rank: torch.Tensor
+    scores: torch.Tensor
+    seen: torch.Tensor
+    last_probs: torch.Tensor
+    length: torch.Tensor
+
+
+def fixed_query(
+    query: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cos_row: torch.Tensor,
+    sin_row: torch.Tensor,
+    scaling: float,
+    n_kv_heads: int,
+) -> torch.Tensor:
+    """The model's query [1, n_heads, 1, head_dim] (rotated at `cos`, `sin` [1, head_dim]) unrotated, rotated at
+    its cache position (`cos_row`, `sin_row` [1, head_dim]) and scaled: [n_kv_heads, group, 2 * head_dim] in
+    `expand`'s form, as `step_attention` takes it (`DecodeMaps.query`'s map, applied elementwise)."""
+    rotated = rotate(unrotate(query[0, :, 0], cos, sin), cos_row, sin_row)
+    return (expand(rotated) * scaling).view(n_kv_heads, -1, 2 * query.shape[-1])
+
+
+def accumulate_fixed(store: LayerStore, increments: torch.Tensor, decay: float) -> None:
+    """`LayerStore.accumulate` of one query over every slot: increments [n_kv_heads, slots] (0 where empty)."""
+    if decay != 1.0:
+        store.scores.mul_(decay)
+    store.scores.add_(increments)
+    store.last_probs.copy_(increments)
+    store.seen.add_(store.valid)
+
+
+def evict_fixed(store: LayerStore, policy, length: torch.Tensor) -> None:
+    """Eviction after a fixed step: `length` [n_kv_heads, 1] entries per head after the write; one entry
+    leaves where it passes the budget, chosen by the policy's rule (as `H2OLayer._evict_after_step`)."""
+    if not policy.evicts:
+        return
+    if policy.kernel_victim:
+        victim = lowest_outside_recent(store.scores, store.rank, length - policy.recent_slots, store.valid)
+    else:
+        state = FixedState(
+            store.valid, store.token_index, store.rank, store.scores, store.seen, store.last_probs, length
+        )
+        victim = select_evictions(policy.priority(state), store.token_index, 1)
+    store.drop_fixed(victim, length > store.budget)

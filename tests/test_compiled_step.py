@@ -1,0 +1,241 @@
+"""A whole one-token forward over the cache captured by `torch.compile(fullgraph=True)` (h2o_cli.compiled): no
+graph break and no host sync (fullgraph fails on either), no recompilation from one step to the next, and the
+same greedy tokens and logits as the eager default path, token by token, past a full cache (an eviction every
+step). The layer-level rule is tests/test_fixed_step.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from h2o_cli.cache import H2OCache
+from h2o_cli.compiled import CompiledStep
+from h2o_cli.config import CacheSettings
+
+POLICIES = ["h2o", "sink", "local", "tova", "recall"]
+FIGURES = ("length", "tokens_seen", "evictions")
+ARCHIVE_FIGURES = ("archive_tokens", "archive_reach", "recalled_per_step", "recall_hits")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from nothing (and leaves nothing behind for the next)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def decode_both(model, ids: torch.Tensor, settings: CacheSettings, steps: int, backend: str | None):
+    """Prefill `ids` [1, n] (eagerly) into two caches, then decode `steps` greedy tokens on each: one by the
+    model's eager forward on the default path, one by `CompiledStep`. After the first step (the compilation)
+    any recompilation is an error. `backend` None: `CompiledStep`'s own choice (`compile_options`, what
+    `--compile` runs), not counted. Checks tokens and logits at every step; returns (eager cache, compiled
+    cache, compile counter or None)."""
+    eager, captured = H2OCache(model, settings), H2OCache(model, settings)
+    with torch.inference_mode():
+        logits = model(ids, cache=eager).logits[0, -1]
+        model(ids, cache=captured)
+    counter = None if backend is None else CompileCounterWithBackend(backend)
+    step = CompiledStep(model, captured, backend=counter)
+    token = int(logits.argmax())
+    for number in range(steps):
+        with torch.inference_mode():
+            want = model(input_ids=torch.tensor([[token]], device=ids.device), cache=eager).logits[0, -1]
+            with torch._dynamo.config.patch(error_on_recompile=number > 0):
+                got = step(token)
+        assert int(got.argmax()) == int(want.argmax()), f"step {number}"
+        # Float rounding only, but 30 layers amplify it at some tokens: at one step of this text under `local`
+        # the torch step and the chunk path (the reference) already differ by 9e-3 (logits ~30).
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=2e-2, msg=f"step {number}")
+        token = int(want.argmax())
+    return eager, captured, counter
+
+
+def assert_same_cache(eager: H2OCache, captured: H2OCache) -> None:
+    """The same counters, the same kept tokens per head, the same archive figures."""
+    mine, theirs = captured.report(), eager.report()
+    assert [getattr(mine, name) for name in FIGURES] == [getattr(theirs, name) for name in FIGURES]
+    for ours, reference in zip(captured.stores, eager.stores, strict=True):
+        for head in range(ours.n_kv_heads):
+            kept = ours.token_index[head][ours.valid[head]].sort().values
+            assert torch.equal(kept, reference.token_index[head][reference.valid[head]].sort().values)
+    if mine.archive:
+        assert [mine.archive[key] for key in ARCHIVE_FIGURES] == pytest.approx(
+            [theirs.archive[key] for key in ARCHIVE_FIGURES]
+        )
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm, excerpt) -> torch.Tensor:
+    """200 tokens of real text: at budget 32 every decode step evicts."""
+    return smollm[1](excerpt, return_tensors="pt").input_ids[:, :200]
+
+
+@pytest.fixture(scope="module")
+def first_layers(smollm):
+    """The embedded model cut to its first two decoder layers (the same modules and weights, no copy): the
+    graph holds every op of a layer, the first layer's and a later one's, and traces in seconds rather than
+    the whole model's minute (tests/test_compiled_step.py's `slow` tests take the whole model)."""
+    model, inner = shallow_copy(smollm[0]), shallow_copy(smollm[0].model)
+    model.config = inner.config = copy.deepcopy(model.config)
+    model.config.num_hidden_layers = 2
+    inner.layers = torch.nn.ModuleList(list(inner.layers)[:2])
+    model.model = inner
+    yield model
+    assert len(smollm[0].model.layers) == smollm[0].config.num_hidden_layers == 30  # the session's is whole
+
+
+def shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A module sharing `module`'s submodules and weights, whose own submodules can be replaced without
+    touching `module` (a plain `copy.copy` shares the dict that holds them)."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    return clone
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_captured_decode_equals_eager(first_layers, prompt, policy):
+    """The embedded model's layers, 64 greedy steps past a full cache, the forward traced whole by dynamo
+    (`fullgraph=True`: a graph break or a host sync fails; the `eager` backend runs the traced graph as it is)."""
+    settings = CacheSettings(budget=32, chunk=16, policy=policy)
+    eager, captured, counter = decode_both(first_layers, prompt, settings, 64, "eager")
+    assert counter.frame_count == 1  # one graph, compiled once
+    assert eager.report().evictions > 64  # every decode step evicted
+    assert_same_cache(eager, captured)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", POLICIES)
+def test_inductor_decode_equals_eager(smollm, prompt, policy):
+    """As above, compiled by inductor (what `--compile` runs on a CPU)."""
+    settings = CacheSettings(budget=32, chunk=16, policy=policy)
+    eager, captured, counter = decode_both(smollm[0], prompt, settings, 64, "inductor")
+    assert counter.frame_count == 1
+    assert_same_cache(eager, captured)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cuda_graph_decode_equals_eager(prompt, policy):
+    """On CUDA, replayed as a CUDA graph (`mode="reduce-overhead"`, what `--compile` runs there)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from h2o_cli.models import load_model
+
+    model, _ = load_model("smollm2-135m", device="cuda", dtype="float32")
+    settings = CacheSettings(budget=32, chunk=16, policy=policy)
+    eager, captured, _ = decode_both(model, prompt.cuda(), settings, 64, None)  # reduce-overhead
+    assert_same_cache(eager, captured)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "sink", "recall"])  # the victim by min, by priority; recall
+def test_filling_cache_decodes_in_one_graph(tiny_pair, policy):
+    """From an empty cache, every token a captured step (as `stream --chunk 1 --compile` feeds them): the
+    shapes do not change while the cache fills, so the one graph serves before and after evictions start."""
+    _, model = tiny_pair
+    ids = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(5))
+    settings = CacheSettings(budget=12, chunk=4, policy=policy, page_size=2)
+    eager, captured, counter = decode_both(model, ids, settings, 40, "eager")
+    assert counter.frame_count == 1
+    assert eager.report().evictions > 0
+    assert_same_cache(eager, captured)
+
+
+def test_stream_perplexity_on_the_captured_step_equals_eager(first_layers, excerpt, smollm):
+    """`stream_perplexity` with `--chunk 1` from an empty cache: the same perplexity through the captured step
+    as through the model's forward (the library path `h2o stream --ppl --chunk 1 --compile` takes)."""
+    from h2o_cli.streaming import stream_perplexity
+
+    ids = smollm[1](excerpt).input_ids[:120]
+    settings = CacheSettings(budget=32, chunk=1)
+    eager = stream_perplexity(first_layers, H2OCache(first_layers, settings), [ids], 1)
+    cache = H2OCache(first_layers, settings)
+    step = CompiledStep(first_layers, cache, backend="eager")
+    captured = stream_perplexity(first_layers, cache, [ids], 1, step=step)
+    assert captured.predictions == eager.predictions == 119 and cache.report().evictions == 120 - 32
+    assert captured.ppl == pytest.approx(eager.ppl, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"policy": "recall", "archive": "disk"}, "--archive ram"),
+        ({"policy": "recall", "positions": "original"}, "--page-score unrotated"),
+        ({"dtype": torch.bfloat16}, "float32 or float64"),
+    ],
+)
+def test_settings_the_fixed_step_cannot_take_are_usage_errors(
+    tiny_pair, tmp_path, monkeypatch, options, words
+):
+    """One line naming the fix (exit 2 at the CLI), before anything is compiled."""
+    from h2o_cli.errors import UsageError
+
+    monkeypatch.setenv("H2O_HOME", str(tmp_path))
+    _, model = tiny_pair
+    options = dict(options)
+    model = model.to(options.pop("dtype", torch.float32))
+    cache = H2OCache(model, CacheSettings(budget=12, chunk=4, page_size=2, **options))
+    with pytest.raises(UsageError, match=words):
+        CompiledStep(model, cache, backend="eager")
+    cache.close()
+
+
+@pytest.mark.slow
+def test_stream_ppl_compile_flag_gives_the_eager_perplexity():
+    """`h2o stream FILE --ppl --chunk 1 --compile` (inductor, the whole model) prints the eager perplexity."""
+    from test_cli_stream import EXCERPT, h2o
+
+    args = ["--ppl", "--json", "--budget", "32", "--max-tokens", "96", "--chunk", "1"]
+    eager = h2o("stream", EXCERPT, *args)
+    compiled = h2o("stream", EXCERPT, *args, "--compile", timeout=1800)
+    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr.decode()
+    eager_report, compiled_report = json.loads(eager.stdout), json.loads(compiled.stdout)
+    assert compiled_report["predictions"] == eager_report["predictions"] == 95
+    assert compiled_report["ppl"] == pytest.approx(eager_report["ppl"], rel=1e-5)
+
+
+def test_generate_ids_on_the_captured_step_gives_the_same_answer(tiny_pair):
+    """`generate_ids` (what `stream` and `chat` answer with) through `CompiledStep`: the same greedy ids as
+    through the model's forward, after a chunked prompt, and the cache's report continues exactly."""
+    from h2o_cli.generation import Sampling, generate_ids
+
+    _, model = tiny_pair
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(8))
+    settings, sampling = CacheSettings(budget=12, chunk=8), Sampling(max_new_tokens=24)
+    answers, reports = [], []
+    for compiled in (False, True):
+        cache = H2OCache(model, settings)
+        with torch.inference_mode():
+            logits = model(ids, cache=cache).logits[0, -1]
+        step = CompiledStep(model, cache, backend="eager") if compiled else None
+        answers.append(list(generate_ids(model, cache, logits, sampling, step=step)))
+        reports.append([getattr(cache.report(), name) for name in FIGURES])
+    assert answers[0] == answers[1] and len(answers[0]) == 24
+    assert reports[0] == reports[1] == [12, 30 + 24, 30 + 24 - 12]
+
+
+def test_chat_answers_on_the_captured_step_as_without_it(first_layers, smollm, monkeypatch):
+    """`h2o chat --compile`'s session: two turns (the second after a prefill on the same cache, which the
+    captured step must follow without recompiling) give the answers and the cache figures of a plain session."""
+    from h2o_cli import compiled
+    from h2o_cli.chat import ChatSession
+    from h2o_cli.generation import Sampling
+
+    monkeypatch.setattr(compiled, "compile_options", lambda device: {"backend": "eager"})  # traced, fast
+    sessions = [
+        ChatSession(first_layers, smollm[1], CacheSettings(budget=24, chunk=16), Sampling(12), compiled=flag)
+        for flag in (False, True)
+    ]
+    for number, message in enumerate(["Hello there.", "Tell me about the sea."]):
+        with torch._dynamo.config.patch(error_on_recompile=number > 0):
+            plain, captured = (session.ask(message) for session in sessions)
+        assert captured == plain
+    assert [sessions[1].cache.report().tokens_seen, sessions[1].cache.report().evictions] == [
+        sessions[0].cache.report().tokens_seen,
+        sessions[0].cache.report().evictions,
+    ]
