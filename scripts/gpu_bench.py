@@ -8,7 +8,8 @@ Two parts, each row guarded (a row that fails or runs past its time limit prints
 - `model`: bf16 Llama-2-7B shape (hidden 4096, 32 layers, 32 heads = 32 KV heads, MLP 11008, vocab 32000),
   random weights (speed does not depend on them), contexts 4K/16K/32K read in chunks, then greedy decode:
   plain transformers (sdpa + `DynamicCache`; static cache + `torch.compile`), h2o at 10 % (torch path; Triton
-  decode; a captured/compiled h2o, recorded as not available while the cache is not compileable), and h2o on
+  decode; captured: the fixed decode step under `CompiledStep`, which runs in float32/float64 only, so a
+  bf16 model's row says so), and h2o on
   4-bit weights (bitsandbytes nf4). Per row: prefill and decode tok/s, peak GPU memory
   (`torch.cuda.max_memory_allocated`, reset per row), the cache's own bytes.
 
@@ -416,16 +417,30 @@ def model_rows(args, contexts: list[int], deadline: float) -> tuple[list[dict], 
     static.clear()
     torch._dynamo.reset()
 
-    from h2o_cli.cache.layer import H2OLayer
+    def captured_row(context: int) -> dict:
+        """h2o on its fixed decode step, the one-token forward captured once by `CompiledStep` (inductor; a
+        CUDA graph on a GPU) and replayed; prefill on the torch path like the other h2o rows."""
+        from h2o_cli.compiled import CompiledStep, compile_options
 
-    reason = (
-        None
-        if H2OLayer.is_compileable
-        else "not available: the h2o cache is not compileable (H2OLayer.is_compileable is False)"
-    )
+        cache, token, prefill_s = h2o_filled(context)
+        options = {"backend": "eager"} if dry else compile_options(torch.device(device))
+        step = CompiledStep(model, cache, **options)  # UsageError (the row's note) where the step cannot run
+        warm = 3  # compile / graph capture, outside the timing
+        compiled_at = time.perf_counter()
+        for _ in range(warm):
+            token = int(step(token).argmax())
+        warm_s = time.perf_counter() - compiled_at
+        started = time.perf_counter()
+        for _ in range(tokens):
+            token = int(step(token).argmax())
+        speed = tokens / (time.perf_counter() - started)
+        torch._dynamo.reset()  # each context's cache has its own shapes: its own graph
+        return {"kept": h2o_budget(context, args.fraction), "prefill tok/s": context / prefill_s,
+                "decode tok/s": speed, "cache MiB": cache.nbytes() / 2**20,
+                "note": f"CompiledStep {options}; {warm} warm-up steps {warm_s:.1f} s"}  # fmt: skip
+
     for context in contexts:
-        rows.append({"variant": VARIANTS[4], "context": context, "note": reason or "not measured"})
-        print(f"[model] {VARIANTS[4]} @ {context}: {reason}", flush=True)
+        run(VARIANTS[4], context, lambda context=context: captured_row(context), scale=2.5)
 
     def quantized() -> dict:
         quantize_4bit(model, dtype)

@@ -55,9 +55,8 @@ def test_dry_run_writes_every_row_and_column(tmp_path):
     for (variant, _), row in cells.items():
         note = row.get("note") or ""
         assert not note.startswith(("failed", "skipped")), (variant, note)
-        if variant == "h2o 10% captured/compiled":
-            assert note.startswith("not available")
-            continue
+        if variant == "h2o 10% captured/compiled":  # the fixed step, captured (eager backend in a dry run)
+            assert note.startswith("CompiledStep"), note
         assert row["decode tok/s"] > 0 and row["cache MiB"] > 0, row
         if (
             variant == "h2o 10% Triton decode"
