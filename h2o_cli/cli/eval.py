@@ -38,6 +38,10 @@ COLUMNS = (
     "acc_norm",
     "ci_low",
     "ci_high",
+    "delta_vs_full",
+    "delta_low",
+    "delta_high",
+    "discordant",
     "em",
     "rouge1",
     "rouge2",
@@ -141,7 +145,7 @@ def eval(  # noqa: A001 - the command is called eval
         _quiet()
     try:
         from h2o_cli.eval.lm_eval_model import H2OLM
-        from h2o_cli.eval.runner import HARNESS_TASKS, run_harness, run_long
+        from h2o_cli.eval.runner import HARNESS_TASKS, pair_with_full, run_harness, run_long
     except ImportError as error:
         raise UsageError(f"h2o eval needs the eval extra (pip install 'h2o-cli[eval]'): {error}") from error
 
@@ -162,13 +166,14 @@ def eval(  # noqa: A001 - the command is called eval
                 with _lm_eval_output(verbose):
                     found = [run_harness(lm, task, spec, limit, shots, seed, data)]
             rows.extend({**row, "quant": quant} for row in found)
+    pair_with_full(rows)
     _render(rows)
     if json_out:
         print(json.dumps(rows))
     elif csv_out:
         names = [name for name in COLUMNS if any(name in row for row in rows)]
-        names += sorted({key for row in rows for key in row} - set(names))
-        writer = csv.DictWriter(sys.stdout, fieldnames=names)
+        names += sorted({key for row in rows for key in row} - set(names) - {"correct"})  # per example: JSON
+        writer = csv.DictWriter(sys.stdout, fieldnames=names, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
 

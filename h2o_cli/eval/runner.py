@@ -83,7 +83,36 @@ def run_harness(
         for key, value in results.items()
         if "," in key and "stderr" not in key and isinstance(value, (int, float))
     }
+    samples = sorted(out.get("samples", {}).get(name, []), key=lambda sample: sample["doc_id"])
+    if samples and all("acc" in sample for sample in samples):
+        metrics["correct"] = [int(sample["acc"]) for sample in samples]  # per example, by document
     return _row(task, spec, lm.budget_tokens, n, **metrics)
+
+
+def pair_with_full(rows: list[dict]) -> list[dict]:
+    """Each row of a policy other than `full` with per-example outcomes (`correct`) gains the paired
+    difference from the `full` row of the same task (and needle cell): `delta_vs_full` with its 95%
+    paired-bootstrap interval (`delta_low`, `delta_high`), `discordant` = [right under full only, right under
+    the policy only] and McNemar's exact `mcnemar_p` (h2o_cli/eval/paired.py)."""
+    from h2o_cli.eval.paired import paired_delta
+
+    def key(row: dict) -> tuple:
+        return row["task"], row.get("length"), row.get("depth")
+
+    full = {key(row): row["correct"] for row in rows if row["policy"] == "full" and "correct" in row}
+    for row in rows:
+        base = full.get(key(row))
+        if row["policy"] == "full" or base is None or len(row.get("correct", ())) != len(base):
+            continue
+        paired = paired_delta(base, row["correct"])
+        row.update(
+            delta_vs_full=paired.delta,
+            delta_low=paired.low,
+            delta_high=paired.high,
+            discordant=[paired.lost, paired.gained],
+            mcnemar_p=paired.p_value,
+        )
+    return rows
 
 
 def run_long(
@@ -114,6 +143,7 @@ def run_long(
     for name, cell in cells.items():
         n = len(cell["hit"])
         row = _row(task, spec, cell["budget"], n, acc=sum(cell["hit"]) / n, em=sum(cell["em"]) / n)
+        row["correct"] = [int(hit) for hit in cell["hit"]]
         if name:
             length, depth = name.split("x")
             row.update(length=int(length), depth=depth)
