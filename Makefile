@@ -72,12 +72,13 @@ results-tasks:
 			--limit $$limit --threads $(THREADS) --json > $(OUT)/tasks20_$$task.json || exit 1; \
 	done
 
-# The 5-shot table at 20 %: every policy on the same examples (paired differences from full), one task per
-# `h2o eval` process (niced, one thread): `make -j2 results-tasks-5shot` runs two tasks at a time. A task's
-# JSON is written when it finishes; its log (the table, then the wall time) beside it.
-TASKS_5SHOT ?= rte piqa openbookqa winogrande copa
+# The 5-shot table at 20 %: every policy on the same examples (paired differences from full). One task at a
+# time, cheapest first, its examples split over PROCESSES_5SHOT niced processes of one thread each; a task's
+# JSON is written when it finishes, its log (the table, then the wall time) beside it.
+TASKS_5SHOT ?= copa openbookqa winogrande piqa rte
 LIMIT_5SHOT ?= 200
 POLICIES_5SHOT ?= full,local,sink,tova,h2o,recall
+PROCESSES_5SHOT ?= 2
 
 results-tasks-5shot: $(foreach task,$(TASKS_5SHOT),$(OUT)/tasks20_5shot_$(task).json)
 
@@ -85,8 +86,8 @@ $(OUT)/tasks20_5shot_%.json:
 	mkdir -p $(OUT)
 	start=$$(date +%s); \
 	$(RUN) nice -n 10 $(H2O) eval $* --budget 0.2 --policies $(POLICIES_5SHOT) --shots 5 --limit $(LIMIT_5SHOT) \
-		--threads $(THREADS) --json > $@.part 2> $(OUT)/tasks20_5shot_$*.log && mv $@.part $@ && \
-	echo "wall $$(( $$(date +%s) - start )) s" >> $(OUT)/tasks20_5shot_$*.log
+		--processes $(PROCESSES_5SHOT) --threads $(THREADS) --json > $@.part 2> $(OUT)/tasks20_5shot_$*.log && \
+	mv $@.part $@ && echo "wall $$(( $$(date +%s) - start )) s" >> $(OUT)/tasks20_5shot_$*.log
 
 results-longctx: results-longctx-needle results-longctx-xsum results-longctx-qa
 

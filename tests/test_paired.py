@@ -111,7 +111,9 @@ def test_rows_gain_the_difference_from_full_of_the_same_task():
         {"task": "needle", "policy": "h2o", "length": 2000, "depth": "0.5", "correct": [0, 0]},
     ]
     pair_with_full(rows)
-    assert "delta_vs_full" not in rows[0] and "delta_vs_full" not in rows[2] and "delta_vs_full" not in rows[5]
+    assert (
+        "delta_vs_full" not in rows[0] and "delta_vs_full" not in rows[2] and "delta_vs_full" not in rows[5]
+    )
     assert rows[1]["delta_vs_full"] == pytest.approx(0.1) and rows[1]["discordant"] == [1, 2]
     assert rows[1]["mcnemar_p"] == pytest.approx(exact_mcnemar(1, 2))
     assert rows[1]["delta_low"] <= 0.1 <= rows[1]["delta_high"]

@@ -46,8 +46,11 @@ def _row(task: str, spec: CacheSettings, budget_tokens: Sequence[int], n: int, *
 
 def run_harness(
     lm, task: str, spec: CacheSettings, limit: int | None, shots: int, seed: int, data: str | None
-) -> dict:
-    """One lm-eval task (friendly name, registered name or YAML path) scored through `lm` with `spec`."""
+) -> dict | None:
+    """One lm-eval task (friendly name, registered name or YAML path) scored through `lm` with `spec`.
+
+    In a data-parallel run (`lm` one of several processes) rank 0 returns the row of every document; the
+    others None."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -76,6 +79,9 @@ def run_harness(
         verbosity="ERROR",
         bootstrap_iters=0,
     )
+    budget_tokens = lm.gathered_budget_tokens()  # every process takes part
+    if out is None:
+        return None
     results = out["results"][name]
     n = int(out.get("n-samples", {}).get(name, {}).get("effective", 0))
     metrics = {
@@ -86,7 +92,7 @@ def run_harness(
     samples = sorted(out.get("samples", {}).get(name, []), key=lambda sample: sample["doc_id"])
     if samples and all("acc" in sample for sample in samples):
         metrics["correct"] = [int(sample["acc"]) for sample in samples]  # per example, by document
-    return _row(task, spec, lm.budget_tokens, n, **metrics)
+    return _row(task, spec, budget_tokens, n, **metrics)
 
 
 def pair_with_full(rows: list[dict]) -> list[dict]:
