@@ -101,14 +101,18 @@ def pair_with_full(rows: list[dict]) -> list[dict]:
     paired-bootstrap interval (`delta_low`, `delta_high`), `discordant` = [right under full only, right under
     the policy only] and McNemar's exact `mcnemar_p` (h2o_cli/eval/paired.py)."""
     from h2o_cli.eval.paired import paired_delta
+    from h2o_cli.policies import policy_class
 
     def key(row: dict) -> tuple:
         return row["task"], row.get("length"), row.get("depth")
 
-    full = {key(row): row["correct"] for row in rows if row["policy"] == "full" and "correct" in row}
+    def reference(row: dict) -> bool:  # `full`: the policy that keeps every token
+        return not policy_class(row["policy"]).evicts
+
+    full = {key(row): row["correct"] for row in rows if reference(row) and "correct" in row}
     for row in rows:
         base = full.get(key(row))
-        if row["policy"] == "full" or base is None or len(row.get("correct", ())) != len(base):
+        if reference(row) or base is None or len(row.get("correct", ())) != len(base):
             continue
         paired = paired_delta(base, row["correct"])
         row.update(
