@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: setup test test-fast test-all lint format bench clean results results-ppl results-tasks results-longctx results-longctx-needle results-longctx-xsum results-longctx-qa results-norm results-plot
+.PHONY: setup test test-fast test-all lint format bench clean results results-ppl results-tasks results-tasks-5shot results-longctx results-longctx-needle results-longctx-xsum results-longctx-qa results-norm results-plot
 
 setup:
 	$(PY) -m venv $(VENV)
@@ -71,6 +71,23 @@ results-tasks:
 		$(RUN) $(H2O) eval $$task --budget 0.2 --policies full,local,sink,tova,h2o --shots $(SHOTS) \
 			--limit $$limit --threads $(THREADS) --json > $(OUT)/tasks20_$$task.json || exit 1; \
 	done
+
+# The 5-shot table at 20 %: every policy on the same examples (paired differences from full). One task at a
+# time, cheapest first, its examples split over PROCESSES_5SHOT niced processes of one thread each; a task's
+# JSON is written when it finishes, its log (the table, then the wall time) beside it.
+TASKS_5SHOT ?= copa openbookqa winogrande piqa rte
+LIMIT_5SHOT ?= 200
+POLICIES_5SHOT ?= full,local,sink,tova,h2o,recall
+PROCESSES_5SHOT ?= 2
+
+results-tasks-5shot: $(foreach task,$(TASKS_5SHOT),$(OUT)/tasks20_5shot_$(task).json)
+
+$(OUT)/tasks20_5shot_%.json:
+	mkdir -p $(OUT)
+	start=$$(date +%s); \
+	$(RUN) nice -n 10 $(H2O) eval $* --budget 0.2 --policies $(POLICIES_5SHOT) --shots 5 --limit $(LIMIT_5SHOT) \
+		--processes $(PROCESSES_5SHOT) --threads $(THREADS) --json > $@.part 2> $(OUT)/tasks20_5shot_$*.log && \
+	mv $@.part $@ && echo "wall $$(( $$(date +%s) - start )) s" >> $(OUT)/tasks20_5shot_$*.log
 
 results-longctx: results-longctx-needle results-longctx-xsum results-longctx-qa
 

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-POLICY_ORDER = ("full", "local", "sink", "tova", "h2o")
+POLICY_ORDER = ("full", "local", "sink", "tova", "h2o", "recall")
 TASK_ORDER = ("copa", "piqa", "openbookqa", "winogrande", "rte", "mathqa")
 
 
@@ -73,8 +73,76 @@ def norm_table(out: Path, books: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def _task_rows(paths) -> list[dict]:
+    rows = [row for path in sorted(paths) for row in _load(path)]
+    rank = {name: number for number, name in enumerate(TASK_ORDER)}
+    return sorted(rows, key=lambda row: rank.get(row["task"], len(rank)))
+
+
+def paired_task_tables(out: Path) -> str:
+    """The 5-shot table (tasks20_5shot_*.json): accuracy per policy, then each policy's paired difference
+    from full on the same examples (bootstrap interval, discordant counts, McNemar's p; bold where p < 0.05)."""
+    rows = _task_rows(out.glob("tasks20_5shot_*.json"))
+    if not rows:
+        return "(no tasks20_5shot_*.json)"
+    policies = _policies(rows)
+    tasks = list(dict.fromkeys(row["task"] for row in rows))
+
+    def row_of(task: str, policy: str) -> dict | None:
+        return next((r for r in rows if r["task"] == task and r["policy"] == policy), None)
+
+    lines = [
+        "| task | n | mean prompt (tok) | mean budget (tok) | " + " | ".join(policies) + " |",
+        "|---|---|---|---|" + "---|" * len(policies),
+    ]
+    for task in tasks:
+        full, h2o = row_of(task, "full"), row_of(task, "h2o")
+        cells = [
+            f"{r['acc']:.3f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]" if r else "–"
+            for r in (row_of(task, policy) for policy in policies)
+        ]
+        n = next(r["n"] for r in rows if r["task"] == task)
+        prompt = full["budget_tokens_mean"] if full else "–"
+        budget = h2o["budget_tokens_mean"] if h2o else "–"
+        lines.append(f"| {task} | {n} | {prompt} | {budget} | " + " | ".join(cells) + " |")
+    others = [policy for policy in policies if policy != "full"]
+    lines += [
+        "",
+        "Paired difference from `full` on the same examples: Δ accuracy [95 % paired-bootstrap interval], "
+        "lost/gained (examples right under full only / under the policy only), McNemar's exact p:\n",
+        "| task | " + " | ".join(others) + " |",
+        "|---|" + "---|" * len(others),
+    ]
+    for task in tasks:
+        cells = []
+        for policy in others:
+            r = row_of(task, policy)
+            if not r or "delta_vs_full" not in r:
+                cells.append("–")
+                continue
+            lost, gained = r["discordant"]
+            text = f"{r['delta_vs_full']:+.3f} [{r['delta_low']:+.3f}, {r['delta_high']:+.3f}]"
+            text = f"**{text}**" if r["mcnemar_p"] < 0.05 else text
+            cells.append(f"{text} {lost}/{gained}, p={r['mcnemar_p']:.2f}")
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    lines += ["", "acc_norm (length-normalised), same runs:\n"]
+    lines += ["| task | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]
+    for task in tasks:
+        cells = [
+            f"{r['acc_norm']:.3f}" if r and "acc_norm" in r else "–"
+            for r in (row_of(task, policy) for policy in policies)
+        ]
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def task_table(out: Path) -> str:
-    rows = [row for path in sorted(out.glob("tasks20_*.json")) for row in _load(path)]
+    rows = [
+        row
+        for path in sorted(out.glob("tasks20_*.json"))
+        if not path.name.startswith("tasks20_5shot_")
+        for row in _load(path)
+    ]
     rank = {name: number for number, name in enumerate(TASK_ORDER)}
     rows.sort(key=lambda row: rank.get(row["task"], len(rank)))
     if not rows:
@@ -234,6 +302,7 @@ def main() -> None:
     print("## Perplexity vs budget\n\n" + ppl)
     print("## score-norm\n\n" + norm_table(args.out, books) + "\n")
     print("## Tasks at 20%\n\n" + task_table(args.out) + "\n")
+    print("## Tasks at 20%, 5-shot, paired\n\n" + paired_task_tables(args.out) + "\n")
     print("## xsum\n\n" + xsum_table(args.out / "xsum.json") + "\n")
     for name in ("needle", "hotpotqa", "kv_retrieval"):
         print(f"## {name}\n\n" + long_table(args.out / f"{name}.json") + "\n")

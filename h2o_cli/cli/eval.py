@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Annotated
 
 import typer
@@ -22,10 +22,16 @@ from h2o_cli.errors import UsageError
 EXAMPLES = """
 Examples:
   h2o eval copa piqa openbookqa winogrande rte mathqa --budget 0.2 --policies full,local,sink,tova,h2o --shots 5
+  h2o eval rte --shots 5 --limit 200 --policies full,h2o,recall --processes 2 --threads 1 --json > rte.json
   H2O_DATA=../shared/data h2o eval xsum --budget 0.2 --limit 200
   h2o eval hotpotqa kv-retrieval needle --budget 0.1 --limit 20 --data-dir ../shared/data
   h2o eval copa --data my_copa.xml --json > copa.json
   h2o eval copa piqa --policies full,h2o --quant 4bit --kv-bits 8 --limit 50
+
+With `full` among the policies, every other policy's row also has its paired difference
+from `full` on the same examples: Δ accuracy with a 95% paired-bootstrap interval, the
+examples only one of them got right (lost/gained) and McNemar's exact p. JSON: delta_vs_full,
+delta_low, delta_high, discordant, mcnemar_p, and each example's outcome in `correct`.
 """
 
 COLUMNS = (
@@ -38,6 +44,11 @@ COLUMNS = (
     "acc_norm",
     "ci_low",
     "ci_high",
+    "delta_vs_full",
+    "delta_low",
+    "delta_high",
+    "discordant",
+    "mcnemar_p",
     "em",
     "rouge1",
     "rouge2",
@@ -47,16 +58,31 @@ COLUMNS = (
 )
 
 
+# The paired difference from full fills one column of the table, its discordant counts another.
+HEADERS = {"delta_vs_full": "Δ full [95%]", "discordant": "lost/gained", "mcnemar_p": "p"}
+IN_DELTA = ("delta_low", "delta_high")
+
+
 def _render(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="h2o eval", title_style="bold")
-    present = [name for name in COLUMNS if any(name in row for row in rows)]
+    present = [name for name in COLUMNS if name not in IN_DELTA and any(name in row for row in rows)]
     for name in present:
-        table.add_column(name, justify="left" if name in ("task", "policy", "depth") else "right")
+        justify = "left" if name in ("task", "policy", "depth") else "right"
+        table.add_column(HEADERS.get(name, name), justify=justify)
     for row in rows:
-        table.add_row(*(_cell(row.get(name)) for name in present))
+        table.add_row(*(_display(row, name) for name in present))
     stderr.print(table)
+
+
+def _display(row: dict, name: str) -> str:
+    value = row.get(name)
+    if name == "delta_vs_full" and value is not None:
+        return f"{value:+.3f} [{row['delta_low']:+.3f}, {row['delta_high']:+.3f}]"
+    if name == "discordant" and value is not None:
+        return "/".join(map(str, value))
+    return _cell(value)
 
 
 def _cell(value) -> str:
@@ -95,6 +121,55 @@ def _lm_eval_output(verbose: bool):
     return contextlib.nullcontext() if verbose else contextlib.redirect_stderr(io.StringIO())
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What every process of `h2o eval` scores (picklable, for --processes)."""
+
+    load_args: tuple
+    tasks: list[str]
+    policies: list[str]
+    settings: CacheSettings
+    limit: int | None
+    shots: int
+    seed: int
+    data: str | None
+    quant: str
+    verbose: bool
+
+
+def _score(job: _Job) -> list[dict] | None:
+    """Rows of every task x policy; in one of several processes (`--processes`), rank 0's rows of all the
+    examples and None on the others (which score their share and stay quiet)."""
+    from h2o_cli.eval.lm_eval_model import H2OLM, join_processes
+    from h2o_cli.eval.long_tasks import LONG_TASKS
+    from h2o_cli.eval.runner import run_harness, run_long
+
+    load_args = job.load_args
+    rank, world = join_processes(load_args[1])
+    if world > 1:
+        if not job.verbose:
+            _quiet()
+        import torch
+
+        if str(load_args[1]).startswith(("cuda", "auto")) and torch.cuda.is_available():
+            load_args = (load_args[0], f"cuda:{rank % torch.cuda.device_count()}", *load_args[2:])
+    loaded = load(*load_args)
+    lm = H2OLM(model=loaded)
+    rows: list[dict] = []
+    for task in job.tasks:
+        for policy in job.policies:
+            spec = replace(job.settings, policy=policy)
+            if rank == 0:
+                stderr.print(f"[dim]{task} · {policy} · budget {job.settings.budget}[/]")
+            if task in LONG_TASKS:
+                found = run_long(loaded[0], loaded[1], task, spec, job.limit, job.data)
+            else:
+                with _lm_eval_output(job.verbose):
+                    found = [run_harness(lm, task, spec, job.limit, job.shots, job.seed, job.data)]
+            rows.extend({**row, "quant": job.quant} for row in found if row is not None)
+    return rows if rank == 0 else None
+
+
 @options.cache_options(skip=("policy",), options={"budget": options.PromptBudget}, budget="0.2")
 def eval(  # noqa: A001 - the command is called eval
     settings: CacheSettings,
@@ -130,6 +205,15 @@ def eval(  # noqa: A001 - the command is called eval
     verbose: Annotated[
         bool, typer.Option("--verbose", help="Keep lm-eval's log lines and progress bars on stderr.")
     ] = False,
+    processes: Annotated[
+        int,
+        typer.Option(
+            "--processes",
+            min=1,
+            help="Split each lm-eval task's examples over this many processes, each with its own model and "
+            "cache (set --threads for each); the metrics equal one process's.",
+        ),
+    ] = 1,
 ) -> None:
     """Score tasks through the H2O cache for each policy: accuracy with 95% CIs and the real budget in tokens."""
     from h2o_cli.eval.data import DATA_ENV
@@ -140,8 +224,8 @@ def eval(  # noqa: A001 - the command is called eval
     if not verbose:
         _quiet()
     try:
-        from h2o_cli.eval.lm_eval_model import H2OLM
-        from h2o_cli.eval.runner import HARNESS_TASKS, run_harness, run_long
+        from h2o_cli.eval.lm_eval_model import H2OLM  # noqa: F401 - lm-eval present
+        from h2o_cli.eval.runner import HARNESS_TASKS, pair_with_full
     except ImportError as error:
         raise UsageError(f"h2o eval needs the eval extra (pip install 'h2o-cli[eval]'): {error}") from error
 
@@ -149,28 +233,31 @@ def eval(  # noqa: A001 - the command is called eval
         os.environ[DATA_ENV] = str(data_dir)
     if data is None and any(task in HARNESS_TASKS or task in LONG_TASKS for task in tasks):
         data_folder()  # no data folder: one line before the model loads, not after
-    loaded = load(model, device, dtype, False, threads, quant, device_map)
-    lm = H2OLM(model=loaded)
-    rows: list[dict] = []
-    for task in tasks:
-        for policy in chosen:
-            spec = replace(settings, policy=policy)
-            stderr.print(f"[dim]{task} · {policy} · budget {settings.budget}[/]")
-            if task in LONG_TASKS:
-                found = run_long(loaded[0], loaded[1], task, spec, limit, data)
-            else:
-                with _lm_eval_output(verbose):
-                    found = [run_harness(lm, task, spec, limit, shots, seed, data)]
-            rows.extend({**row, "quant": quant} for row in found)
+    job = _Job(
+        (model, device, dtype, False, threads, quant, device_map),
+        tasks, chosen, settings, limit, shots, seed, data, quant, verbose,
+    )  # fmt: skip
+    if processes > 1:
+        if any(task in LONG_TASKS for task in tasks):
+            raise UsageError(f"--processes splits lm-eval tasks; run {', '.join(LONG_TASKS)} in one process")
+        from h2o_cli.eval.processes import run_processes
+
+        rows = run_processes(processes, _score, job)
+    else:
+        rows = _score(job)
+    pair_with_full(rows)
     _render(rows)
     if json_out:
         print(json.dumps(rows))
     elif csv_out:
         names = [name for name in COLUMNS if any(name in row for row in rows)]
-        names += sorted({key for row in rows for key in row} - set(names))
-        writer = csv.DictWriter(sys.stdout, fieldnames=names)
+        names += sorted({key for row in rows for key in row} - set(names) - {"correct"})  # per example: JSON
+        writer = csv.DictWriter(sys.stdout, fieldnames=names, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(
+            {key: _display(row, key) if key == "discordant" else value for key, value in row.items()}
+            for row in rows
+        )
 
 
 eval.__doc__ = (eval.__doc__ or "") + EXAMPLES

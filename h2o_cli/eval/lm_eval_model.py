@@ -95,6 +95,11 @@ class H2OLM(TemplateLM):
         dist.gather_object(obj, gathered, dst=dst)
         return gathered
 
+    def gathered_budget_tokens(self) -> list[int] | None:
+        """`budget_tokens` of every process on rank 0 (this process's alone in one), None on the others."""
+        parts = self.gather_object(self.budget_tokens)
+        return None if parts is None else [tokens for part in parts for tokens in part]
+
     def barrier(self) -> None:
         if self._world_size > 1:
             import torch.distributed as dist

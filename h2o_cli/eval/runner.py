@@ -46,8 +46,11 @@ def _row(task: str, spec: CacheSettings, budget_tokens: Sequence[int], n: int, *
 
 def run_harness(
     lm, task: str, spec: CacheSettings, limit: int | None, shots: int, seed: int, data: str | None
-) -> dict:
-    """One lm-eval task (friendly name, registered name or YAML path) scored through `lm` with `spec`."""
+) -> dict | None:
+    """One lm-eval task (friendly name, registered name or YAML path) scored through `lm` with `spec`.
+
+    In a data-parallel run (`lm` one of several processes) rank 0 returns the row of every document; the
+    others None."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -79,6 +82,9 @@ def run_harness(
         verbosity="ERROR",
         bootstrap_iters=0,
     )
+    budget_tokens = lm.gathered_budget_tokens()  # every process takes part
+    if out is None:
+        return None
     results = out["results"][name]
     n = int(out.get("n-samples", {}).get(name, {}).get("effective", 0))
     metrics = {
@@ -86,7 +92,40 @@ def run_harness(
         for key, value in results.items()
         if "," in key and "stderr" not in key and isinstance(value, (int, float))
     }
-    return _row(task, spec, lm.budget_tokens, n, **metrics)
+    samples = sorted(out.get("samples", {}).get(name, []), key=lambda sample: sample["doc_id"])
+    if samples and all("acc" in sample for sample in samples):
+        metrics["correct"] = [int(sample["acc"]) for sample in samples]  # per example, by document
+    return _row(task, spec, budget_tokens, n, **metrics)
+
+
+def pair_with_full(rows: list[dict]) -> list[dict]:
+    """Each row of a policy other than `full` with per-example outcomes (`correct`) gains the paired
+    difference from the `full` row of the same task (and needle cell): `delta_vs_full` with its 95%
+    paired-bootstrap interval (`delta_low`, `delta_high`), `discordant` = [right under full only, right under
+    the policy only] and McNemar's exact `mcnemar_p` (h2o_cli/eval/paired.py)."""
+    from h2o_cli.eval.paired import paired_delta
+    from h2o_cli.policies import policy_class
+
+    def key(row: dict) -> tuple:
+        return row["task"], row.get("length"), row.get("depth")
+
+    def reference(row: dict) -> bool:  # `full`: the policy that keeps every token
+        return not policy_class(row["policy"]).evicts
+
+    full = {key(row): row["correct"] for row in rows if reference(row) and "correct" in row}
+    for row in rows:
+        base = full.get(key(row))
+        if reference(row) or base is None or len(row.get("correct", ())) != len(base):
+            continue
+        paired = paired_delta(base, row["correct"])
+        row.update(
+            delta_vs_full=paired.delta,
+            delta_low=paired.low,
+            delta_high=paired.high,
+            discordant=[paired.lost, paired.gained],
+            mcnemar_p=paired.p_value,
+        )
+    return rows
 
 
 def run_long(
@@ -117,6 +156,7 @@ def run_long(
     for name, cell in cells.items():
         n = len(cell["hit"])
         row = _row(task, spec, cell["budget"], n, acc=sum(cell["hit"]) / n, em=sum(cell["em"]) / n)
+        row["correct"] = [int(hit) for hit in cell["hit"]]
         if name:
             length, depth = name.split("x")
             row.update(length=int(length), depth=depth)
