@@ -133,6 +133,7 @@ def test_cuda_graph_decode_equals_eager(prompt, policy):
     assert_same_cache(eager, captured)
 
 
+@pytest.mark.heavy  # dynamo traces the whole forward: seconds per policy
 @pytest.mark.parametrize("policy", ["h2o", "sink", "recall"])  # the victim by min, by priority; recall
 def test_filling_cache_decodes_in_one_graph(tiny_pair, policy):
     """From an empty cache, every token a captured step (as `stream --chunk 1 --compile` feeds them): the
@@ -199,6 +200,7 @@ def test_stream_ppl_compile_flag_gives_the_eager_perplexity():
     assert compiled_report["ppl"] == pytest.approx(eager_report["ppl"], rel=1e-5)
 
 
+@pytest.mark.heavy  # dynamo traces the whole forward: seconds
 def test_generate_ids_on_the_captured_step_gives_the_same_answer(tiny_pair):
     """`generate_ids` (what `stream` and `chat` answer with) through `CompiledStep`: the same greedy ids as
     through the model's forward, after a chunked prompt, and the cache's report continues exactly."""
