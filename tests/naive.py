@@ -103,7 +103,8 @@ def naive_recall(
     """R of one KV head for a chunk (docs/spec.md, recall pass 1), literally; no archive cap.
 
     queries: [m, d] unrotated, the chunk's queries of the head's query heads. `head` already holds the chunk.
-    A page's bound comes from every key archived so far (up to the chunk's last token). With the positional
+    A page's bound comes from every key archived so far (up to the chunk's last token): the best of its blocks'
+    (`block_size` tokens each, the page by default). With the positional
     page score each query is first replaced by the mean of its rotations over the distances from
     the recent slots of S up to the most E_q entries (rolling) or the tokens seen (original).
     """
@@ -115,10 +116,16 @@ def naive_recall(
         queries = torch.stack([rope(queries, torch.tensor([d] * len(queries)), inv_freq) for d in distances])
         queries = queries.mean(dim=0)
 
-    def bound(page: int) -> float:
-        keys = torch.stack(head.keys[page * size : (page + 1) * size]).double()
+    block = getattr(settings, "block_size", None) or size
+
+    def block_bound(start: int) -> float:
+        keys = torch.stack(head.keys[start : start + block]).double()
         low, high = keys.min(dim=0).values, keys.max(dim=0).values
         return max(float(torch.maximum(q * high, q * low).sum()) for q in queries.double())
+
+    def bound(page: int) -> float:  # the best of the page's blocks that hold a key
+        starts = range(page * size, (page + 1) * size, block)
+        return max(block_bound(start) for start in starts if start < len(head.keys))
 
     order = sorted({t // size for t in candidates}, key=lambda page: (-bound(page), page))
     return [t for page in order for t in candidates if t // size == page][: recall_slots(settings)]

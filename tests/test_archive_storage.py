@@ -20,7 +20,8 @@ from h2o_cli.cache import H2OCache
 from h2o_cli.cache.kvquant import dequantize, quantize
 from h2o_cli.cache.recall.archive import PageArchive
 from h2o_cli.cache.recall.archive_file import archive_location
-from h2o_cli.cache.recall.limits import archive_cap
+from h2o_cli.cache.recall import limits
+from h2o_cli.cache.recall.limits import archive_cap, archive_storage
 from h2o_cli.cli.app import app
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import ArchiveError, UsageError
@@ -379,3 +380,36 @@ def test_stream_with_a_file_archive_as_a_user_runs_it(tmp_path):
     assert bad.returncode == 1 and not bad.stdout
     line = one_error_line(bad.stderr.decode())
     assert where in line and "--archive PATH" in line
+
+
+@pytest.mark.parametrize(
+    ("setting", "stored", "device", "want"),
+    [
+        ("auto", 2**30, "cpu", "ram"),
+        ("auto", 2**30 + 1, "cpu", "disk"),
+        ("auto", 2**40, "cuda", "ram"),
+        ("ram", 2**40, "cpu", "ram"),
+        ("disk", 1, "cpu", "disk"),
+        ("/some/folder/", 1, "cpu", "/some/folder/"),
+    ],
+)
+def test_auto_keeps_a_small_archive_in_ram_and_a_large_one_on_disk(setting, stored, device, want):
+    assert archive_storage(setting, stored, device) == want
+
+
+def test_the_default_archive_goes_to_a_file_past_the_ram_limit(tiny_pair, monkeypatch, tmp_path):
+    """`--archive auto` (the default) with every layer's K/V above `AUTO_RAM_BYTES`: a file in
+    $H2O_HOME/archive/, removed when the cache closes; below it, RAM."""
+    _, model = tiny_pair
+    monkeypatch.setenv("H2O_HOME", str(tmp_path))
+    settings = CacheSettings(budget=24, policy="recall", chunk=4, archive_max=256)
+    assert settings.archive == "auto" and CacheSettings(budget=24).archive_max == 131072
+    small = H2OCache(model, settings)
+    assert small.archive_summary()["archive_storage"] == "ram"
+    monkeypatch.setattr(limits, "AUTO_RAM_BYTES", 1024)
+    large = H2OCache(model, settings)
+    summary = large.archive_summary()
+    assert summary["archive_storage"] == "disk"
+    assert os.path.dirname(summary["archive_path"]) == str(tmp_path / "archive")
+    large.close()
+    assert not os.path.exists(summary["archive_path"])

@@ -78,6 +78,22 @@ def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
 
 
 @pytest.mark.parametrize("positions", ["rolling", "original"])
+@pytest.mark.parametrize("block_size", [1, 2, 3])
+@pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6]], ids=["decode", "chunked"])
+def test_pages_ranked_by_their_best_block_match_the_naive_simulation(positions, block_size, chunks):
+    """`--block-size`: pages of 6 read back whole, each ranked by the best of its blocks' bounds (docs/spec.md),
+    the newest page's unwritten blocks bounding nothing (tests/test_native_recall.py wraps the ring)."""
+    torch.manual_seed(7)
+    settings = dataclasses.replace(
+        naive_settings(positions, 0.75, archive_max=96), page_size=6, block_size=block_size
+    )
+    layer, inv_freq = make_recall_layer(settings)
+    assert layer.archive.summary.shape[1] == 96 // block_size
+    feed_against_naive(layer, settings, inv_freq, chunks, N_HEADS)
+    assert layer.recalled > 0
+
+
+@pytest.mark.parametrize("positions", ["rolling", "original"])
 @pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6]], ids=["decode", "chunked"])
 def test_decayed_recall_matches_the_naive_simulation(positions, chunks):
     """`--score-decay` with recall: S's scores decay as h2o's, per query token (docs/spec.md), on the chunk

@@ -155,7 +155,18 @@ RecallRatio = Annotated[
     float,
     typer.Option("--recall-ratio", help="recall: share of the budget refilled from the archive every step."),
 ]
-PageSize = Annotated[int, typer.Option("--page-size", help="recall: tokens per archive page.")]
+PageSize = Annotated[
+    int,
+    typer.Option("--page-size", help="recall: tokens per archive page, the span a recall reads back whole."),
+]
+BlockSize = Annotated[
+    int | None,
+    typer.Option(
+        "--block-size",
+        help="recall: tokens per key summary inside a page (divides --page-size; default: the page). A page "
+        "ranks by its best block.",
+    ),
+]
 PageScore = Annotated[
     str,
     typer.Option(
@@ -168,15 +179,16 @@ ArchiveMax = Annotated[
     str,
     typer.Option(
         "--archive-max",
-        help="recall: what the archive keeps, in tokens (16384) or bytes (64MiB, 1GiB); older pages are dropped.",
+        help="recall: what the archive keeps, in tokens (131072) or bytes (64MiB, 1GiB); older pages are dropped.",
     ),
 ]
 Archive = Annotated[
     str,
     typer.Option(
         "--archive",
-        help="recall: where archived K/V live: ram, disk (a file in $H2O_HOME/archive/, memory-mapped and not "
-        "kept resident; CPU only), or a file or folder PATH. The file is removed at exit.",
+        help="recall: where archived K/V live: auto (RAM when the whole archive fits in 1 GiB, else disk; on a GPU "
+        "its memory), ram, disk (a file in $H2O_HOME/archive/, memory-mapped and not kept resident; CPU only), "
+        "or a file or folder PATH. The file is removed at exit.",
     ),
 ]
 ArchiveBits = Annotated[
@@ -250,6 +262,7 @@ CACHE_OPTIONS = {
     "kv_bits": KvBits,
     "recall_ratio": RecallRatio,
     "page_size": PageSize,
+    "block_size": BlockSize,
     "page_score": PageScore,
     "archive_max": ArchiveMax,
     "archive": Archive,

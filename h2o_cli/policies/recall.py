@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from h2o_cli.cache.recall.limits import archive_capacity, check_recall_options
+from h2o_cli.cache.recall.limits import DEFAULT_ARCHIVE_MAX, archive_capacity, check_recall_options
 from h2o_cli.errors import UsageError
 from h2o_cli.policies.base import split_slots
 from h2o_cli.policies.h2o import HeavyHitterPolicy
@@ -22,11 +22,18 @@ class RecallPolicy(HeavyHitterPolicy):
 
     recall_ratio: float = 0.5
     page_size: int = 4
-    archive_max: int | str = 16384
+    block_size: int | None = None
+    archive_max: int | str = DEFAULT_ARCHIVE_MAX
     page_score: str = "positional"
 
     def __post_init__(self) -> None:
-        check_recall_options(self.recall_ratio, self.page_size, self.archive_max, page_score=self.page_score)
+        check_recall_options(
+            self.recall_ratio,
+            self.page_size,
+            self.archive_max,
+            page_score=self.page_score,
+            block_size=self.block_size,
+        )
         super().__post_init__()
         if self.resident < 2:
             raise UsageError(

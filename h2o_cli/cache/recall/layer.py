@@ -46,8 +46,9 @@ class RecallLayer(H2OLayer):
         `[n_kv_heads, recall_slots, head_dim]` (in `dtype`, the compute dtype)."""
         store, policy = self.store, self.policy
         self.archive = PageArchive(
-            store.n_kv_heads, store.head_dim, capacity, policy.page_size, dtype, device, bits, region
-        )
+            store.n_kv_heads, store.head_dim, capacity, policy.page_size, dtype, device, bits, region,
+            policy.block_size,
+        )  # fmt: skip
         shape = (store.n_kv_heads, policy.recall_slots)
         self.recall_keys = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)
         self.recall_values = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)
