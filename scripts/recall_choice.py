@@ -1,0 +1,175 @@
+"""Which page choice finds a passkey past the window? Read each haystack once, then ask under every variant.
+
+The passkey haystacks of `recall_grid.py` (the needle at a depth of a text longer than the model's window,
+the question after it). Each haystack's text is read once through a `recall` cache; its state is kept
+(`H2OCache.state`), and for every variant the cache is put back to it and the question is read and answered
+(greedy) with the variant's page choice. So every variant sees the same resident set and the same archive,
+and a haystack costs one read however many variants are tried. The text is read with blocks of `--block`
+tokens; a variant with pages of P tokens groups them P / block at a time (the summaries are the same), so
+pages and blocks can be compared without reading again. Variants (`--variants`, comma-separated):
+
+- `pN`: pages of N tokens, each ranked by its best block (N = block: today's pages);
+- `pN-votes`: the same, every KV head of a layer taking the pages in one shared order: a page's place is its
+  best rank in any head of the layer (the heads that single the needle out lend it to the others);
+- `oracle`: the needle sentence's archived tokens forced into every head's recall slots (what a perfect
+  choice would answer; `recall_oracle.py`).
+
+The question is read as its own chunk (as chat reads a new turn), then up to 12 tokens are generated.
+
+    python scripts/recall_choice.py --length 32768 --depth-list 10,30,50,70,90 --seeds 1 --budget-tokens 819 \
+        --variants p4,p16,p32,p16-votes,oracle --out docs/results/recall/choice_32768.jsonl
+    python scripts/recall_choice.py --summary docs/results/recall/choice_32768.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from recall_grid import MAX_NEW_TOKENS, QUESTION, haystacks, settings_of  # scripts/ on sys.path
+from recall_oracle import Oracle
+from recall_probe import needle_tokens
+
+from h2o_cli.cache.recall.archive import PageArchive
+
+CHOOSE, CHOOSE_ONE = PageArchive.choose, PageArchive.choose_one
+
+
+def regroup(archive: PageArchive, page_size: int) -> None:
+    """View `archive` (read with pages of one block) as pages of `page_size` tokens: the same tokens and block
+    summaries, grouped `page_size / block_size` blocks to a page."""
+    assert page_size % archive.block_size == 0 and archive.capacity % page_size == 0
+    archive.page_size = page_size
+    archive.pages = archive.capacity // page_size
+    archive.blocks_per_page = page_size // archive.block_size
+    device = archive.token_index.device
+    archive._page_offsets = torch.arange(page_size, device=device)
+    archive._block_offsets = torch.arange(archive.blocks_per_page, device=device)
+
+
+def shared_order(bound: torch.Tensor) -> torch.Tensor:
+    """Votes: every head's pages in one order, a page's best rank in any head of the layer (ties: the older
+    page, as `order_key` breaks them), as a float32 per (head, page) that sorts as that order.
+    bound: [n_kv_heads, pages]."""
+    ranks = bound.argsort(dim=1, descending=True).argsort(dim=1)  # 0 = the head's best page
+    return (-ranks.min(dim=0).values.float()).expand_as(bound).contiguous()
+
+
+def votes(on: bool) -> None:
+    """Make `PageArchive.bounds` (which every choice ranks by) return the shared order, or the bounds."""
+    if not hasattr(PageArchive, "_own_bounds"):
+        PageArchive._own_bounds = PageArchive.bounds
+    own = PageArchive._own_bounds
+    PageArchive.bounds = (lambda self, query, pages: shared_order(own(self, query, pages))) if on else own
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=32768)
+    parser.add_argument("--depth-list", type=lambda s: [int(x) for x in s.split(",")], default=[10, 50, 90])
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--seed-from", type=int, default=0)
+    parser.add_argument(
+        "--budget-tokens", type=int, default=819, help="resident + recalled tokens per KV head"
+    )
+    parser.add_argument("--policy", default="recall", help="the reading's recall spec, as recall_grid.py")
+    parser.add_argument("--block", type=int, default=4, help="tokens per key summary while reading")
+    parser.add_argument("--variants", default="p4,p16,p32,p16-votes,oracle")
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--summary", type=Path, nargs="+")
+    args = parser.parse_args()
+    if args.summary:
+        print(summary(args.summary))
+        return
+    torch.set_num_threads(args.threads)
+
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.eval.data import load_essays
+    from h2o_cli.generation import Sampling, TextStreamer, generate_ids
+    from h2o_cli.models import load_model
+    from h2o_cli.prompting import read_then_answer
+    from h2o_cli.streaming import prefill
+
+    model, tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32")
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    essays = load_essays(None)
+    variants = args.variants.split(",")
+    for seed in range(args.seed_from, args.seed_from + args.seeds):
+        for depth, key, text in haystacks(tokenizer, essays, args.length, args.depth_list, seed):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            pieces = list(read_then_answer(tokenizer, [ids], QUESTION))
+            settings = settings_of(args.policy, args.budget_tokens, args.chunk)
+            settings = replace(settings, page_size=args.block, block_size=args.block, kernels="torch")
+            span = -(-(sum(map(len, pieces)) + MAX_NEW_TOKENS) // 64) * 64  # whole pages of up to 64
+            settings = replace(settings, archive_max=span, archive="ram")
+            cache = H2OCache(model, settings, span=span)
+            started = time.perf_counter()
+            _, stats = prefill(model, cache, pieces[:-1], settings.chunk)
+            stats.reraise()
+            read_seconds = time.perf_counter() - started
+            state = cache.state()
+            needle, digits = needle_tokens(tokenizer, text, key, len(pieces[0]))
+            for variant in variants:
+                name, _, extra = variant.partition("-")
+                page = args.block if name == "oracle" else int(name[1:])
+                cache.restore(state)
+                for layer in cache.layers:
+                    regroup(layer.archive, page)
+                votes(extra == "votes")
+                oracle = Oracle(name == "oracle", group)
+                oracle.start(needle, digits, stats.tokens)
+                oracle.phase = "question"
+                try:
+                    started = time.perf_counter()
+                    logits, _ = prefill(model, cache, pieces[-1:], settings.chunk)
+                    oracle.phase = "decode"
+                    streamer = TextStreamer(tokenizer)
+                    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+                    sampling = Sampling(max_new_tokens=MAX_NEW_TOKENS)
+                    for token in generate_ids(model, cache, logits, sampling, stop):
+                        streamer.push(token)
+                finally:
+                    PageArchive.choose, PageArchive.choose_one = CHOOSE, CHOOSE_ONE
+                    votes(False)
+                question, steps = oracle.shares(len(cache.layers))
+                row = {"length": args.length, "seed": seed, "depth": depth, "budget_tokens": args.budget_tokens,
+                       "policy": args.policy, "variant": variant, "key": key, "answer": streamer.printed.strip(),
+                       "correct": key in streamer.printed, "text_tokens": len(ids),
+                       "question_heads_with_key": question, "answer_heads_with_key": steps,
+                       "read_seconds": round(read_seconds, 1),
+                       "answer_seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
+                print(json.dumps(row), flush=True)
+                if args.out:
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    with args.out.open("a") as out:
+                        out.write(json.dumps(row) + "\n")
+            cache.close()
+            print(f"s{seed} d{depth}: read {read_seconds:.0f} s", file=sys.stderr, flush=True)
+
+
+def summary(paths: list[Path]) -> str:
+    """One markdown row per (length, budget, variant): answered / runs, and the mean share of heads holding a
+    passkey token while the question is read."""
+    rows = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
+    cells = defaultdict(list)
+    for row in rows:
+        cells[(row["length"], row["budget_tokens"], row["variant"])].append(row)
+    lines = ["| text tokens | budget (tokens) | variant | answered | heads holding a digit at the question |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for (length, budget, variant), runs in cells.items():
+        heads = sum(run["question_heads_with_key"] for run in runs) / len(runs)
+        answered = sum(run["correct"] for run in runs)
+        lines.append(f"| {length:,} | {budget:,} | {variant} | {answered}/{len(runs)} | {heads:.0%} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
