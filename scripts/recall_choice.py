@@ -11,6 +11,8 @@ pages and blocks can be compared without reading again. Variants (`--variants`, 
 - `pN`: pages of N tokens, each ranked by its best block (N = block: today's pages);
 - `pN-votes`: the same, every KV head of a layer taking the pages in one shared order: a page's place is its
   best rank in any head of the layer (the heads that single the needle out lend it to the others);
+- `pN-exact`: pages ranked by the best exact `q.k` of their keys (no summary), `pN-mass`: by the attention mass
+  the queries put on them, each query's softmax over every archived key; either may add `-votes`;
 - `oracle`: the needle sentence's archived tokens forced into every head's recall slots (what a perfect
   choice would answer; `recall_oracle.py`).
 
@@ -61,12 +63,57 @@ def shared_order(bound: torch.Tensor) -> torch.Tensor:
     return (-ranks.min(dim=0).values.float()).expand_as(bound).contiguous()
 
 
-def votes(on: bool) -> None:
-    """Make `PageArchive.bounds` (which every choice ranks by) return the shared order, or the bounds."""
+def exact_bounds(archive: PageArchive, query: torch.Tensor, pages: int, mass: bool) -> torch.Tensor:
+    """Page scores from the archived keys themselves instead of block summaries: `exact`, the best `q.k` of the
+    page's keys under the best query (pages of one token: Quest's bound made exact); `mass`, the attention
+    mass the queries put on the page, each query's softmax taken over every archived key (what the question
+    attends to, InfiniRetri's signal). query: [n_kv_heads, m, head_dim] (the scoring queries); returns
+    [n_kv_heads, pages]."""
+    size = pages * archive.page_size
+    logits = torch.bmm(query.float(), archive.keys[:, :size].float().transpose(1, 2))  # [n_kv, m, size]
+    logits.masked_fill_(archive.token_index[:size] == -1, float("-inf"))
+    if mass:
+        per_token = torch.softmax(logits * archive.head_dim**-0.5, dim=-1).sum(dim=1)
+        return per_token.view(archive.n_kv_heads, pages, archive.page_size).sum(dim=2)
+    return logits.amax(dim=1).view(archive.n_kv_heads, pages, archive.page_size).amax(dim=2)
+
+
+def choice(extras: set[str]) -> None:
+    """Make `PageArchive.bounds` (which every choice ranks by) score as the variant says (`exact`, `mass`,
+    then `votes` over the result), or put the summaries' bounds back (no extras)."""
     if not hasattr(PageArchive, "_own_bounds"):
         PageArchive._own_bounds = PageArchive.bounds
     own = PageArchive._own_bounds
-    PageArchive.bounds = (lambda self, query, pages: shared_order(own(self, query, pages))) if on else own
+
+    def bounds(self, query, pages):
+        if extras & {"exact", "mass"}:
+            scores = exact_bounds(self, query, pages, "mass" in extras)
+        else:
+            scores = own(self, query, pages)
+        return shared_order(scores) if "votes" in extras else scores
+
+    PageArchive.bounds = bounds if extras else own
+
+
+ARCHIVED = ("keys", "values", "token_index", "summary")
+
+
+def save_state(cache, path: Path, tokens: int, seconds: float) -> None:
+    """The cache after the read (every store's state and every archive's tensors) in one file."""
+    archives = [{name: getattr(layer.archive, name) for name in ARCHIVED} for layer in cache.layers]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state": cache.state(), "archives": archives, "tokens": tokens, "seconds": seconds}, path)
+
+
+def load_state(cache, path: Path) -> tuple[int, float]:
+    """Put a `save_state` file into a fresh cache of the same settings; returns (tokens read, read seconds)."""
+    saved = torch.load(path)
+    for layer, archive in zip(cache.layers, saved["archives"], strict=True):
+        for name in ARCHIVED:
+            getattr(layer.archive, name).copy_(archive[name])
+        layer.archive.tokens = saved["tokens"]
+    cache.restore(saved["state"])
+    return saved["tokens"], saved["seconds"]
 
 
 def main() -> None:
@@ -84,6 +131,9 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--states", type=Path, help="keep each haystack's state after the read here, and reuse it if there"
+    )
     parser.add_argument("--summary", type=Path, nargs="+")
     args = parser.parse_args()
     if args.summary:
@@ -111,21 +161,31 @@ def main() -> None:
             span = -(-(sum(map(len, pieces)) + MAX_NEW_TOKENS) // 64) * 64  # whole pages of up to 64
             settings = replace(settings, archive_max=span, archive="ram")
             cache = H2OCache(model, settings, span=span)
+            saved = (
+                args.states / f"{args.length}_s{seed}_d{depth}_b{args.budget_tokens}.pt"
+                if args.states
+                else None
+            )
             started = time.perf_counter()
-            _, stats = prefill(model, cache, pieces[:-1], settings.chunk)
-            stats.reraise()
-            read_seconds = time.perf_counter() - started
+            if saved is not None and saved.exists():
+                read_tokens, read_seconds = load_state(cache, saved)
+            else:
+                _, stats = prefill(model, cache, pieces[:-1], settings.chunk)
+                stats.reraise()
+                read_tokens, read_seconds = stats.tokens, time.perf_counter() - started
+                if saved is not None:
+                    save_state(cache, saved, read_tokens, read_seconds)
             state = cache.state()
             needle, digits = needle_tokens(tokenizer, text, key, len(pieces[0]))
             for variant in variants:
-                name, _, extra = variant.partition("-")
+                name, *extras = variant.split("-")
                 page = args.block if name == "oracle" else int(name[1:])
                 cache.restore(state)
                 for layer in cache.layers:
                     regroup(layer.archive, page)
-                votes(extra == "votes")
+                choice(set(extras))
                 oracle = Oracle(name == "oracle", group)
-                oracle.start(needle, digits, stats.tokens)
+                oracle.start(needle, digits, read_tokens)
                 oracle.phase = "question"
                 try:
                     started = time.perf_counter()
@@ -138,7 +198,7 @@ def main() -> None:
                         streamer.push(token)
                 finally:
                     PageArchive.choose, PageArchive.choose_one = CHOOSE, CHOOSE_ONE
-                    votes(False)
+                    choice(set())
                 question, steps = oracle.shares(len(cache.layers))
                 row = {"length": args.length, "seed": seed, "depth": depth, "budget_tokens": args.budget_tokens,
                        "policy": args.policy, "variant": variant, "key": key, "answer": streamer.printed.strip(),

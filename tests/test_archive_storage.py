@@ -326,9 +326,14 @@ def test_memory_accounts_the_archive_per_token_for_each_storage():
     assert table["recall_archive_tokens"] == tokens == 160
     assert table["recall_archive_disk_bytes"] == tokens * int8_kv
     assert table["recall_archive_ram_bytes"] == tokens * (index + summaries)
-    ram = json.loads(CliRunner().invoke(app, args).stdout)
+    ram = json.loads(CliRunner().invoke(app, [*args, "--archive", "ram", "--archive-max", "16384"]).stdout)
     assert ram["recall_archive_disk_bytes"] == 0 and ram["recall_archive_tokens"] == 16384
     assert ram["recall_archive_ram_bytes"] == 16384 * (float_kv + index + summaries)
+    # The default: 131,072 tokens, whose K/V (64 GiB here) pass 1 GiB, so `auto` puts them in a file.
+    default = json.loads(CliRunner().invoke(app, args).stdout)
+    assert default["recall_archive_tokens"] == 131072
+    assert default["recall_archive_disk_bytes"] == 131072 * float_kv
+    assert default["recall_archive_ram_bytes"] == 131072 * (index + summaries)
 
 
 def test_compare_rows_report_the_archive(tiny_pair, tmp_path):
