@@ -105,12 +105,13 @@ def naive_recall(
     queries: [m, d] unrotated, the chunk's queries of the head's query heads. `head` already holds the chunk.
     A page's bound comes from every key archived so far (up to the chunk's last token): the best of its blocks'
     (`block_size` tokens each, the page by default). With the positional
-    page score each query is first replaced by the mean of its rotations over the distances from
-    the recent slots of S up to the most E_q entries (rolling) or the tokens seen (original).
+    page score (and the attention score) each query is first replaced by the mean of its rotations over the
+    distances from the recent slots of S up to the most E_q entries (rolling) or the tokens seen (original).
+    The attention score ranks a page by the softmax mass the queries put on its keys, over every archived key.
     """
     size = settings.page_size
     candidates = [t for t in range(first_token) if not head.alive[t]]
-    if settings.page_score == "positional":
+    if settings.page_score in ("positional", "attention"):
         high = settings.budget + chunk if settings.positions == "rolling" else first_token + chunk
         distances = range(min(recent_slots(settings), high - 1), high)
         queries = torch.stack([rope(queries, torch.tensor([d] * len(queries)), inv_freq) for d in distances])
@@ -126,6 +127,13 @@ def naive_recall(
     def bound(page: int) -> float:  # the best of the page's blocks that hold a key
         starts = range(page * size, (page + 1) * size, block)
         return max(block_bound(start) for start in starts if start < len(head.keys))
+
+    if settings.page_score == "attention":  # each query's softmax over every archived key, summed
+        logits = queries.double() @ torch.stack(head.keys).double().T * queries.shape[-1] ** -0.5
+        mass = torch.softmax(logits, dim=-1).sum(dim=0)
+
+        def bound(page: int) -> float:  # noqa: F811 - the attention mass replaces the bound
+            return float(mass[page * size : (page + 1) * size].sum())
 
     order = sorted({t // size for t in candidates}, key=lambda page: (-bound(page), page))
     return [t for page in order for t in candidates if t // size == page][: recall_slots(settings)]

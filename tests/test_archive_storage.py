@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 from h2o_cli import memory
 from h2o_cli.cache import H2OCache
 from h2o_cli.cache.kvquant import dequantize, quantize
+from h2o_cli.cache.recall import limits
 from h2o_cli.cache.recall.archive import PageArchive
 from h2o_cli.cache.recall.archive_file import archive_location
-from h2o_cli.cache.recall import limits
 from h2o_cli.cache.recall.limits import archive_cap, archive_storage
 from h2o_cli.cli.app import app
 from h2o_cli.config import CacheSettings

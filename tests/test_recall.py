@@ -78,6 +78,22 @@ def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
 
 
 @pytest.mark.parametrize("positions", ["rolling", "original"])
+@pytest.mark.parametrize("page_size", [1, 3, 6])
+@pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6]], ids=["decode", "chunked"])
+def test_attention_page_score_matches_the_naive_simulation(positions, page_size, chunks):
+    """`--page-score attention`: pages ranked by the softmax mass the queries put on their keys, over every
+    archived key (docs/spec.md), on the chunk path and the torch step."""
+    torch.manual_seed(9)
+    settings = dataclasses.replace(
+        naive_settings(positions, 0.75, archive_max=96, page_score="attention"), page_size=page_size
+    )
+    layer, inv_freq = make_recall_layer(settings)
+    assert layer.archive.attention
+    feed_against_naive(layer, settings, inv_freq, chunks, N_HEADS)
+    assert layer.recalled > 0
+
+
+@pytest.mark.parametrize("positions", ["rolling", "original"])
 @pytest.mark.parametrize("block_size", [1, 2, 3])
 @pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6]], ids=["decode", "chunked"])
 def test_pages_ranked_by_their_best_block_match_the_naive_simulation(positions, block_size, chunks):

@@ -171,8 +171,9 @@ PageScore = Annotated[
     str,
     typer.Option(
         "--page-score",
-        help="recall: score pages with the query rotated over the distances recalled keys take (positional), "
-        "or unrotated (Quest's).",
+        help="recall: rank pages by the attention the queries put on them over every archived key (attention), "
+        "by the bound of their key summaries with the query rotated over the distances recalled keys take "
+        "(positional), or with the query unrotated (Quest's).",
     ),
 ]
 ArchiveMax = Annotated[

@@ -72,7 +72,7 @@ class RecallPolicy(HeavyHitterPolicy):
         E_q has at most `budget + chunk` entries, so every distance is below that; under original positions
         below `tokens`, the tokens seen with the chunk."""
         if self.page_score == "unrotated":
-            return None
+            return None  # `positional` and `attention` score with the rotated query
         high = self.budget + chunk if rolling else tokens
         return min(self.recent_slots, high - 1), high
 

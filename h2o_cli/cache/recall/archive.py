@@ -83,12 +83,14 @@ class PageArchive:
         bits: int | None = None,
         region=None,
         block_size: int | None = None,
+        attention: bool = False,
     ) -> None:
         assert capacity % page_size == 0 and capacity >= 2 * page_size, "a whole number (>= 2) of pages"
         block_size = block_size or page_size
         assert page_size % block_size == 0, "blocks divide the page"
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.capacity, self.page_size, self.block_size = capacity, page_size, block_size
+        self.attention = attention  # pages scored by attention mass (`attention_mass`), not by the summaries
         self.pages = capacity // page_size
         self.blocks_per_page = page_size // block_size
         self.dtype, self.bits, self.region = dtype, bits, region
@@ -438,8 +440,11 @@ class PageArchive:
         return self.bounds(query, self.span // self.page_size)
 
     def bounds(self, query: torch.Tensor, pages: int) -> torch.Tensor:
-        """The bound of each of the first `pages` ring pages under the best of the `m` queries: the best of its
-        blocks' `best_page_bound`. query: [n_kv_heads, m, head_dim]. Returns [n_kv_heads, pages] float32."""
+        """The score every choice ranks the first `pages` ring pages by: the bound under the best of the `m`
+        queries, the best of its blocks' `best_page_bound`; with `attention`, `attention_mass` instead.
+        query: [n_kv_heads, m, head_dim]. Returns [n_kv_heads, pages] float32."""
+        if self.attention:
+            return self.attention_mass(query, pages)
         blocks = pages * self.blocks_per_page
         per_block = best_page_bound(query.float(), self.summary[:, :blocks])
         if self.blocks_per_page == 1:
@@ -447,6 +452,26 @@ class PageArchive:
         # A block not yet written (the newest page's later ones) bounds nothing: -inf, not the NaN of 0 * inf.
         per_block.masked_fill_(self.high[:, :blocks, 0] == float("-inf"), float("-inf"))
         return per_block.view(self.n_kv_heads, pages, self.blocks_per_page).amax(dim=2)
+
+    def attention_mass(self, query: torch.Tensor, pages: int, block: int = 32) -> torch.Tensor:
+        """The attention the `m` queries put on each of the first `pages` ring pages, each query's softmax taken
+        over every token those pages hold (`head_dim ** -0.5` scaling, as the model's attention): the sum over
+        the queries and the page's tokens (docs/spec.md, recall: `--page-score attention`). Reads every archived
+        key (dequantised when int8), in blocks of `block` queries so no [m, tokens] tensor is made.
+        query: [n_kv_heads, m, head_dim]. Returns [n_kv_heads, pages] float32."""
+        size = pages * self.page_size
+        keys = self.keys[:, :size]
+        if self.quantized:
+            keys = dequantize(keys, self.key_scales[:, :size], torch.float32)
+        keys = keys.float().transpose(1, 2)  # [n_kv, head_dim, size]
+        empty = self.token_index[:size] == NOTHING
+        query = query.float() * self.head_dim**-0.5
+        mass = torch.zeros(self.n_kv_heads, size, device=query.device)
+        for start in range(0, query.shape[1], block):
+            logits = torch.bmm(query[:, start : start + block], keys).masked_fill_(empty, float("-inf"))
+            mass += torch.softmax(logits, dim=-1).sum(dim=1)
+        self.release()
+        return mass.view(self.n_kv_heads, pages, self.page_size).sum(dim=2)
 
     def read_into(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write the K and V of archive `slots` [n_kv_heads, r] (one row per KV head) into `keys`, `values`

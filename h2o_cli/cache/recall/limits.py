@@ -12,7 +12,7 @@ SIZE_UNITS |= {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 ARCHIVE_BITS = (None, 16, 8)
 DEFAULT_ARCHIVE_MAX = 131072  # tokens: recall reaches back this far by default
 AUTO_RAM_BYTES = 2**30  # `--archive auto`: a CPU archive larger than this (every layer's K/V) goes to a file
-PAGE_SCORES = ("positional", "unrotated")
+PAGE_SCORES = ("positional", "unrotated", "attention")
 
 
 def archive_cap(value: int | str) -> tuple[int, str]:
@@ -60,7 +60,7 @@ def check_recall_options(
     if archive_bits not in ARCHIVE_BITS:
         raise UsageError(f"--archive-bits {archive_bits} is not supported; choose 16 or 8 (or omit it)")
     if page_score not in PAGE_SCORES:
-        raise UsageError(f"--page-score {page_score!r} is unknown; choose {' or '.join(PAGE_SCORES)}")
+        raise UsageError(f"--page-score {page_score!r} is unknown; choose {', '.join(PAGE_SCORES)}")
 
 
 def archive_storage(setting: str, stored_bytes: int, device_type: str) -> str:
