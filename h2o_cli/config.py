@@ -90,6 +90,7 @@ class CacheSettings:
     recall_ratio: float = 0.5  # recall: share of the budget refilled from the archive at every step
     page_size: int = 4  # recall: tokens per archive page (what a recall reads back whole)
     block_size: int | None = None  # recall: tokens per key summary inside a page (None: the page)
+    shortlist: int = 0  # recall, --page-score attention: pages the summaries pick to be scored (0: all)
     page_score: str = (
         "positional"  # recall: pages scored by the query rotated over recall's distances, or unrotated
     )
@@ -135,6 +136,7 @@ class CacheSettings:
             self.archive_bits,
             self.page_score,
             self.block_size,
+            self.shortlist,
         )
         if self.is_resolved:
             make_policy(self)  # the policy checks its own parameters (budget, split, sinks, ...)

@@ -13,6 +13,8 @@ pages and blocks can be compared without reading again. Variants (`--variants`, 
   best rank in any head of the layer (the heads that single the needle out lend it to the others);
 - `pN-exact`: pages ranked by the best exact `q.k` of their keys (no summary), `pN-mass`: by the attention mass
   the queries put on them, each query's softmax over every archived key; either may add `-votes`;
+- `pN-shortK`: the attention mass inside a shortlist, the K pages with the best summary bound per KV head
+  (a two-level choice: summaries first, then the keys of the best pages only);
 - `oracle`: the needle sentence's archived tokens forced into every head's recall slots (what a perfect
   choice would answer; `recall_oracle.py`).
 
@@ -78,6 +80,19 @@ def exact_bounds(archive: PageArchive, query: torch.Tensor, pages: int, mass: bo
     return logits.amax(dim=1).view(archive.n_kv_heads, pages, archive.page_size).amax(dim=2)
 
 
+def shortlisted_mass(archive: PageArchive, query: torch.Tensor, pages: int, bounds: torch.Tensor, short: int):
+    """`exact_bounds(..., mass=True)` inside a shortlist: the `short` pages with the best summary bound per KV
+    head, each query's softmax over their keys only; the other pages score -1. bounds: [n_kv_heads, pages]."""
+    size, n_kv = archive.page_size, archive.n_kv_heads
+    top = bounds.topk(min(short, pages), dim=1).indices  # [n_kv, K]
+    slots = (top.unsqueeze(-1) * size + torch.arange(size)).flatten(1)  # [n_kv, K * size]
+    keys = archive.keys.float().gather(1, slots.unsqueeze(-1).expand(-1, -1, archive.head_dim))
+    logits = torch.bmm(query.float(), keys.transpose(1, 2)) * archive.head_dim**-0.5
+    logits.masked_fill_((archive.token_index[slots] == -1).unsqueeze(1), float("-inf"))
+    mass = torch.softmax(logits, dim=-1).sum(dim=1).view(n_kv, -1, size).sum(dim=2)
+    return torch.full((n_kv, pages), -1.0).scatter_(1, top, mass)
+
+
 def choice(extras: set[str]) -> None:
     """Make `PageArchive.bounds` (which every choice ranks by) score as the variant says (`exact`, `mass`,
     then `votes` over the result), or put the summaries' bounds back (no extras)."""
@@ -86,7 +101,10 @@ def choice(extras: set[str]) -> None:
     own = PageArchive._own_bounds
 
     def bounds(self, query, pages):
-        if extras & {"exact", "mass"}:
+        short = [int(extra[5:]) for extra in extras if extra.startswith("short")]
+        if short:
+            scores = shortlisted_mass(self, query, pages, own(self, query, pages), short[0])
+        elif extras & {"exact", "mass"}:
             scores = exact_bounds(self, query, pages, "mass" in extras)
         else:
             scores = own(self, query, pages)

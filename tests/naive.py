@@ -107,7 +107,8 @@ def naive_recall(
     (`block_size` tokens each, the page by default). With the positional
     page score (and the attention score) each query is first replaced by the mean of its rotations over the
     distances from the recent slots of S up to the most E_q entries (rolling) or the tokens seen (original).
-    The attention score ranks a page by the softmax mass the queries put on its keys, over every archived key.
+    The attention score ranks a page by the softmax mass the queries put on its keys, over every archived key
+    (with a shortlist: over the keys of the pages whose summary bound is highest; the others score -inf).
     """
     size = settings.page_size
     candidates = [t for t in range(first_token) if not head.alive[t]]
@@ -128,12 +129,21 @@ def naive_recall(
         starts = range(page * size, (page + 1) * size, block)
         return max(block_bound(start) for start in starts if start < len(head.keys))
 
-    if settings.page_score == "attention":  # each query's softmax over every archived key, summed
-        logits = queries.double() @ torch.stack(head.keys).double().T * queries.shape[-1] ** -0.5
-        mass = torch.softmax(logits, dim=-1).sum(dim=0)
+    if settings.page_score == "attention":  # each query's softmax over the scored pages' keys, summed
+        written = range(-(-len(head.keys) // size))
+        scored = list(written)
+        shortlist = getattr(settings, "shortlist", 0)
+        if shortlist and len(scored) > shortlist:  # the pages the summaries bound best (ties: the older)
+            scored = sorted(scored, key=lambda page: (-bound(page), page))[:shortlist]
+        tokens = [t for page in scored for t in range(page * size, min((page + 1) * size, len(head.keys)))]
+        keys = torch.stack([head.keys[t] for t in tokens]).double()
+        probs = torch.softmax(queries.double() @ keys.T * queries.shape[-1] ** -0.5, dim=-1).sum(dim=0)
+        mass = dict.fromkeys(written, float("-inf"))
+        for t, p in zip(tokens, probs.tolist(), strict=True):
+            mass[t // size] = p if mass[t // size] == float("-inf") else mass[t // size] + p
 
         def bound(page: int) -> float:  # noqa: F811 - the attention mass replaces the bound
-            return float(mass[page * size : (page + 1) * size].sum())
+            return mass[page]
 
     order = sorted({t // size for t in candidates}, key=lambda page: (-bound(page), page))
     return [t for page in order for t in candidates if t // size == page][: recall_slots(settings)]

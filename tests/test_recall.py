@@ -78,14 +78,19 @@ def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
 
 
 @pytest.mark.parametrize("positions", ["rolling", "original"])
-@pytest.mark.parametrize("page_size", [1, 3, 6])
+@pytest.mark.parametrize(
+    "pages",
+    [dict(page_size=1), dict(page_size=3), dict(page_size=6, block_size=2, shortlist=2)],
+    ids=["page-1", "page-3", "page-6-shortlist-2"],
+)
 @pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6]], ids=["decode", "chunked"])
-def test_attention_page_score_matches_the_naive_simulation(positions, page_size, chunks):
+def test_attention_page_score_matches_the_naive_simulation(positions, pages, chunks):
     """`--page-score attention`: pages ranked by the softmax mass the queries put on their keys, over every
-    archived key (docs/spec.md), on the chunk path and the torch step."""
+    archived key, or over those of the `--shortlist` pages the summaries bound best (docs/spec.md), on the
+    chunk path and the torch step."""
     torch.manual_seed(9)
     settings = dataclasses.replace(
-        naive_settings(positions, 0.75, archive_max=96, page_score="attention"), page_size=page_size
+        naive_settings(positions, 0.75, archive_max=96, page_score="attention"), **pages
     )
     layer, inv_freq = make_recall_layer(settings)
     assert layer.archive.attention

@@ -167,6 +167,14 @@ BlockSize = Annotated[
         "ranks by its best block.",
     ),
 ]
+Shortlist = Annotated[
+    int,
+    typer.Option(
+        "--shortlist",
+        help="recall, --page-score attention: score only the K pages whose key summaries bound highest "
+        "(two levels: summaries, then those pages' keys); 0 scores every page.",
+    ),
+]
 PageScore = Annotated[
     str,
     typer.Option(
@@ -264,6 +272,7 @@ CACHE_OPTIONS = {
     "recall_ratio": RecallRatio,
     "page_size": PageSize,
     "block_size": BlockSize,
+    "shortlist": Shortlist,
     "page_score": PageScore,
     "archive_max": ArchiveMax,
     "archive": Archive,

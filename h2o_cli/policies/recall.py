@@ -23,6 +23,7 @@ class RecallPolicy(HeavyHitterPolicy):
     recall_ratio: float = 0.5
     page_size: int = 4
     block_size: int | None = None
+    shortlist: int = 0
     archive_max: int | str = DEFAULT_ARCHIVE_MAX
     page_score: str = "positional"
 
@@ -33,6 +34,7 @@ class RecallPolicy(HeavyHitterPolicy):
             self.archive_max,
             page_score=self.page_score,
             block_size=self.block_size,
+            shortlist=self.shortlist,
         )
         super().__post_init__()
         if self.resident < 2:

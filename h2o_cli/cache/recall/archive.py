@@ -84,6 +84,7 @@ class PageArchive:
         region=None,
         block_size: int | None = None,
         attention: bool = False,
+        shortlist: int = 0,
     ) -> None:
         assert capacity % page_size == 0 and capacity >= 2 * page_size, "a whole number (>= 2) of pages"
         block_size = block_size or page_size
@@ -91,6 +92,7 @@ class PageArchive:
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.capacity, self.page_size, self.block_size = capacity, page_size, block_size
         self.attention = attention  # pages scored by attention mass (`attention_mass`), not by the summaries
+        self.shortlist = shortlist  # with `attention`: only the pages the summaries bound best (0: all)
         self.pages = capacity // page_size
         self.blocks_per_page = page_size // block_size
         self.dtype, self.bits, self.region = dtype, bits, region
@@ -443,8 +445,20 @@ class PageArchive:
         """The score every choice ranks the first `pages` ring pages by: the bound under the best of the `m`
         queries, the best of its blocks' `best_page_bound`; with `attention`, `attention_mass` instead.
         query: [n_kv_heads, m, head_dim]. Returns [n_kv_heads, pages] float32."""
-        if self.attention:
+        if not self.attention:
+            return self.summary_bounds(query, pages)
+        if not self.shortlist or pages <= self.shortlist:
             return self.attention_mass(query, pages)
+        # Two levels: the summaries pick the `shortlist` pages, the keys of those pages alone are scored.
+        page_start = self.token_index.view(self.pages, self.page_size)[:pages, 0]
+        key = order_key(self.summary_bounds(query, pages), page_start, page_start != NOTHING)
+        picked = torch.topk(key, self.shortlist, dim=1, sorted=False).indices  # [n_kv, shortlist]
+        scores = torch.full((self.n_kv_heads, pages), float("-inf"), device=query.device)
+        return scores.scatter_(1, picked, self.attention_mass(query, pages, picked))
+
+    def summary_bounds(self, query: torch.Tensor, pages: int) -> torch.Tensor:
+        """The bound of each of the first `pages` ring pages under the best of the `m` queries: the best of its
+        blocks' `best_page_bound`. query: [n_kv_heads, m, head_dim]. Returns [n_kv_heads, pages] float32."""
         blocks = pages * self.blocks_per_page
         per_block = best_page_bound(query.float(), self.summary[:, :blocks])
         if self.blocks_per_page == 1:
@@ -453,25 +467,36 @@ class PageArchive:
         per_block.masked_fill_(self.high[:, :blocks, 0] == float("-inf"), float("-inf"))
         return per_block.view(self.n_kv_heads, pages, self.blocks_per_page).amax(dim=2)
 
-    def attention_mass(self, query: torch.Tensor, pages: int, block: int = 32) -> torch.Tensor:
-        """The attention the `m` queries put on each of the first `pages` ring pages, each query's softmax taken
-        over every token those pages hold (`head_dim ** -0.5` scaling, as the model's attention): the sum over
-        the queries and the page's tokens (docs/spec.md, recall: `--page-score attention`). Reads every archived
-        key (dequantised when int8), in blocks of `block` queries so no [m, tokens] tensor is made.
-        query: [n_kv_heads, m, head_dim]. Returns [n_kv_heads, pages] float32."""
-        size = pages * self.page_size
-        keys = self.keys[:, :size]
+    def attention_mass(
+        self, query: torch.Tensor, pages: int, picked: torch.Tensor | None = None, block: int = 32
+    ) -> torch.Tensor:
+        """The attention the `m` queries put on each of the first `pages` ring pages (or on the pages `picked`
+        [n_kv_heads, k] of each KV head), each query's softmax taken over every token those pages hold
+        (`head_dim ** -0.5` scaling, as the model's attention): the sum over the queries and the page's tokens
+        (docs/spec.md, recall: `--page-score attention`). Reads those pages' keys (dequantised when int8), in
+        blocks of `block` queries so no [m, tokens] tensor is made. query: [n_kv_heads, m, head_dim].
+        Returns [n_kv_heads, pages] (or [n_kv_heads, k], in `picked`'s order) float32."""
+        n_kv, size = self.n_kv_heads, self.page_size
+        if picked is None:
+            slots = torch.arange(pages * size, device=query.device).expand(n_kv, -1)
+            keys, scales = self.keys[:, : pages * size], None if not self.quantized else self.key_scales
+            if scales is not None:
+                scales = scales[:, : pages * size]
+        else:
+            slots = (picked.unsqueeze(-1) * size + self._page_offsets).flatten(1)  # [n_kv, k * size]
+            keys = self.keys.gather(1, slots.unsqueeze(-1).expand(-1, -1, self.head_dim))
+            scales = self.key_scales.gather(1, slots) if self.quantized else None
         if self.quantized:
-            keys = dequantize(keys, self.key_scales[:, :size], torch.float32)
-        keys = keys.float().transpose(1, 2)  # [n_kv, head_dim, size]
-        empty = self.token_index[:size] == NOTHING
+            keys = dequantize(keys, scales, torch.float32)
+        keys = keys.float().transpose(1, 2)  # [n_kv, head_dim, tokens]
+        empty = (self.token_index.take(slots) == NOTHING).unsqueeze(1)  # [n_kv, 1, tokens]
         query = query.float() * self.head_dim**-0.5
-        mass = torch.zeros(self.n_kv_heads, size, device=query.device)
+        mass = torch.zeros(n_kv, slots.shape[1], device=query.device)
         for start in range(0, query.shape[1], block):
             logits = torch.bmm(query[:, start : start + block], keys).masked_fill_(empty, float("-inf"))
             mass += torch.softmax(logits, dim=-1).sum(dim=1)
         self.release()
-        return mass.view(self.n_kv_heads, pages, self.page_size).sum(dim=2)
+        return mass.view(n_kv, -1, size).sum(dim=2)
 
     def read_into(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write the K and V of archive `slots` [n_kv_heads, r] (one row per KV head) into `keys`, `values`

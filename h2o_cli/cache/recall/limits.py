@@ -38,9 +38,10 @@ def check_recall_options(
     archive_bits=None,
     page_score: str = "positional",
     block_size: int | None = None,
+    shortlist: int = 0,
 ) -> None:
     """One-line usage errors for `--recall-ratio`, `--page-size`, `--archive-max`, `--archive`,
-    `--archive-bits`, `--page-score`, `--block-size` (whatever the policy). A cap in bytes is checked against a page when the
+    `--archive-bits`, `--page-score`, `--block-size`, `--shortlist` (whatever the policy). A cap in bytes is checked against a page when the
     cache is built."""
     if not 0 <= recall_ratio <= 1:  # also NaN
         raise UsageError(f"--recall-ratio {recall_ratio} must lie in [0, 1]")
@@ -50,6 +51,8 @@ def check_recall_options(
         raise UsageError(
             f"--block-size {block_size} must divide --page-size {page_size} (e.g. --block-size 4 with pages of 16)"
         )
+    if shortlist < 0:
+        raise UsageError(f"--shortlist {shortlist} must be 0 (every page) or a number of pages")
     count, unit = archive_cap(archive_max)
     if unit == "tokens" and count < 2 * page_size:
         raise UsageError(f"--archive-max {archive_max} must hold at least two pages ({2 * page_size} tokens)")
