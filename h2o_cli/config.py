@@ -91,6 +91,7 @@ class CacheSettings:
     page_size: int = 4  # recall: tokens per archive page (what a recall reads back whole)
     block_size: int | None = None  # recall: tokens per key summary inside a page (None: the page)
     shortlist: int = 0  # recall, --page-score attention: pages the summaries pick to be scored (0: all)
+    page_carry: float = 0.0  # recall, --page-score attention: share of a page's last score added to the next
     page_score: str = (
         "positional"  # recall: pages scored by the query rotated over recall's distances, or unrotated
     )
@@ -137,6 +138,7 @@ class CacheSettings:
             self.page_score,
             self.block_size,
             self.shortlist,
+            self.page_carry,
         )
         if self.is_resolved:
             make_policy(self)  # the policy checks its own parameters (budget, split, sinks, ...)

@@ -13,6 +13,10 @@ pages and blocks can be compared without reading again. Variants (`--variants`, 
   best rank in any head of the layer (the heads that single the needle out lend it to the others);
 - `pN-exact`: pages ranked by the best exact `q.k` of their keys (no summary), `pN-mass`: by the attention mass
   the queries put on them, each query's softmax over every archived key; either may add `-votes`;
+- `-wideN` (with any score): a page scores as the best page within N pages of it, so a hit is read back with
+  the pages around it (a span, as ReAttention widens each hit);
+- `-keepN` (with `mass`): a page's score carried from step to step, each step's mass added to the last
+  score times N/10, so a page the question found stays while the answer is written;
 - `pN-shortK`: the attention mass inside a shortlist, the K pages with the best summary bound per KV head
   (a two-level choice: summaries first, then the keys of the best pages only);
 - `oracle`: the needle sentence's archived tokens forced into every head's recall slots (what a perfect
@@ -108,6 +112,19 @@ def choice(extras: set[str]) -> None:
             scores = exact_bounds(self, query, pages, "mass" in extras)
         else:
             scores = own(self, query, pages)
+        keep = [int(extra[4:]) / 10 for extra in extras if extra.startswith("keep")]
+        if keep:  # scores carried over steps: each step's added to the last's times the decay
+            last = getattr(self, "_carried", None)
+            if last is not None:
+                last = torch.nn.functional.pad(last, (0, pages - last.shape[1]))[:, :pages]
+                scores = scores + keep[0] * last.clamp_min(0)
+            self._carried = scores.clamp_min(0)
+        wide = [int(extra[4:]) for extra in extras if extra.startswith("wide")]
+        if (
+            wide
+        ):  # a page scores as well as the best page within `wide` of it: hits come with their neighbours
+            n = wide[0]
+            scores = torch.nn.functional.max_pool1d(scores.unsqueeze(1), 2 * n + 1, stride=1, padding=n)[:, 0]
         return shared_order(scores) if "votes" in extras else scores
 
     PageArchive.bounds = bounds if extras else own
@@ -201,6 +218,7 @@ def main() -> None:
                 cache.restore(state)
                 for layer in cache.layers:
                     regroup(layer.archive, page)
+                    layer.archive._carried = None
                 choice(set(extras))
                 oracle = Oracle(name == "oracle", group)
                 oracle.start(needle, digits, read_tokens)

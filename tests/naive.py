@@ -43,6 +43,7 @@ class NaiveHeadState:
         self.score: list[float] = []
         self.seen: list[int] = []
         self.last: list[float] = []
+        self.carried: dict[int, float] = {}  # recall, attention score: each page's last score
 
     def alive_indices(self) -> list[int]:
         return [t for t, a in enumerate(self.alive) if a]
@@ -108,7 +109,8 @@ def naive_recall(
     page score (and the attention score) each query is first replaced by the mean of its rotations over the
     distances from the recent slots of S up to the most E_q entries (rolling) or the tokens seen (original).
     The attention score ranks a page by the softmax mass the queries put on its keys, over every archived key
-    (with a shortlist: over the keys of the pages whose summary bound is highest; the others score -inf).
+    (with a shortlist: over the keys of the pages whose summary bound is highest; the others score 0), plus
+    `page_carry` times the page's score at the head's last choice.
     """
     size = settings.page_size
     candidates = [t for t in range(first_token) if not head.alive[t]]
@@ -138,9 +140,12 @@ def naive_recall(
         tokens = [t for page in scored for t in range(page * size, min((page + 1) * size, len(head.keys)))]
         keys = torch.stack([head.keys[t] for t in tokens]).double()
         probs = torch.softmax(queries.double() @ keys.T * queries.shape[-1] ** -0.5, dim=-1).sum(dim=0)
-        mass = dict.fromkeys(written, float("-inf"))
+        mass = dict.fromkeys(written, 0.0)  # pages outside the shortlist: 0
         for t, p in zip(tokens, probs.tolist(), strict=True):
-            mass[t // size] = p if mass[t // size] == float("-inf") else mass[t // size] + p
+            mass[t // size] += p
+        carry = getattr(settings, "page_carry", 0.0)  # the last score's share, page by page
+        mass = {page: score + carry * head.carried.get(page, 0.0) for page, score in mass.items()}
+        head.carried = mass
 
         def bound(page: int) -> float:  # noqa: F811 - the attention mass replaces the bound
             return mass[page]

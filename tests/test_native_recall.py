@@ -92,7 +92,7 @@ def run_both(steps: int, chunks=(6, 5), tie_keys: bool = False, **options):
         {"recall_ratio": 0.75, "page_size": 3, "archive_max": 48},
         {"budget": 40, "archive_max": 64, "page_size": 1},
         {"budget": 40, "archive_max": 64, "page_size": 8, "block_size": 2},
-        {"page_score": "attention", "page_size": 8, "block_size": 2, "shortlist": 3},
+        {"page_score": "attention", "page_size": 8, "block_size": 2, "shortlist": 3, "page_carry": 0.9},
         {"score_decay": 0.95},
     ],
     ids=["rolling", "original", "mostly-heavy", "page-3", "page-1", "page-8-blocks-2", "attention", "decay"],

@@ -175,6 +175,14 @@ Shortlist = Annotated[
         "(two levels: summaries, then those pages' keys); 0 scores every page.",
     ),
 ]
+PageCarry = Annotated[
+    float,
+    typer.Option(
+        "--page-carry",
+        help="recall, --page-score attention: share of a page's last score added to its next, so a page the "
+        "question found stays while the answer is written (0: every step scores afresh).",
+    ),
+]
 PageScore = Annotated[
     str,
     typer.Option(
@@ -273,6 +281,7 @@ CACHE_OPTIONS = {
     "page_size": PageSize,
     "block_size": BlockSize,
     "shortlist": Shortlist,
+    "page_carry": PageCarry,
     "page_score": PageScore,
     "archive_max": ArchiveMax,
     "archive": Archive,

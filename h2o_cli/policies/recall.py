@@ -24,6 +24,7 @@ class RecallPolicy(HeavyHitterPolicy):
     page_size: int = 4
     block_size: int | None = None
     shortlist: int = 0
+    page_carry: float = 0.0
     archive_max: int | str = DEFAULT_ARCHIVE_MAX
     page_score: str = "positional"
 
@@ -35,6 +36,7 @@ class RecallPolicy(HeavyHitterPolicy):
             page_score=self.page_score,
             block_size=self.block_size,
             shortlist=self.shortlist,
+            page_carry=self.page_carry,
         )
         super().__post_init__()
         if self.resident < 2:

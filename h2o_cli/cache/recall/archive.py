@@ -85,6 +85,7 @@ class PageArchive:
         block_size: int | None = None,
         attention: bool = False,
         shortlist: int = 0,
+        carry: float = 0.0,
     ) -> None:
         assert capacity % page_size == 0 and capacity >= 2 * page_size, "a whole number (>= 2) of pages"
         block_size = block_size or page_size
@@ -93,6 +94,7 @@ class PageArchive:
         self.capacity, self.page_size, self.block_size = capacity, page_size, block_size
         self.attention = attention  # pages scored by attention mass (`attention_mass`), not by the summaries
         self.shortlist = shortlist  # with `attention`: only the pages the summaries bound best (0: all)
+        self.carry = carry  # with `attention`: the share of a page's last score added to the next
         self.pages = capacity // page_size
         self.blocks_per_page = page_size // block_size
         self.dtype, self.bits, self.region = dtype, bits, region
@@ -112,6 +114,10 @@ class PageArchive:
             self.key_scales = allocate((n_kv_heads, capacity), SCALE_DTYPE)
             self.value_scales = allocate((n_kv_heads, capacity), SCALE_DTYPE)
         self.token_index = torch.full((capacity,), NOTHING, dtype=torch.int64, device=device)
+        # With `carry`: each ring page's last score and the first token of the page it was given to (a ring
+        # page that holds another page since starts again from 0).
+        self.carried = torch.zeros(n_kv_heads, self.pages, dtype=torch.float32, device=device)
+        self.carried_start = torch.full((self.pages,), NOTHING, dtype=torch.int64, device=device)
         # Per block: [high, low] side by side (one matmul scores both); `high` and `low` are views of it.
         blocks = capacity // block_size
         self.summary = torch.zeros(n_kv_heads, blocks, 2 * head_dim, dtype=torch.float32, device=device)
@@ -303,11 +309,13 @@ class PageArchive:
     def reset(self) -> None:
         """Forget every token (the buffers stay)."""
         self.token_index.fill_(NOTHING)
+        self.carried_start.fill_(NOTHING)
         self.tokens = self._floor = 0
 
     def rewind(self, tokens: int) -> None:
         """Forget the tokens from index `tokens` on (a scorer going back to a snapshot). Pages the ring dropped
         for them do not come back."""
+        self.carried_start.fill_(NOTHING)  # the scores carried so far are forgotten
         newer = self.token_index >= tokens
         touched = torch.unique(newer.nonzero().flatten() // self.page_size)
         self.token_index[newer] = NOTHING
@@ -447,14 +455,20 @@ class PageArchive:
         query: [n_kv_heads, m, head_dim]. Returns [n_kv_heads, pages] float32."""
         if not self.attention:
             return self.summary_bounds(query, pages)
-        if not self.shortlist or pages <= self.shortlist:
-            return self.attention_mass(query, pages)
-        # Two levels: the summaries pick the `shortlist` pages, the keys of those pages alone are scored.
         page_start = self.token_index.view(self.pages, self.page_size)[:pages, 0]
-        key = order_key(self.summary_bounds(query, pages), page_start, page_start != NOTHING)
-        picked = torch.topk(key, self.shortlist, dim=1, sorted=False).indices  # [n_kv, shortlist]
-        scores = torch.full((self.n_kv_heads, pages), float("-inf"), device=query.device)
-        return scores.scatter_(1, picked, self.attention_mass(query, pages, picked))
+        if not self.shortlist or pages <= self.shortlist:
+            scores = self.attention_mass(query, pages)
+        else:  # two levels: the summaries pick the `shortlist` pages, the keys of those pages alone are scored
+            key = order_key(self.summary_bounds(query, pages), page_start, page_start != NOTHING)
+            picked = torch.topk(key, self.shortlist, dim=1, sorted=False).indices  # [n_kv, shortlist]
+            scores = torch.zeros(self.n_kv_heads, pages, device=query.device)
+            scores.scatter_(1, picked, self.attention_mass(query, pages, picked))
+        if self.carry:
+            same = (self.carried_start[:pages] == page_start) & (page_start != NOTHING)
+            scores += self.carry * torch.where(same, self.carried[:, :pages], 0.0)
+            self.carried[:, :pages] = scores
+            self.carried_start[:pages] = page_start
+        return scores
 
     def summary_bounds(self, query: torch.Tensor, pages: int) -> torch.Tensor:
         """The bound of each of the first `pages` ring pages under the best of the `m` queries: the best of its

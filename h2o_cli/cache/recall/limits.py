@@ -39,9 +39,10 @@ def check_recall_options(
     page_score: str = "positional",
     block_size: int | None = None,
     shortlist: int = 0,
+    page_carry: float = 0.0,
 ) -> None:
     """One-line usage errors for `--recall-ratio`, `--page-size`, `--archive-max`, `--archive`,
-    `--archive-bits`, `--page-score`, `--block-size`, `--shortlist` (whatever the policy). A cap in bytes is checked against a page when the
+    `--archive-bits`, `--page-score`, `--block-size`, `--shortlist`, `--page-carry` (whatever the policy). A cap in bytes is checked against a page when the
     cache is built."""
     if not 0 <= recall_ratio <= 1:  # also NaN
         raise UsageError(f"--recall-ratio {recall_ratio} must lie in [0, 1]")
@@ -51,6 +52,8 @@ def check_recall_options(
         raise UsageError(
             f"--block-size {block_size} must divide --page-size {page_size} (e.g. --block-size 4 with pages of 16)"
         )
+    if not 0 <= page_carry < 1:  # also NaN
+        raise UsageError(f"--page-carry {page_carry} must lie in [0, 1)")
     if shortlist < 0:
         raise UsageError(f"--shortlist {shortlist} must be 0 (every page) or a number of pages")
     count, unit = archive_cap(archive_max)
