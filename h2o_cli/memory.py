@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from h2o_cli.cache.recall.limits import summary_block
+
 QUANTS = ("none", "8bit", "4bit")
 NF4_BLOCK = 64  # bitsandbytes' default 4-bit block size
 SLOT_STATE_BYTES = 4 + 4 + 4 + 8 + 8 + 1  # scores, seen, last_probs (f32); token_index, rank (i64); valid
@@ -179,8 +181,8 @@ def memory_table(
     kv_bits: int | None = None,
     dtype_bytes: int = 4,
     contexts: tuple[int, ...] = CONTEXTS,
-    page_size: int = 4,
-    archive_max: int = 16384,
+    page_size: int = 16,
+    archive_max: int = 131072,
     block_size: int | None = None,
     archive_bits: int | None = None,
     archive_storage: str = "ram",
@@ -194,7 +196,7 @@ def memory_table(
     slots = budget + chunk
     h2o_head = h2o_head_bytes(shape, slots, kv_bits, dtype_bytes)
     h2o_activations = activation_bytes(shape, chunk, slots, kv_bits, dtype_bytes)["peak"]
-    block_size = block_size or page_size
+    block_size = summary_block(page_size, block_size)
     split = archive_split(shape, archive_max, block_size, dtype_bytes, archive_bits, archive_storage)
 
     def per_token(bits: int | None, storage: str) -> tuple[float, float]:

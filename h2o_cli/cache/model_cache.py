@@ -133,11 +133,12 @@ class H2OCache(Cache):
         """Give every layer its `PageArchive`, in RAM or in one mapped file (docs/spec.md, recall: storage)."""
         from h2o_cli import memory
         from h2o_cli.cache.recall.archive_file import ArchiveFile, aligned, archive_location
-        from h2o_cli.cache.recall.limits import archive_storage
+        from h2o_cli.cache.recall.limits import archive_storage, summary_block
 
         settings, shape = self.settings, self.shape
         bits, page = settings.archive_bits, policy.page_size
-        page_bytes = memory.archive_bytes(shape, page, policy.block_size or page, dtype.itemsize, bits)
+        block = summary_block(page, policy.block_size)
+        page_bytes = memory.archive_bytes(shape, page, block, dtype.itemsize, bits)
         capacity = policy.archive_tokens(span, page_bytes)
         regions = [None] * len(layers)
         device = next((device for device in devices if device.type != "cpu"), devices[0])

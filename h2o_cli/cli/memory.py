@@ -47,7 +47,7 @@ def memory(
     Computed from the model config without loading weights (a built-in public config for offline aliases).
     With --device-map, also the H2O cache (and a RAM recall archive) on each device, as the layers are placed.
     """
-    from h2o_cli.cache.recall.limits import archive_capacity, archive_storage
+    from h2o_cli.cache.recall.limits import archive_capacity, archive_storage, summary_block
     from h2o_cli.memory import ModelShape, archive_bytes, archive_split, memory_table
     from h2o_cli.models import config_for, pick_device, pick_dtype
 
@@ -56,7 +56,7 @@ def memory(
     tokens, chunk, kv_bits = settings.resolved(shape.context).budget, settings.chunk, settings.kv_bits
     dtype_bytes = pick_dtype(dtype, pick_device(device)).itemsize
     page, bits = settings.page_size, settings.archive_bits
-    block = settings.block_size or page
+    block = summary_block(page, settings.block_size)
     page_bytes = archive_bytes(shape, page, block, dtype_bytes, bits)
     archive = archive_capacity(settings.archive_max, page, None, page_bytes)  # whole pages, as the cache
     stored = archive_split(shape, archive, block, dtype_bytes, bits, "disk")[1]  # the K/V (and scales)

@@ -163,8 +163,8 @@ BlockSize = Annotated[
     int | None,
     typer.Option(
         "--block-size",
-        help="recall: tokens per key summary inside a page (divides --page-size; default: the page). A page "
-        "ranks by its best block.",
+        help="recall: tokens per key summary inside a page (divides --page-size; default: 4, or the page when 4 "
+        "does not divide it). A page's bound is its best block's.",
     ),
 ]
 Shortlist = Annotated[

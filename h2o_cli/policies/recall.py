@@ -21,12 +21,12 @@ class RecallPolicy(HeavyHitterPolicy):
     recalls: ClassVar[bool] = True
 
     recall_ratio: float = 0.5
-    page_size: int = 4
+    page_size: int = 16
     block_size: int | None = None
-    shortlist: int = 0
-    page_carry: float = 0.0
+    shortlist: int = 256
+    page_carry: float = 0.9
     archive_max: int | str = DEFAULT_ARCHIVE_MAX
-    page_score: str = "positional"
+    page_score: str = "attention"
 
     def __post_init__(self) -> None:
         check_recall_options(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from h2o_cli.cache.kvquant import SCALE_DTYPE, dequantize, quantize, storage_dtype
+from h2o_cli.cache.recall.limits import summary_block
 
 NOTHING = -1  # token index of an empty archive slot
 
@@ -88,7 +89,7 @@ class PageArchive:
         carry: float = 0.0,
     ) -> None:
         assert capacity % page_size == 0 and capacity >= 2 * page_size, "a whole number (>= 2) of pages"
-        block_size = block_size or page_size
+        block_size = summary_block(page_size, block_size)
         assert page_size % block_size == 0, "blocks divide the page"
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.capacity, self.page_size, self.block_size = capacity, page_size, block_size

@@ -11,6 +11,7 @@ SIZE_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 SIZE_UNITS |= {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 ARCHIVE_BITS = (None, 16, 8)
 DEFAULT_ARCHIVE_MAX = 131072  # tokens: recall reaches back this far by default
+DEFAULT_BLOCK = 4  # tokens per key summary when --block-size is not given (and 4 divides the page)
 AUTO_RAM_BYTES = 2**30  # `--archive auto`: a CPU archive larger than this (every layer's K/V) goes to a file
 PAGE_SCORES = ("positional", "unrotated", "attention")
 
@@ -67,6 +68,13 @@ def check_recall_options(
         raise UsageError(f"--archive-bits {archive_bits} is not supported; choose 16 or 8 (or omit it)")
     if page_score not in PAGE_SCORES:
         raise UsageError(f"--page-score {page_score!r} is unknown; choose {', '.join(PAGE_SCORES)}")
+
+
+def summary_block(page_size: int, block_size: int | None) -> int:
+    """Tokens per key summary: `--block-size`, else 4 where 4 divides the page, else the page."""
+    if block_size:
+        return block_size
+    return DEFAULT_BLOCK if page_size % DEFAULT_BLOCK == 0 else page_size
 
 
 def archive_storage(setting: str, stored_bytes: int, device_type: str) -> str:
