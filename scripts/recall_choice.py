@@ -104,14 +104,14 @@ def choice(extras: set[str]) -> None:
         PageArchive._own_bounds = PageArchive.bounds
     own = PageArchive._own_bounds
 
-    def bounds(self, query, pages):
+    def bounds(self, query, pages, fresh=False):
         short = [int(extra[5:]) for extra in extras if extra.startswith("short")]
         if short:
-            scores = shortlisted_mass(self, query, pages, own(self, query, pages), short[0])
+            scores = shortlisted_mass(self, query, pages, own(self, query, pages, fresh), short[0])
         elif extras & {"exact", "mass"}:
             scores = exact_bounds(self, query, pages, "mass" in extras)
         else:
-            scores = own(self, query, pages)
+            scores = own(self, query, pages, fresh)
         keep = [int(extra[4:]) / 10 for extra in extras if extra.startswith("keep")]
         if keep:  # scores carried over steps: each step's added to the last's times the decay
             last = getattr(self, "_carried", None)
@@ -255,8 +255,9 @@ def summary(paths: list[Path]) -> str:
     """One markdown row per (length, budget, variant): answered / runs, and the mean share of heads holding a
     passkey token while the question is read."""
     rows = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
+    unique = {(r["length"], r["seed"], r["depth"], r["budget_tokens"], r["variant"]): r for r in rows}
     cells = defaultdict(list)
-    for row in rows:
+    for row in unique.values():  # a run repeated (the same state, the same variant) counts once
         cells[(row["length"], row["budget_tokens"], row["variant"])].append(row)
     lines = ["| text tokens | budget (tokens) | variant | answered | heads holding a digit at the question |",
              "|---|---|---|---|---|"]  # fmt: skip

@@ -329,7 +329,7 @@ class PageArchive:
             self._summarise(touched)
 
     def choose(
-        self, query: torch.Tensor, resident: torch.Tensor, before: int, slots: int
+        self, query: torch.Tensor, resident: torch.Tensor, before: int, slots: int, fresh: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick up to `slots` archived tokens per KV head for a chunk's queries (pass 1 of a recall step).
 
@@ -354,7 +354,7 @@ class PageArchive:
         used = min(self.pages, -(-self.tokens // self.page_size))
         bound = torch.zeros(n_kv, self.pages, device=device)  # pages past `used` hold no candidate
         if used:
-            bound[:, :used] = self.bounds(query, used)
+            bound[:, :used] = self.bounds(query, used, fresh)
         # Every page with a candidate holds at least one, so the first `slots` pages in rank order suffice.
         page_start = self.token_index.view(self.pages, self.page_size)[:, 0]
         top = min(slots, self.pages)
@@ -450,7 +450,7 @@ class PageArchive:
         head_dim] (unrotated). Returns [n_kv_heads, span // page_size] float32 (the C step's input)."""
         return self.bounds(query, self.span // self.page_size)
 
-    def bounds(self, query: torch.Tensor, pages: int) -> torch.Tensor:
+    def bounds(self, query: torch.Tensor, pages: int, fresh: bool = False) -> torch.Tensor:
         """The score every choice ranks the first `pages` ring pages by: the bound under the best of the `m`
         queries, the best of its blocks' `best_page_bound`; with `attention`, `attention_mass` instead.
         query: [n_kv_heads, m, head_dim]. Returns [n_kv_heads, pages] float32."""
@@ -464,8 +464,8 @@ class PageArchive:
             picked = torch.topk(key, self.shortlist, dim=1, sorted=False).indices  # [n_kv, shortlist]
             scores = torch.zeros(self.n_kv_heads, pages, device=query.device)
             scores.scatter_(1, picked, self.attention_mass(query, pages, picked))
-        if self.carry:
-            same = (self.carried_start[:pages] == page_start) & (page_start != NOTHING)
+        if self.carry:  # a chunk of more than one token (`fresh`) starts afresh: a new text or turn
+            same = (self.carried_start[:pages] == page_start) & (page_start != NOTHING) & (not fresh)
             scores += self.carry * torch.where(same, self.carried[:, :pages], 0.0)
             self.carried[:, :pages] = scores
             self.carried_start[:pages] = page_start
@@ -511,7 +511,7 @@ class PageArchive:
             logits = torch.bmm(query[:, start : start + block], keys).masked_fill_(empty, float("-inf"))
             mass += torch.softmax(logits, dim=-1).sum(dim=1)
         self.release()
-        return mass.view(n_kv, -1, size).sum(dim=2)
+        return mass.view(n_kv, -1, size).sum(dim=2) / query.shape[1]  # the mean over the queries
 
     def read_into(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write the K and V of archive `slots` [n_kv_heads, r] (one row per KV head) into `keys`, `values`

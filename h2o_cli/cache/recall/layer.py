@@ -101,7 +101,9 @@ class RecallLayer(H2OLayer):
             grouped = self._page_query(query, chunk).reshape(
                 n_kv, -1, store.head_dim
             )  # [n_kv, group * chunk, d]
-            chosen, valid = self.archive.choose(grouped, store.token_index[:, :active], first, slots)
+            chosen, valid = self.archive.choose(
+                grouped, store.token_index[:, :active], first, slots, fresh=chunk > 1
+            )
             hits = self._read_back(chosen, valid)
         self.counts.add((self.recall_index >= 0).sum(), hits)
         # Pass 2: E_q = S ∪ R ∪ {chunk tokens <= q}; R is older than the chunk, so every query sees all of it.
