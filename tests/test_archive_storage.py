@@ -162,7 +162,13 @@ def test_a_cap_in_bytes_holds_the_whole_pages_that_fit(tiny_pair):
         per_token = {None: 2 * 16 * 4, 8: 2 * 16 + 2 * 4}[bits]
         page_bytes = 8 * 2 * (2 * per_token + 8 + 2 * 16 * 2 * 4 / 8)
         settings = CacheSettings(
-            budget=16, policy="recall", chunk=4, page_size=8, archive_max="40KiB", archive_bits=bits
+            budget=16,
+            policy="recall",
+            chunk=4,
+            page_size=8,
+            block_size=8,
+            archive_max="40KiB",
+            archive_bits=bits,
         )
         cache = H2OCache(model, settings)
         summary = cache.archive_summary()
@@ -306,7 +312,18 @@ def test_a_disk_archive_keeps_the_peak_rss_flat_where_a_ram_archive_grows(tmp_pa
 
 def test_memory_accounts_the_archive_per_token_for_each_storage():
     """llama-7b fp16, by hand: 32 layers x 32 KV heads x 128 dims."""
-    args = ["memory", "--model", "llama-7b", "--dtype", "float16", "--json", "--page-size", "8"]
+    args = [
+        "memory",
+        "--model",
+        "llama-7b",
+        "--dtype",
+        "float16",
+        "--json",
+        "--page-size",
+        "8",
+        "--block-size",
+        "8",
+    ]
     result = CliRunner().invoke(
         app, [*args, "--archive", "disk", "--archive-bits", "8", "--archive-max", "64MiB"]
     )
@@ -355,7 +372,7 @@ def test_stream_with_a_file_archive_as_a_user_runs_it(tmp_path):
     from test_cli_stream import EXCERPT, h2o
 
     args = ["--ppl", "--json", "--budget", "64", "--max-tokens", "300", "--chunk", "32", "--policy", "recall"]
-    args += ["--archive-bits", "8", "--archive-max", "4MiB", "--page-size", "8"]
+    args += ["--archive-bits", "8", "--archive-max", "4MiB", "--page-size", "8", "--block-size", "8"]
     kept = h2o("stream", EXCERPT, *args, "--archive", f"{tmp_path}/", "--keep-archive")
     assert kept.returncode == 0, kept.stderr.decode()
     on_disk = json.loads(kept.stdout)
