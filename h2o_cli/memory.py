@@ -242,7 +242,7 @@ def memory_table(
             str(bits) if bits else "model": per_token(bits, "ram")[0] for bits in (None, 16, 8)
         },
         "recall_archive_tokens": archive_max,
-        "recall_archive_bytes": archive_bytes(shape, archive_max, page_size, dtype_bytes, archive_bits),
+        "recall_archive_bytes": archive_bytes(shape, archive_max, block_size, dtype_bytes, archive_bits),
         "recall_archive_ram_bytes": split[0],
         "recall_archive_disk_bytes": split[1],
         "rows": rows,
