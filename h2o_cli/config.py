@@ -90,7 +90,7 @@ class CacheSettings:
     recall_ratio: float = 0.5  # recall: share of the budget refilled from the archive at every step
     page_size: int = 16  # recall: tokens per archive page (what a recall reads back whole)
     block_size: int | None = None  # recall: tokens per key summary inside a page (None: 4, or the page)
-    shortlist: int = 256  # recall, --page-score attention: pages the summaries pick to be scored (0: all)
+    shortlist: int = 512  # recall, --page-score attention: pages the summaries pick to be scored (0: all)
     page_carry: float = 0.9  # recall, --page-score attention: share of a page's last score added to the next
     page_score: str = "attention"  # recall: pages ranked by the attention they get, or by summary bounds (positional, unrotated)
     archive_max: int | str = (

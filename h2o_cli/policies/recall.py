@@ -23,7 +23,7 @@ class RecallPolicy(HeavyHitterPolicy):
     recall_ratio: float = 0.5
     page_size: int = 16
     block_size: int | None = None
-    shortlist: int = 256
+    shortlist: int = 512
     page_carry: float = 0.9
     archive_max: int | str = DEFAULT_ARCHIVE_MAX
     page_score: str = "attention"
