@@ -13,7 +13,7 @@ import math
 import typing
 from dataclasses import dataclass, fields, replace
 
-from h2o_cli.cache.recall.limits import archive_cap, check_recall_options
+from h2o_cli.cache.recall.limits import DEFAULT_ARCHIVE_MAX, archive_cap, check_recall_options
 from h2o_cli.errors import UsageError
 from h2o_cli.policy_registry import make_policy, policy_class
 
@@ -88,15 +88,16 @@ class CacheSettings:
     chunk: int = 256
     kv_bits: int | None = None  # None: K/V in the model's dtype; 16: fp16/bf16; 8: int8 + per-token scales
     recall_ratio: float = 0.5  # recall: share of the budget refilled from the archive at every step
-    page_size: int = 4  # recall: tokens per archive page (one key summary per page and KV head)
-    page_score: str = (
-        "positional"  # recall: pages scored by the query rotated over recall's distances, or unrotated
-    )
+    page_size: int = 16  # recall: tokens per archive page (what a recall reads back whole)
+    block_size: int | None = None  # recall: tokens per key summary inside a page (None: 4, or the page)
+    shortlist: int = 512  # recall, --page-score attention: pages the summaries pick to be scored (0: all)
+    page_carry: float = 0.9  # recall, --page-score attention: share of a page's last score added to the next
+    page_score: str = "attention"  # recall: pages ranked by the attention they get, or by summary bounds (positional, unrotated)
     archive_max: int | str = (
-        16384  # recall: tokens (16384) or bytes ("64MiB") the archive holds; then oldest dropped
+        DEFAULT_ARCHIVE_MAX  # recall: tokens (131072) or bytes ("64MiB") the archive holds; then oldest dropped
     )
     archive: str = (
-        "ram"  # recall: where archived K/V live: ram, disk ($H2O_HOME/archive/), or a file/folder path
+        "auto"  # recall: where archived K/V live: auto (ram up to 1 GiB, else disk), ram, disk, or a path
     )
     archive_bits: int | None = (
         None  # recall: archived K/V as --kv-bits: None (model dtype), 16, 8 (int8 + scales)
@@ -133,6 +134,9 @@ class CacheSettings:
             self.archive,
             self.archive_bits,
             self.page_score,
+            self.block_size,
+            self.shortlist,
+            self.page_carry,
         )
         if self.is_resolved:
             make_policy(self)  # the policy checks its own parameters (budget, split, sinks, ...)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from h2o_cli.cache.recall.limits import summary_block
+
 QUANTS = ("none", "8bit", "4bit")
 NF4_BLOCK = 64  # bitsandbytes' default 4-bit block size
 SLOT_STATE_BYTES = 4 + 4 + 4 + 8 + 8 + 1  # scores, seen, last_probs (f32); token_index, rank (i64); valid
@@ -119,22 +121,23 @@ def h2o_cache_bytes(shape: ModelShape, budget: int, chunk: int, kv_bits: int | N
 
 
 def archive_bytes(
-    shape: ModelShape, capacity: int, page_size: int, dtype_bytes: int, bits: int | None = None
+    shape: ModelShape, capacity: int, block_size: int, dtype_bytes: int, bits: int | None = None
 ) -> int:
     """Bytes of the `recall` archive of every layer (`h2o_cli.cache.recall.archive.PageArchive`): K/V of `capacity` tokens
     stored as `bits` (`--archive-bits`: None = the compute dtype, 16, 8 = int8 plus an fp32 scale per token, KV
-    head and K or V) and their int64 token index, plus per (page, KV head) fp32 min and max keys."""
-    return sum(archive_split(shape, capacity, page_size, dtype_bytes, bits, "disk"))
+    head and K or V) and their int64 token index, plus per (block of `block_size` tokens, KV head) fp32 min and
+    max keys."""
+    return sum(archive_split(shape, capacity, block_size, dtype_bytes, bits, "disk"))
 
 
 def archive_split(
-    shape: ModelShape, capacity: int, page_size: int, dtype_bytes: int, bits: int | None, storage: str
+    shape: ModelShape, capacity: int, block_size: int, dtype_bytes: int, bits: int | None, storage: str
 ) -> tuple[int, int]:
     """`archive_bytes` as (in RAM, on disk) for `storage` "ram" or "disk" (`--archive disk` or a PATH): the
-    token index and page summaries always stay in RAM, the K/V (and scales) go to the file."""
+    token index and block summaries always stay in RAM, the K/V (and scales) go to the file."""
     kv = capacity * shape.n_kv_heads * token_kv_bytes(shape, bits, dtype_bytes)
     index = capacity * 8
-    summaries = (capacity // page_size) * shape.n_kv_heads * shape.head_dim * 2 * 4
+    summaries = (capacity // block_size) * shape.n_kv_heads * shape.head_dim * 2 * 4
     ram = shape.n_layers * (index + summaries)
     disk = shape.n_layers * kv
     return (ram + disk, 0) if storage == "ram" else (ram, disk)
@@ -178,24 +181,27 @@ def memory_table(
     kv_bits: int | None = None,
     dtype_bytes: int = 4,
     contexts: tuple[int, ...] = CONTEXTS,
-    page_size: int = 4,
-    archive_max: int = 16384,
+    page_size: int = 16,
+    archive_max: int = 131072,
+    block_size: int | None = None,
     archive_bits: int | None = None,
     archive_storage: str = "ram",
 ) -> dict:
     """Weights, KV cache (full vs H2O, per head and total) and activation peaks for each context length;
-    the `recall` archive per token and at `archive_max` tokens (pages of `page_size`), stored as `archive_bits`
+    the `recall` archive per token and at `archive_max` tokens (pages of `page_size`, summaries per `block_size`,
+    the page by default), stored as `archive_bits`
     in `archive_storage` (ram or disk), split into RAM and disk bytes, and per token for every `--archive-bits`."""
     weights = weight_bytes(shape, quant, dtype_bytes)
     heads = shape.n_layers * shape.n_kv_heads
     slots = budget + chunk
     h2o_head = h2o_head_bytes(shape, slots, kv_bits, dtype_bytes)
     h2o_activations = activation_bytes(shape, chunk, slots, kv_bits, dtype_bytes)["peak"]
-    split = archive_split(shape, archive_max, page_size, dtype_bytes, archive_bits, archive_storage)
+    block_size = summary_block(page_size, block_size)
+    split = archive_split(shape, archive_max, block_size, dtype_bytes, archive_bits, archive_storage)
 
     def per_token(bits: int | None, storage: str) -> tuple[float, float]:
         """(RAM, disk) archive bytes per token, the summaries shared out over a page."""
-        ram, disk = archive_split(shape, page_size, page_size, dtype_bytes, bits, storage)
+        ram, disk = archive_split(shape, page_size, block_size, dtype_bytes, bits, storage)
         return ram / page_size, disk / page_size
 
     rows = []
@@ -236,7 +242,7 @@ def memory_table(
             str(bits) if bits else "model": per_token(bits, "ram")[0] for bits in (None, 16, 8)
         },
         "recall_archive_tokens": archive_max,
-        "recall_archive_bytes": archive_bytes(shape, archive_max, page_size, dtype_bytes, archive_bits),
+        "recall_archive_bytes": archive_bytes(shape, archive_max, block_size, dtype_bytes, archive_bits),
         "recall_archive_ram_bytes": split[0],
         "recall_archive_disk_bytes": split[1],
         "rows": rows,

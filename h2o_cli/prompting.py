@@ -36,13 +36,19 @@ def document_frame(tokenizer, question: str, answer_cue: str = "") -> tuple[str,
     return "", "\n\n" + question + answer_cue
 
 
+class NewChunk(list):
+    """Token ids that start a chunk of their own when a stream is read (`h2o_cli.streaming.chunks_of`): the
+    question after a text, so its queries alone choose what `recall` brings back for it."""
+
+
 def read_then_answer(
     tokenizer, pieces: Iterable[list[int]], question: str, max_text_tokens: int | None = None
 ) -> Iterator[list[int]]:
     """Token ids to feed for "read this document, then answer": the frame's head, the document's ids
     (`pieces`, cut to their first `max_text_tokens`), then the question and the assistant header.
 
-    The limit applies to the document only: the question is always asked in full.
+    The limit applies to the document only: the question is always asked in full, in a chunk of its own
+    (`NewChunk`).
     """
     before, after = document_frame(tokenizer, question, ANSWER_CUE)
     head = tokenizer(before, add_special_tokens=False)["input_ids"]
@@ -57,4 +63,4 @@ def read_then_answer(
         taken += len(piece)
         if max_text_tokens is not None and taken >= max_text_tokens:
             break
-    yield tokenizer(after, add_special_tokens=False)["input_ids"]
+    yield NewChunk(tokenizer(after, add_special_tokens=False)["input_ids"])

@@ -11,6 +11,7 @@ import torch
 
 from h2o_cli.cache import H2OCache
 from h2o_cli.errors import H2OError
+from h2o_cli.prompting import NewChunk
 
 
 @dataclass
@@ -48,10 +49,14 @@ class StreamStats:
 
 
 def chunks_of(pieces: Iterable[list[int]], size: int, limit: int | None = None) -> Iterator[list[int]]:
-    """Regroup id lists into lists of exactly `size` ids (the last may be shorter), stopping after `limit`."""
+    """Regroup id lists into lists of exactly `size` ids (the last may be shorter), stopping after `limit`; a
+    `NewChunk` piece starts a new list (the one before it may be shorter)."""
     buffer: list[int] = []
     taken = 0
     for piece in pieces:
+        if isinstance(piece, NewChunk) and buffer:
+            yield buffer
+            buffer = []
         if limit is not None:
             piece = piece[: limit - taken]
         taken += len(piece)

@@ -47,7 +47,11 @@ def main(archive: str, marks: list[int]) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = LlamaForCausalLM(LlamaConfig(**WIDE_KV)).eval()
-    settings = CacheSettings(budget=64, policy="recall", chunk=CHUNK, archive=archive, archive_max=4096)
+    # The attention score reads the keys of the shortlisted pages, one layer at a time (8 pages of 16 here):
+    # what it maps is bounded by the shortlist, not by the text.
+    settings = CacheSettings(
+        budget=64, policy="recall", chunk=CHUNK, archive=archive, archive_max=4096, shortlist=8
+    )
     cache = H2OCache(model, settings)
     ids = torch.randint(0, 128, (1, max(marks)), generator=torch.Generator().manual_seed(1))
     peaks, now = {}, {}

@@ -43,6 +43,7 @@ class NaiveHeadState:
         self.score: list[float] = []
         self.seen: list[int] = []
         self.last: list[float] = []
+        self.carried: dict[int, float] = {}  # recall, attention score: each page's last score
 
     def alive_indices(self) -> list[int]:
         return [t for t, a in enumerate(self.alive) if a]
@@ -103,22 +104,52 @@ def naive_recall(
     """R of one KV head for a chunk (docs/spec.md, recall pass 1), literally; no archive cap.
 
     queries: [m, d] unrotated, the chunk's queries of the head's query heads. `head` already holds the chunk.
-    A page's bound comes from every key archived so far (up to the chunk's last token). With the positional
-    page score each query is first replaced by the mean of its rotations over the distances from
-    the recent slots of S up to the most E_q entries (rolling) or the tokens seen (original).
+    A page's bound comes from every key archived so far (up to the chunk's last token): the best of its blocks'
+    (`block_size` tokens each, the page by default). With the positional
+    page score (and the attention score) each query is first replaced by the mean of its rotations over the
+    distances from the recent slots of S up to the most E_q entries (rolling) or the tokens seen (original).
+    The attention score ranks a page by the softmax mass the queries put on its keys (their mean), over every archived key
+    (with a shortlist: over the keys of the pages whose summary bound is highest; the others score 0), plus
+    `page_carry` times the page's score at the head's last choice when the chunk is one token.
     """
     size = settings.page_size
     candidates = [t for t in range(first_token) if not head.alive[t]]
-    if settings.page_score == "positional":
+    if settings.page_score in ("positional", "attention"):
         high = settings.budget + chunk if settings.positions == "rolling" else first_token + chunk
         distances = range(min(recent_slots(settings), high - 1), high)
         queries = torch.stack([rope(queries, torch.tensor([d] * len(queries)), inv_freq) for d in distances])
         queries = queries.mean(dim=0)
 
-    def bound(page: int) -> float:
-        keys = torch.stack(head.keys[page * size : (page + 1) * size]).double()
+    block = getattr(settings, "block_size", None) or size
+
+    def block_bound(start: int) -> float:
+        keys = torch.stack(head.keys[start : start + block]).double()
         low, high = keys.min(dim=0).values, keys.max(dim=0).values
         return max(float(torch.maximum(q * high, q * low).sum()) for q in queries.double())
+
+    def bound(page: int) -> float:  # the best of the page's blocks that hold a key
+        starts = range(page * size, (page + 1) * size, block)
+        return max(block_bound(start) for start in starts if start < len(head.keys))
+
+    if settings.page_score == "attention":  # each query's softmax over the scored pages' keys, summed
+        written = range(-(-len(head.keys) // size))
+        scored = list(written)
+        shortlist = getattr(settings, "shortlist", 0)
+        if shortlist and len(scored) > shortlist:  # the pages the summaries bound best (ties: the older)
+            scored = sorted(scored, key=lambda page: (-bound(page), page))[:shortlist]
+        tokens = [t for page in scored for t in range(page * size, min((page + 1) * size, len(head.keys)))]
+        keys = torch.stack([head.keys[t] for t in tokens]).double()
+        probs = torch.softmax(queries.double() @ keys.T * queries.shape[-1] ** -0.5, dim=-1).mean(dim=0)
+        mass = dict.fromkeys(written, 0.0)  # pages outside the shortlist: 0
+        for t, p in zip(tokens, probs.tolist(), strict=True):
+            mass[t // size] += p
+        carry = getattr(settings, "page_carry", 0.0)  # the last score's share, page by page; a chunk of
+        last = head.carried if chunk == 1 else {}  # more than one token starts afresh
+        mass = {page: score + carry * last.get(page, 0.0) for page, score in mass.items()}
+        head.carried = mass
+
+        def bound(page: int) -> float:  # noqa: F811 - the attention mass replaces the bound
+            return mass[page]
 
     order = sorted({t // size for t in candidates}, key=lambda page: (-bound(page), page))
     return [t for page in order for t in candidates if t // size == page][: recall_slots(settings)]

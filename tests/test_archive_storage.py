@@ -18,9 +18,10 @@ from typer.testing import CliRunner
 from h2o_cli import memory
 from h2o_cli.cache import H2OCache
 from h2o_cli.cache.kvquant import dequantize, quantize
+from h2o_cli.cache.recall import limits
 from h2o_cli.cache.recall.archive import PageArchive
 from h2o_cli.cache.recall.archive_file import archive_location
-from h2o_cli.cache.recall.limits import archive_cap
+from h2o_cli.cache.recall.limits import archive_cap, archive_storage
 from h2o_cli.cli.app import app
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import ArchiveError, UsageError
@@ -161,7 +162,13 @@ def test_a_cap_in_bytes_holds_the_whole_pages_that_fit(tiny_pair):
         per_token = {None: 2 * 16 * 4, 8: 2 * 16 + 2 * 4}[bits]
         page_bytes = 8 * 2 * (2 * per_token + 8 + 2 * 16 * 2 * 4 / 8)
         settings = CacheSettings(
-            budget=16, policy="recall", chunk=4, page_size=8, archive_max="40KiB", archive_bits=bits
+            budget=16,
+            policy="recall",
+            chunk=4,
+            page_size=8,
+            block_size=8,
+            archive_max="40KiB",
+            archive_bits=bits,
         )
         cache = H2OCache(model, settings)
         summary = cache.archive_summary()
@@ -305,7 +312,18 @@ def test_a_disk_archive_keeps_the_peak_rss_flat_where_a_ram_archive_grows(tmp_pa
 
 def test_memory_accounts_the_archive_per_token_for_each_storage():
     """llama-7b fp16, by hand: 32 layers x 32 KV heads x 128 dims."""
-    args = ["memory", "--model", "llama-7b", "--dtype", "float16", "--json", "--page-size", "8"]
+    args = [
+        "memory",
+        "--model",
+        "llama-7b",
+        "--dtype",
+        "float16",
+        "--json",
+        "--page-size",
+        "8",
+        "--block-size",
+        "8",
+    ]
     result = CliRunner().invoke(
         app, [*args, "--archive", "disk", "--archive-bits", "8", "--archive-max", "64MiB"]
     )
@@ -325,9 +343,14 @@ def test_memory_accounts_the_archive_per_token_for_each_storage():
     assert table["recall_archive_tokens"] == tokens == 160
     assert table["recall_archive_disk_bytes"] == tokens * int8_kv
     assert table["recall_archive_ram_bytes"] == tokens * (index + summaries)
-    ram = json.loads(CliRunner().invoke(app, args).stdout)
+    ram = json.loads(CliRunner().invoke(app, [*args, "--archive", "ram", "--archive-max", "16384"]).stdout)
     assert ram["recall_archive_disk_bytes"] == 0 and ram["recall_archive_tokens"] == 16384
     assert ram["recall_archive_ram_bytes"] == 16384 * (float_kv + index + summaries)
+    # The default: 131,072 tokens, whose K/V (64 GiB here) pass 1 GiB, so `auto` puts them in a file.
+    default = json.loads(CliRunner().invoke(app, args).stdout)
+    assert default["recall_archive_tokens"] == 131072
+    assert default["recall_archive_disk_bytes"] == 131072 * float_kv
+    assert default["recall_archive_ram_bytes"] == 131072 * (index + summaries)
 
 
 def test_compare_rows_report_the_archive(tiny_pair, tmp_path):
@@ -349,7 +372,7 @@ def test_stream_with_a_file_archive_as_a_user_runs_it(tmp_path):
     from test_cli_stream import EXCERPT, h2o
 
     args = ["--ppl", "--json", "--budget", "64", "--max-tokens", "300", "--chunk", "32", "--policy", "recall"]
-    args += ["--archive-bits", "8", "--archive-max", "4MiB", "--page-size", "8"]
+    args += ["--archive-bits", "8", "--archive-max", "4MiB", "--page-size", "8", "--block-size", "8"]
     kept = h2o("stream", EXCERPT, *args, "--archive", f"{tmp_path}/", "--keep-archive")
     assert kept.returncode == 0, kept.stderr.decode()
     on_disk = json.loads(kept.stdout)
@@ -379,3 +402,36 @@ def test_stream_with_a_file_archive_as_a_user_runs_it(tmp_path):
     assert bad.returncode == 1 and not bad.stdout
     line = one_error_line(bad.stderr.decode())
     assert where in line and "--archive PATH" in line
+
+
+@pytest.mark.parametrize(
+    ("setting", "stored", "device", "want"),
+    [
+        ("auto", 2**30, "cpu", "ram"),
+        ("auto", 2**30 + 1, "cpu", "disk"),
+        ("auto", 2**40, "cuda", "ram"),
+        ("ram", 2**40, "cpu", "ram"),
+        ("disk", 1, "cpu", "disk"),
+        ("/some/folder/", 1, "cpu", "/some/folder/"),
+    ],
+)
+def test_auto_keeps_a_small_archive_in_ram_and_a_large_one_on_disk(setting, stored, device, want):
+    assert archive_storage(setting, stored, device) == want
+
+
+def test_the_default_archive_goes_to_a_file_past_the_ram_limit(tiny_pair, monkeypatch, tmp_path):
+    """`--archive auto` (the default) with every layer's K/V above `AUTO_RAM_BYTES`: a file in
+    $H2O_HOME/archive/, removed when the cache closes; below it, RAM."""
+    _, model = tiny_pair
+    monkeypatch.setenv("H2O_HOME", str(tmp_path))
+    settings = CacheSettings(budget=24, policy="recall", chunk=4, archive_max=256)
+    assert settings.archive == "auto" and CacheSettings(budget=24).archive_max == 131072
+    small = H2OCache(model, settings)
+    assert small.archive_summary()["archive_storage"] == "ram"
+    monkeypatch.setattr(limits, "AUTO_RAM_BYTES", 1024)
+    large = H2OCache(model, settings)
+    summary = large.archive_summary()
+    assert summary["archive_storage"] == "disk"
+    assert os.path.dirname(summary["archive_path"]) == str(tmp_path / "archive")
+    large.close()
+    assert not os.path.exists(summary["archive_path"])

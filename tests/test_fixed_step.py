@@ -4,6 +4,8 @@ the naive simulation (tests/naive.py) for every policy setting, and `PageArchive
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import feed_against_naive, feed_chunk
@@ -75,6 +77,23 @@ def test_fixed_recall_step_matches_the_naive_simulation(positions, page_score, r
     feed_against_naive(fixed, settings, inv_freq, chunks, N_HEADS, counters_match_the_tensors)
     assert layer.archive.tokens == sum(chunks) and layer.steps == len(chunks)
     assert layer.recalled == layer.policy.recall_slots  # the last step filled every slot
+
+
+@pytest.mark.parametrize("chunks", [[1] * 40, [9, 9, 5] + [1] * 30], ids=["decode", "after-chunks"])
+@pytest.mark.parametrize(
+    "score", [{}, {"page_score": "attention", "shortlist": 3, "page_carry": 0.9}], ids=["bound", "attention"]
+)
+def test_fixed_recall_step_with_blocks_matches_the_naive_simulation(chunks, score):
+    """Pages of 6 ranked by their best block of 2 (or by attention mass inside the 3 pages bounded best), from
+    tensors only (the block summaries written by index)."""
+    torch.manual_seed(13)
+    settings = dataclasses.replace(
+        naive_settings("rolling", 0.75, archive_max=96), page_size=6, block_size=2, **score
+    )
+    layer, inv_freq = make_recall_layer(settings)
+    fixed = FixedSteps(layer)
+    feed_against_naive(fixed, settings, inv_freq, chunks, N_HEADS, counters_match_the_tensors)
+    assert layer.recalled == layer.policy.recall_slots
 
 
 def test_fixed_recall_step_equals_the_torch_step_past_the_archive_cap():

@@ -147,10 +147,10 @@ def test_memory_cli_works_offline_for_llama_7b(monkeypatch, tmp_path):
     assert table["weights_bytes"] == 2 * 6_738_415_616
     assert table["rows"][0]["context"] == 4096 and table["rows"][-1]["context"] == 2**20
     # recall's archive, by hand: 32 layers x (K and V of 32 heads x 128 fp16 + an int64 index + fp32 min/max
-    # of 32 x 128 per 4-token page, the default page).
+    # of 32 x 128 per 4-token block, the default block), 131,072 tokens by default.
     per_token = 32 * (2 * 32 * 128 * 2 + 8 + 2 * 32 * 128 * 4 / 4)
     assert table["recall_archive_bytes_per_token"] == per_token
-    assert table["recall_archive_bytes"] == per_token * 16384
+    assert table["recall_archive_bytes"] == per_token * 131072
 
 
 def test_recall_archive_accounting_equals_the_cache(tiny_pair):
@@ -162,7 +162,8 @@ def test_recall_archive_accounting_equals_the_cache(tiny_pair):
     stream_perplexity(model, cache, [list(range(120))], 8)
     shape = memory.ModelShape.from_config(model.config)
     summary = cache_summary(cache)
-    assert summary["archive_bytes"] == memory.archive_bytes(shape, 104, 8, 4)  # 100 tokens: 13 pages of 8
+    # 100 tokens: 13 pages of 8, summarised in blocks of 4 (the default block)
+    assert summary["archive_bytes"] == memory.archive_bytes(shape, 104, 4, 4)
     assert summary["archive_tokens"] == 120 - 16 and summary["archive_oldest"] == 16
 
 

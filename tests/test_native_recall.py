@@ -91,9 +91,11 @@ def run_both(steps: int, chunks=(6, 5), tie_keys: bool = False, **options):
         {"heavy_ratio": 0.8},
         {"recall_ratio": 0.75, "page_size": 3, "archive_max": 48},
         {"budget": 40, "archive_max": 64, "page_size": 1},
+        {"budget": 40, "archive_max": 64, "page_size": 8, "block_size": 2},
+        {"page_score": "attention", "page_size": 8, "block_size": 2, "shortlist": 3, "page_carry": 0.9},
         {"score_decay": 0.95},
     ],
-    ids=["rolling", "original", "mostly-heavy", "page-3", "page-1", "decay"],
+    ids=["rolling", "original", "mostly-heavy", "page-3", "page-1", "page-8-blocks-2", "attention", "decay"],
 )
 def test_c_recall_step_equals_the_torch_step(options):
     """150 steps: the archive of 64 tokens wraps many times (its oldest pages dropped), and the early steps

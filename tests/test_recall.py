@@ -78,6 +78,48 @@ def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
 
 
 @pytest.mark.parametrize("positions", ["rolling", "original"])
+@pytest.mark.parametrize(
+    "pages",
+    [
+        dict(page_size=1),
+        dict(page_size=3),
+        dict(page_size=6, block_size=2, shortlist=2),
+        dict(page_size=6, block_size=2, shortlist=2, page_carry=0.9),
+    ],
+    ids=["page-1", "page-3", "page-6-shortlist-2", "carried"],
+)
+@pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6]], ids=["decode", "chunked"])
+def test_attention_page_score_matches_the_naive_simulation(positions, pages, chunks):
+    """`--page-score attention`: pages ranked by the softmax mass the queries put on their keys, over every
+    archived key, or over those of the `--shortlist` pages the summaries bound best, plus `--page-carry` of
+    each page's last score (docs/spec.md), on the chunk path and the torch step."""
+    torch.manual_seed(9)
+    settings = dataclasses.replace(
+        naive_settings(positions, 0.75, archive_max=96, page_score="attention"), **pages
+    )
+    layer, inv_freq = make_recall_layer(settings)
+    assert layer.archive.attention
+    feed_against_naive(layer, settings, inv_freq, chunks, N_HEADS)
+    assert layer.recalled > 0
+
+
+@pytest.mark.parametrize("positions", ["rolling", "original"])
+@pytest.mark.parametrize("block_size", [1, 2, 3])
+@pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6]], ids=["decode", "chunked"])
+def test_pages_ranked_by_their_best_block_match_the_naive_simulation(positions, block_size, chunks):
+    """`--block-size`: pages of 6 read back whole, each ranked by the best of its blocks' bounds (docs/spec.md),
+    the newest page's unwritten blocks bounding nothing (tests/test_native_recall.py wraps the ring)."""
+    torch.manual_seed(7)
+    settings = dataclasses.replace(
+        naive_settings(positions, 0.75, archive_max=96), page_size=6, block_size=block_size
+    )
+    layer, inv_freq = make_recall_layer(settings)
+    assert layer.archive.summary.shape[1] == 96 // block_size
+    feed_against_naive(layer, settings, inv_freq, chunks, N_HEADS)
+    assert layer.recalled > 0
+
+
+@pytest.mark.parametrize("positions", ["rolling", "original"])
 @pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6]], ids=["decode", "chunked"])
 def test_decayed_recall_matches_the_naive_simulation(positions, chunks):
     """`--score-decay` with recall: S's scores decay as h2o's, per query token (docs/spec.md), on the chunk

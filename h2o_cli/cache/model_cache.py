@@ -134,23 +134,24 @@ class H2OCache(Cache):
         """Give every layer its `PageArchive`, in RAM or in one mapped file (docs/spec.md, recall: storage)."""
         from h2o_cli import memory
         from h2o_cli.cache.recall.archive_file import ArchiveFile, aligned, archive_location
+        from h2o_cli.cache.recall.limits import archive_storage, summary_block
 
         settings, shape = self.settings, self.shape
         bits, page = settings.archive_bits, policy.page_size
-        page_bytes = memory.archive_bytes(shape, page, page, dtype.itemsize, bits)
+        block = summary_block(page, policy.block_size)
+        page_bytes = memory.archive_bytes(shape, page, block, dtype.itemsize, bits)
         capacity = policy.archive_tokens(span, page_bytes)
         regions = [None] * len(layers)
-        if settings.archive != "ram":
-            device = next((device for device in devices if device.type != "cpu"), devices[0])
+        device = next((device for device in devices if device.type != "cpu"), devices[0])
+        region = aligned(PageArchive.stored_bytes(shape.n_kv_heads, shape.head_dim, capacity, dtype, bits))
+        storage = archive_storage(settings.archive, region * len(layers), device.type)
+        if storage != "ram":
             if device.type != "cpu":
                 raise UsageError(
                     f"--archive {settings.archive} maps a file into CPU memory, but the model runs on {device}; "
                     "use --archive ram (the archive then lives in device memory) or --device cpu"
                 )
-            region = aligned(
-                PageArchive.stored_bytes(shape.n_kv_heads, shape.head_dim, capacity, dtype, bits)
-            )
-            where = archive_location(settings.archive, settings.keep_archive)
+            where = archive_location(storage, settings.keep_archive)
             self.archive_file = ArchiveFile(where, region * len(layers), settings.keep_archive)
             regions = [self.archive_file.region(region) for _ in layers]
         for layer, region, device in zip(layers, regions, devices, strict=True):

@@ -47,8 +47,8 @@ def memory(
     Computed from the model config without loading weights (a built-in public config for offline aliases).
     With --device-map, also the H2O cache (and a RAM recall archive) on each device, as the layers are placed.
     """
-    from h2o_cli.cache.recall.limits import archive_capacity
-    from h2o_cli.memory import ModelShape, archive_bytes, memory_table
+    from h2o_cli.cache.recall.limits import archive_capacity, archive_storage, summary_block
+    from h2o_cli.memory import ModelShape, archive_bytes, archive_split, memory_table
     from h2o_cli.models import config_for, pick_device, pick_dtype
 
     config, origin = config_for(model)
@@ -56,9 +56,13 @@ def memory(
     tokens, chunk, kv_bits = settings.resolved(shape.context).budget, settings.chunk, settings.kv_bits
     dtype_bytes = pick_dtype(dtype, pick_device(device)).itemsize
     page, bits = settings.page_size, settings.archive_bits
-    page_bytes = archive_bytes(shape, page, page, dtype_bytes, bits)
+    block = summary_block(page, settings.block_size)
+    page_bytes = archive_bytes(shape, page, block, dtype_bytes, bits)
     archive = archive_capacity(settings.archive_max, page, None, page_bytes)  # whole pages, as the cache
-    storage = "ram" if settings.archive == "ram" else "disk"
+    stored = archive_split(shape, archive, block, dtype_bytes, bits, "disk")[1]  # the K/V (and scales)
+    storage = (
+        "ram" if archive_storage(settings.archive, stored, pick_device(device).type) == "ram" else "disk"
+    )
     table = memory_table(
         shape,
         tokens,
@@ -67,6 +71,7 @@ def memory(
         kv_bits,
         dtype_bytes,
         page_size=page,
+        block_size=block,
         archive_max=archive,
         archive_bits=bits,
         archive_storage=storage,

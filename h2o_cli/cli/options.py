@@ -155,28 +155,57 @@ RecallRatio = Annotated[
     float,
     typer.Option("--recall-ratio", help="recall: share of the budget refilled from the archive every step."),
 ]
-PageSize = Annotated[int, typer.Option("--page-size", help="recall: tokens per archive page.")]
+PageSize = Annotated[
+    int,
+    typer.Option("--page-size", help="recall: tokens per archive page, the span a recall reads back whole."),
+]
+BlockSize = Annotated[
+    int | None,
+    typer.Option(
+        "--block-size",
+        help="recall: tokens per key summary inside a page (divides --page-size; default: 4, or the page when 4 "
+        "does not divide it). A page's bound is its best block's.",
+    ),
+]
+Shortlist = Annotated[
+    int,
+    typer.Option(
+        "--shortlist",
+        help="recall, --page-score attention: score only the K pages whose key summaries bound highest "
+        "(two levels: summaries, then those pages' keys); 0 scores every page.",
+    ),
+]
+PageCarry = Annotated[
+    float,
+    typer.Option(
+        "--page-carry",
+        help="recall, --page-score attention: share of a page's last score added to its next, so a page the "
+        "question found stays while the answer is written (0: every step scores afresh).",
+    ),
+]
 PageScore = Annotated[
     str,
     typer.Option(
         "--page-score",
-        help="recall: score pages with the query rotated over the distances recalled keys take (positional), "
-        "or unrotated (Quest's).",
+        help="recall: rank pages by the attention the queries put on them over every archived key (attention), "
+        "by the bound of their key summaries with the query rotated over the distances recalled keys take "
+        "(positional), or with the query unrotated (Quest's).",
     ),
 ]
 ArchiveMax = Annotated[
     str,
     typer.Option(
         "--archive-max",
-        help="recall: what the archive keeps, in tokens (16384) or bytes (64MiB, 1GiB); older pages are dropped.",
+        help="recall: what the archive keeps, in tokens (131072) or bytes (64MiB, 1GiB); older pages are dropped.",
     ),
 ]
 Archive = Annotated[
     str,
     typer.Option(
         "--archive",
-        help="recall: where archived K/V live: ram, disk (a file in $H2O_HOME/archive/, memory-mapped and not "
-        "kept resident; CPU only), or a file or folder PATH. The file is removed at exit.",
+        help="recall: where archived K/V live: auto (RAM when the whole archive fits in 1 GiB, else disk; on a GPU "
+        "its memory), ram, disk (a file in $H2O_HOME/archive/, memory-mapped and not kept resident; CPU only), "
+        "or a file or folder PATH. The file is removed at exit.",
     ),
 ]
 ArchiveBits = Annotated[
@@ -250,6 +279,9 @@ CACHE_OPTIONS = {
     "kv_bits": KvBits,
     "recall_ratio": RecallRatio,
     "page_size": PageSize,
+    "block_size": BlockSize,
+    "shortlist": Shortlist,
+    "page_carry": PageCarry,
     "page_score": PageScore,
     "archive_max": ArchiveMax,
     "archive": Archive,

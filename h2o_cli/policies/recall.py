@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from h2o_cli.cache.recall.limits import archive_capacity, check_recall_options
+from h2o_cli.cache.recall.limits import DEFAULT_ARCHIVE_MAX, archive_capacity, check_recall_options
 from h2o_cli.errors import UsageError
 from h2o_cli.policies.base import split_slots
 from h2o_cli.policies.h2o import HeavyHitterPolicy
@@ -21,12 +21,23 @@ class RecallPolicy(HeavyHitterPolicy):
     recalls: ClassVar[bool] = True
 
     recall_ratio: float = 0.5
-    page_size: int = 4
-    archive_max: int | str = 16384
-    page_score: str = "positional"
+    page_size: int = 16
+    block_size: int | None = None
+    shortlist: int = 512
+    page_carry: float = 0.9
+    archive_max: int | str = DEFAULT_ARCHIVE_MAX
+    page_score: str = "attention"
 
     def __post_init__(self) -> None:
-        check_recall_options(self.recall_ratio, self.page_size, self.archive_max, page_score=self.page_score)
+        check_recall_options(
+            self.recall_ratio,
+            self.page_size,
+            self.archive_max,
+            page_score=self.page_score,
+            block_size=self.block_size,
+            shortlist=self.shortlist,
+            page_carry=self.page_carry,
+        )
         super().__post_init__()
         if self.resident < 2:
             raise UsageError(
@@ -65,7 +76,7 @@ class RecallPolicy(HeavyHitterPolicy):
         E_q has at most `budget + chunk` entries, so every distance is below that; under original positions
         below `tokens`, the tokens seen with the chunk."""
         if self.page_score == "unrotated":
-            return None
+            return None  # `positional` and `attention` score with the rotated query
         high = self.budget + chunk if rolling else tokens
         return min(self.recent_slots, high - 1), high
 

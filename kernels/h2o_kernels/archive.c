@@ -33,23 +33,26 @@ static inline int64_t order_key(float bound, int64_t page_start) {
 }
 
 /* `PageArchive.write` of one token: archive one token's K/V (unrotated) at ring slot `token % capacity`; a token
- * that starts a page first empties its ring page (token indices -1, summary high -inf, low +inf); the page's
- * per-channel max and min take the key (`torch.maximum`/`minimum`: a NaN wins). */
+ * that starts a page first empties its ring page (token indices -1; the summaries of its blocks high -inf, low
+ * +inf); the per-channel max and min of the token's block take the key (`torch.maximum`/`minimum`: a NaN wins). */
 void archive_token(
-    int64_t n_kv, int64_t head_dim, int64_t capacity, int64_t page_size, int64_t token,
+    int64_t n_kv, int64_t head_dim, int64_t capacity, int64_t page_size, int64_t block_size, int64_t token,
     const float *restrict new_key, const float *restrict new_value,           /* [n_kv, head_dim] */
     int64_t *restrict archive_index,                                          /* [capacity] */
     float *restrict archive_keys, float *restrict archive_values,             /* [n_kv, capacity, head_dim] */
-    float *restrict summary)                    /* [n_kv, capacity / page_size, 2 * head_dim]: [high, low] */
+    float *restrict summary)                  /* [n_kv, capacity / block_size, 2 * head_dim]: [high, low] */
 {
-    const int64_t slot = token % capacity, page = slot / page_size, pages = capacity / page_size;
+    const int64_t slot = token % capacity, page = slot / page_size, blocks = capacity / block_size;
+    const int64_t block = slot / block_size, per_page = page_size / block_size;
     if (token % page_size == 0) {
         for (int64_t o = 0; o < page_size; o++) archive_index[page * page_size + o] = -1;
         for (int64_t g = 0; g < n_kv; g++) {
-            float *restrict bounds = summary + (g * pages + page) * 2 * head_dim;
-            for (int64_t i = 0; i < head_dim; i++) {
-                bounds[i] = -INFINITY;
-                bounds[head_dim + i] = INFINITY;
+            for (int64_t b = page * per_page; b < (page + 1) * per_page; b++) {
+                float *restrict bounds = summary + (g * blocks + b) * 2 * head_dim;
+                for (int64_t i = 0; i < head_dim; i++) {
+                    bounds[i] = -INFINITY;
+                    bounds[head_dim + i] = INFINITY;
+                }
             }
         }
     }
@@ -58,7 +61,7 @@ void archive_token(
         __builtin_memcpy(archive_keys + (g * capacity + slot) * head_dim, k, head_dim * sizeof(float));
         __builtin_memcpy(archive_values + (g * capacity + slot) * head_dim, new_value + g * head_dim,
                          head_dim * sizeof(float));
-        float *restrict high = summary + (g * pages + page) * 2 * head_dim, *restrict low = high + head_dim;
+        float *restrict high = summary + (g * blocks + block) * 2 * head_dim, *restrict low = high + head_dim;
         for (int64_t i = 0; i < head_dim; i++) {
             high[i] = (k[i] > high[i] || k[i] != k[i]) ? k[i] : high[i];
             low[i] = (k[i] < low[i] || k[i] != k[i]) ? k[i] : low[i];

@@ -38,7 +38,7 @@ _INT, _PTR, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 STEP_ARGTYPES = [_INT] * 5 + [_PTR] * 12 + [_INT] * 4 + [_FLOAT] + [_INT] + [_PTR] * 5 + [_INT] + [_PTR] * 3
 # archive.c: `archive_choose` and `archive_token`.
 CHOOSE_ARGTYPES = [_INT] * 4 + [_PTR] * 2 + [_INT] * 4 + [_PTR] * 4 + [_INT] + [_PTR] * 9
-ARCHIVE_ARGTYPES = [_INT] * 5 + [_PTR] * 6
+ARCHIVE_ARGTYPES = [_INT] * 6 + [_PTR] * 6
 NO_RECALL = (0, None, None, None, None, None)  # `step`'s recall arguments for R = ∅
 
 
@@ -182,19 +182,21 @@ def archive_token(
     value: torch.Tensor,
     capacity: int,
     page_size: int,
+    block_size: int,
     token: int,
     archive: tuple[int, ...],
     summary: int,
 ) -> None:
     """`PageArchive.write` of one token (archive.c's `archive_token`): key, value [n_kv_heads, 1, head_dim]
     unrotated float32; archive: the addresses of the archive's token index [capacity] (int64), keys and values
-    [n_kv_heads, capacity, head_dim] (float32); summary: the address of its summaries
-    [n_kv_heads, capacity / page_size, 2 * head_dim] (float32); `token`: the token's index."""
+    [n_kv_heads, capacity, head_dim] (float32); summary: the address of its block summaries
+    [n_kv_heads, capacity / block_size, 2 * head_dim] (float32); `token`: the token's index."""
     n_kv, _, head_dim = key.shape
     key, value = key.contiguous(), value.contiguous()
     library().archive_token(
-        n_kv, head_dim, capacity, page_size, token, key.data_ptr(), value.data_ptr(), *archive, summary
-    )
+        n_kv, head_dim, capacity, page_size, block_size, token, key.data_ptr(), value.data_ptr(), *archive,
+        summary,
+    )  # fmt: skip
 
 
 def archive_choose(

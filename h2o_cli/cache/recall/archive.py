@@ -3,9 +3,12 @@
 One `PageArchive` per layer. Tokens are written through as they arrive (before attention and eviction), into
 a preallocated ring of `capacity` token slots: token `t` lives in slot `t % capacity`, and page `t // page_size`
 in ring page `(t % capacity) // page_size`. When a token starts a page, the ring page it lands on is emptied
-first, so the oldest page is dropped for good and nothing grows. Per (ring page, KV head) the archive keeps
-the per-channel min and max of the page's keys (Quest's summary), so a query bounds its best logit in a page
-without reading the page: `sum_i max(q_i * max_i, q_i * min_i) >= q . k` for every key `k` of the page.
+first, so the oldest page is dropped for good and nothing grows. A page is what a recall step reads back
+whole; its keys are summarised in blocks of `block_size` tokens (a divisor of the page; the page itself by
+default): per (ring block, KV head) the archive keeps the per-channel min and max of the block's keys (Quest's
+summary), so a query bounds its best logit in a block without reading it,
+`sum_i max(q_i * max_i, q_i * min_i) >= q . k` for every key `k` of the block, and a page's bound is the best
+of its blocks' (as tight as pages of `block_size`, read back `page_size` tokens at a time).
 
 Storage: K/V in RAM (`torch.empty`: the system backs them as they are written) or in a region of a memory-mapped
 file (`h2o_cli.cache.recall.archive_file`), whose pages are released from the process after every write and read; in the
@@ -19,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from h2o_cli.cache.kvquant import SCALE_DTYPE, dequantize, quantize, storage_dtype
+from h2o_cli.cache.recall.limits import summary_block
 
 NOTHING = -1  # token index of an empty archive slot
 
@@ -79,11 +83,21 @@ class PageArchive:
         device: torch.device,
         bits: int | None = None,
         region=None,
+        block_size: int | None = None,
+        attention: bool = False,
+        shortlist: int = 0,
+        carry: float = 0.0,
     ) -> None:
         assert capacity % page_size == 0 and capacity >= 2 * page_size, "a whole number (>= 2) of pages"
+        block_size = summary_block(page_size, block_size)
+        assert page_size % block_size == 0, "blocks divide the page"
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
-        self.capacity, self.page_size = capacity, page_size
+        self.capacity, self.page_size, self.block_size = capacity, page_size, block_size
+        self.attention = attention  # pages scored by attention mass (`attention_mass`), not by the summaries
+        self.shortlist = shortlist  # with `attention`: only the pages the summaries bound best (0: all)
+        self.carry = carry  # with `attention`: the share of a page's last score added to the next
         self.pages = capacity // page_size
+        self.blocks_per_page = page_size // block_size
         self.dtype, self.bits, self.region = dtype, bits, region
         stored = storage_dtype(bits, dtype)
         self.quantized = stored == torch.int8
@@ -101,14 +115,20 @@ class PageArchive:
             self.key_scales = allocate((n_kv_heads, capacity), SCALE_DTYPE)
             self.value_scales = allocate((n_kv_heads, capacity), SCALE_DTYPE)
         self.token_index = torch.full((capacity,), NOTHING, dtype=torch.int64, device=device)
-        # Per page: [high, low] side by side (one matmul scores both); `high` and `low` are views of it.
-        self.summary = torch.zeros(n_kv_heads, self.pages, 2 * head_dim, dtype=torch.float32, device=device)
+        # With `carry`: each ring page's last score and the first token of the page it was given to (a ring
+        # page that holds another page since starts again from 0).
+        self.carried = torch.zeros(n_kv_heads, self.pages, dtype=torch.float32, device=device)
+        self.carried_start = torch.full((self.pages,), NOTHING, dtype=torch.int64, device=device)
+        # Per block: [high, low] side by side (one matmul scores both); `high` and `low` are views of it.
+        blocks = capacity // block_size
+        self.summary = torch.zeros(n_kv_heads, blocks, 2 * head_dim, dtype=torch.float32, device=device)
         self.high, self.low = self.summary[..., :head_dim], self.summary[..., head_dim:]
         self.tokens = 0  # tokens written so far (the next token's index)
         self._floor = 0  # no older token is held (raised by a rewind past pages the ring dropped)
         # [n_kv_heads, 1]: each KV head's first row in the K/V seen as [n_kv_heads * capacity, head_dim].
         self._head_rows = torch.arange(n_kv_heads, device=device).unsqueeze(1) * capacity
         self._page_offsets = torch.arange(page_size, device=device)
+        self._block_offsets = torch.arange(self.blocks_per_page, device=device)
 
     @staticmethod
     def stored_bytes(
@@ -176,8 +196,9 @@ class PageArchive:
         page_slots = self.token_index.view(self.pages, self.page_size)
         starting = slots[token_index % self.page_size == 0] // self.page_size
         page_slots[starting] = NOTHING  # these ring pages now begin a new page: the old one is gone
-        self.low[:, starting] = float("inf")
-        self.high[:, starting] = float("-inf")
+        blocks = self._blocks_of(starting)
+        self.low[:, blocks] = float("inf")
+        self.high[:, blocks] = float("-inf")
         writes = self._writes(keys, values)
         for target, data in writes:
             if self.region is None:
@@ -185,12 +206,16 @@ class PageArchive:
             else:
                 self.region.write(target, first, data)
         self.token_index.index_copy_(0, slots, token_index)
-        # Summaries from the keys as they came (exact, before any rounding): min/max folded in page by page.
+        # Summaries from the keys as they came (exact, before any rounding): min/max folded in block by block.
         exact = keys.float()
-        pages = (slots // self.page_size).view(1, -1, 1).expand_as(exact)
-        self.low.scatter_reduce_(1, pages, exact, "amin")
-        self.high.scatter_reduce_(1, pages, exact, "amax")
+        blocks = (slots // self.block_size).view(1, -1, 1).expand_as(exact)
+        self.low.scatter_reduce_(1, blocks, exact, "amin")
+        self.high.scatter_reduce_(1, blocks, exact, "amax")
         self.tokens += count
+
+    def _blocks_of(self, pages: torch.Tensor) -> torch.Tensor:
+        """The summary blocks of ring `pages` [n] (int64): [n * blocks_per_page], page by page."""
+        return (pages.unsqueeze(-1) * self.blocks_per_page + self._block_offsets).flatten()
 
     def _writes(self, keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(storage tensor, data) pairs for K/V `[n_kv_heads, n, head_dim]`: as given, or int8 codes and
@@ -210,11 +235,12 @@ class PageArchive:
         and page as Python ints (held to it by tests/test_recall.py; archive.c's `archive_token` is its C twin)."""
         token = self.tokens
         slot = token % self.capacity
-        page = slot // self.page_size
+        page, block = slot // self.page_size, slot // self.block_size
         if token % self.page_size == 0:  # the token starts a page: the ring page's old page is gone
             self.token_index[page * self.page_size : (page + 1) * self.page_size] = NOTHING
-            self.summary[:, page, self.head_dim :] = float("inf")  # low
-            self.summary[:, page, : self.head_dim] = float("-inf")  # high
+            blocks = slice(page * self.blocks_per_page, (page + 1) * self.blocks_per_page)
+            self.summary[:, blocks, self.head_dim :] = float("inf")  # low
+            self.summary[:, blocks, : self.head_dim] = float("-inf")  # high
         writes = self._writes(keys, values)
         for target, data in writes:
             if self.region is None:
@@ -223,7 +249,7 @@ class PageArchive:
                 self.region.write(target, token, data)
         self.token_index[slot : slot + 1].fill_(token)
         exact = keys[:, 0].float()  # [n_kv, head_dim]: the summaries from the keys as they came
-        low, high = self.low[:, page], self.high[:, page]
+        low, high = self.low[:, block], self.high[:, block]
         torch.minimum(low, exact, out=low)
         torch.maximum(high, exact, out=high)
         self.tokens += 1
@@ -240,27 +266,29 @@ class PageArchive:
         for target, data in self._writes(keys, values):
             target.index_copy_(1, slot, data.to(target.dtype))
         self.token_index.index_copy_(0, slot, token)
+        # The page's blocks (all emptied where the token starts the page), the token's own taking its key.
+        blocks = self._blocks_of(page)  # [blocks_per_page]
+        own = (self._block_offsets == slot % self.page_size // self.block_size).view(1, -1, 1)
         exact = keys.float()  # [n_kv, 1, head_dim]: the summaries from the keys as they came
-        low = torch.where(starts, float("inf"), self.low.index_select(1, page))
-        high = torch.where(starts, float("-inf"), self.high.index_select(1, page))
-        self.low.index_copy_(1, page, torch.minimum(low, exact))
-        self.high.index_copy_(1, page, torch.maximum(high, exact))
+        low = torch.where(starts, float("inf"), self.low.index_select(1, blocks))
+        high = torch.where(starts, float("-inf"), self.high.index_select(1, blocks))
+        self.low.index_copy_(1, blocks, torch.where(own, torch.minimum(low, exact), low))
+        self.high.index_copy_(1, blocks, torch.where(own, torch.maximum(high, exact), high))
 
     def stepped_fixed(self) -> None:
         """The Python count after a fixed step's `write_fixed`."""
         self.tokens += 1
 
     def _summarise(self, pages: torch.Tensor) -> None:
-        """Recompute the min/max keys of ring `pages` [n] from the tokens they hold (stored keys)."""
-        held = (self.token_index.view(self.pages, self.page_size)[pages] != NOTHING).view(
-            1, -1, self.page_size, 1
-        )
-        shape = (self.n_kv_heads, self.pages, self.page_size)
-        page_keys = self.keys.view(*shape, self.head_dim)[:, pages].float()
+        """Recompute the min/max keys of ring `pages` [n]' blocks from the tokens they hold (stored keys)."""
+        blocks, size = self._blocks_of(pages), self.block_size
+        held = (self.token_index.view(-1, size)[blocks] != NOTHING).view(1, -1, size, 1)
+        shape = (self.n_kv_heads, self.capacity // size, size)
+        block_keys = self.keys.view(*shape, self.head_dim)[:, blocks].float()
         if self.quantized:
-            page_keys = dequantize(page_keys, self.key_scales.view(shape)[:, pages], torch.float32)
-        self.low[:, pages] = page_keys.masked_fill(~held, float("inf")).amin(dim=2)
-        self.high[:, pages] = page_keys.masked_fill(~held, float("-inf")).amax(dim=2)
+            block_keys = dequantize(block_keys, self.key_scales.view(shape)[:, blocks], torch.float32)
+        self.low[:, blocks] = block_keys.masked_fill(~held, float("inf")).amin(dim=2)
+        self.high[:, blocks] = block_keys.masked_fill(~held, float("-inf")).amax(dim=2)
         self.release()
 
     def read(self, heads: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,11 +310,13 @@ class PageArchive:
     def reset(self) -> None:
         """Forget every token (the buffers stay)."""
         self.token_index.fill_(NOTHING)
+        self.carried_start.fill_(NOTHING)
         self.tokens = self._floor = 0
 
     def rewind(self, tokens: int) -> None:
         """Forget the tokens from index `tokens` on (a scorer going back to a snapshot). Pages the ring dropped
         for them do not come back."""
+        self.carried_start.fill_(NOTHING)  # the scores carried so far are forgotten
         newer = self.token_index >= tokens
         touched = torch.unique(newer.nonzero().flatten() // self.page_size)
         self.token_index[newer] = NOTHING
@@ -299,7 +329,7 @@ class PageArchive:
             self._summarise(touched)
 
     def choose(
-        self, query: torch.Tensor, resident: torch.Tensor, before: int, slots: int
+        self, query: torch.Tensor, resident: torch.Tensor, before: int, slots: int, fresh: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick up to `slots` archived tokens per KV head for a chunk's queries (pass 1 of a recall step).
 
@@ -324,7 +354,7 @@ class PageArchive:
         used = min(self.pages, -(-self.tokens // self.page_size))
         bound = torch.zeros(n_kv, self.pages, device=device)  # pages past `used` hold no candidate
         if used:
-            bound[:, :used] = best_page_bound(query.float(), self.summary[:, :used])
+            bound[:, :used] = self.bounds(query, used, fresh)
         # Every page with a candidate holds at least one, so the first `slots` pages in rank order suffice.
         page_start = self.token_index.view(self.pages, self.page_size)[:, 0]
         top = min(slots, self.pages)
@@ -410,7 +440,7 @@ class PageArchive:
         blocked.scatter_(1, torch.where(marks, resident_slots, capacity), True)
         candidate = blocked[:, :capacity].logical_not()  # [n_kv, capacity]
         has_candidate = candidate.view(n_kv, self.pages, size).any(dim=2)
-        bound = best_page_bound(query.float(), self.summary)
+        bound = self.bounds(query, self.pages)
         page_start = self.token_index.view(self.pages, size)[:, 0]
         key = order_key(bound, page_start, has_candidate)
         return self._first_candidates(key, candidate, min(slots, self.pages), slots)
@@ -418,7 +448,70 @@ class PageArchive:
     def step_bounds(self, query: torch.Tensor) -> torch.Tensor:
         """The page bounds `choose_one` ranks by, for the ring pages written so far: query [n_kv_heads, group,
         head_dim] (unrotated). Returns [n_kv_heads, span // page_size] float32 (the C step's input)."""
-        return best_page_bound(query.float(), self.summary[:, : self.span // self.page_size])
+        return self.bounds(query, self.span // self.page_size)
+
+    def bounds(self, query: torch.Tensor, pages: int, fresh: bool = False) -> torch.Tensor:
+        """The score every choice ranks the first `pages` ring pages by: the bound under the best of the `m`
+        queries, the best of its blocks' `best_page_bound`; with `attention`, `attention_mass` instead.
+        query: [n_kv_heads, m, head_dim]. Returns [n_kv_heads, pages] float32."""
+        if not self.attention:
+            return self.summary_bounds(query, pages)
+        page_start = self.token_index.view(self.pages, self.page_size)[:pages, 0]
+        if not self.shortlist or pages <= self.shortlist:
+            scores = self.attention_mass(query, pages)
+        else:  # two levels: the summaries pick the `shortlist` pages, the keys of those pages alone are scored
+            key = order_key(self.summary_bounds(query, pages), page_start, page_start != NOTHING)
+            picked = torch.topk(key, self.shortlist, dim=1, sorted=False).indices  # [n_kv, shortlist]
+            scores = torch.zeros(self.n_kv_heads, pages, device=query.device)
+            scores.scatter_(1, picked, self.attention_mass(query, pages, picked))
+        if self.carry:  # a chunk of more than one token (`fresh`) starts afresh: a new text or turn
+            same = (self.carried_start[:pages] == page_start) & (page_start != NOTHING) & (not fresh)
+            scores += self.carry * torch.where(same, self.carried[:, :pages], 0.0)
+            self.carried[:, :pages] = scores
+            self.carried_start[:pages] = page_start
+        return scores
+
+    def summary_bounds(self, query: torch.Tensor, pages: int) -> torch.Tensor:
+        """The bound of each of the first `pages` ring pages under the best of the `m` queries: the best of its
+        blocks' `best_page_bound`. query: [n_kv_heads, m, head_dim]. Returns [n_kv_heads, pages] float32."""
+        blocks = pages * self.blocks_per_page
+        per_block = best_page_bound(query.float(), self.summary[:, :blocks])
+        if self.blocks_per_page == 1:
+            return per_block
+        # A block not yet written (the newest page's later ones) bounds nothing: -inf, not the NaN of 0 * inf.
+        per_block.masked_fill_(self.high[:, :blocks, 0] == float("-inf"), float("-inf"))
+        return per_block.view(self.n_kv_heads, pages, self.blocks_per_page).amax(dim=2)
+
+    def attention_mass(
+        self, query: torch.Tensor, pages: int, picked: torch.Tensor | None = None, block: int = 32
+    ) -> torch.Tensor:
+        """The attention the `m` queries put on each of the first `pages` ring pages (or on the pages `picked`
+        [n_kv_heads, k] of each KV head), each query's softmax taken over every token those pages hold
+        (`head_dim ** -0.5` scaling, as the model's attention): the sum over the queries and the page's tokens
+        (docs/spec.md, recall: `--page-score attention`). Reads those pages' keys (dequantised when int8), in
+        blocks of `block` queries so no [m, tokens] tensor is made. query: [n_kv_heads, m, head_dim].
+        Returns [n_kv_heads, pages] (or [n_kv_heads, k], in `picked`'s order) float32."""
+        n_kv, size = self.n_kv_heads, self.page_size
+        if picked is None:
+            slots = torch.arange(pages * size, device=query.device).expand(n_kv, -1)
+            keys, scales = self.keys[:, : pages * size], None if not self.quantized else self.key_scales
+            if scales is not None:
+                scales = scales[:, : pages * size]
+        else:
+            slots = (picked.unsqueeze(-1) * size + self._page_offsets).flatten(1)  # [n_kv, k * size]
+            keys = self.keys.gather(1, slots.unsqueeze(-1).expand(-1, -1, self.head_dim))
+            scales = self.key_scales.gather(1, slots) if self.quantized else None
+        if self.quantized:
+            keys = dequantize(keys, scales, torch.float32)
+        keys = keys.float().transpose(1, 2)  # [n_kv, head_dim, tokens]
+        empty = (self.token_index.take(slots) == NOTHING).unsqueeze(1)  # [n_kv, 1, tokens]
+        query = query.float() * self.head_dim**-0.5
+        mass = torch.zeros(n_kv, slots.shape[1], device=query.device)
+        for start in range(0, query.shape[1], block):
+            logits = torch.bmm(query[:, start : start + block], keys).masked_fill_(empty, float("-inf"))
+            mass += torch.softmax(logits, dim=-1).sum(dim=1)
+        self.release()
+        return mass.view(n_kv, -1, size).sum(dim=2) / query.shape[1]  # the mean over the queries
 
     def read_into(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write the K and V of archive `slots` [n_kv_heads, r] (one row per KV head) into `keys`, `values`

@@ -46,7 +46,8 @@ class RecallCStep(CStep):
         """`PageArchive.write` of one token: key, value [n_kv_heads, 1, head_dim] unrotated."""
         archive = self.archive
         native.archive_token(
-            key, value, archive.capacity, archive.page_size, archive.tokens, self.archive_pointers,
+            key, value, archive.capacity, archive.page_size, archive.block_size, archive.tokens,
+            self.archive_pointers,
             self.summary_pointer,
         )  # fmt: skip
         archive.tokens += 1

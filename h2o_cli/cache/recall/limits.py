@@ -10,7 +10,10 @@ from h2o_cli.errors import UsageError
 SIZE_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 SIZE_UNITS |= {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 ARCHIVE_BITS = (None, 16, 8)
-PAGE_SCORES = ("positional", "unrotated")
+DEFAULT_ARCHIVE_MAX = 131072  # tokens: recall reaches back this far by default
+DEFAULT_BLOCK = 4  # tokens per key summary when --block-size is not given (and 4 divides the page)
+AUTO_RAM_BYTES = 2**30  # `--archive auto`: a CPU archive larger than this (every layer's K/V) goes to a file
+PAGE_SCORES = ("positional", "unrotated", "attention")
 
 
 def archive_cap(value: int | str) -> tuple[int, str]:
@@ -35,14 +38,25 @@ def check_recall_options(
     archive: str = "ram",
     archive_bits=None,
     page_score: str = "positional",
+    block_size: int | None = None,
+    shortlist: int = 0,
+    page_carry: float = 0.0,
 ) -> None:
     """One-line usage errors for `--recall-ratio`, `--page-size`, `--archive-max`, `--archive`,
-    `--archive-bits`, `--page-score` (whatever the policy). A cap in bytes is checked against a page when the
+    `--archive-bits`, `--page-score`, `--block-size`, `--shortlist`, `--page-carry` (whatever the policy). A cap in bytes is checked against a page when the
     cache is built."""
     if not 0 <= recall_ratio <= 1:  # also NaN
         raise UsageError(f"--recall-ratio {recall_ratio} must lie in [0, 1]")
     if page_size < 1:
         raise UsageError(f"--page-size {page_size} must be at least 1")
+    if block_size is not None and (block_size < 1 or page_size % block_size):
+        raise UsageError(
+            f"--block-size {block_size} must divide --page-size {page_size} (e.g. --block-size 4 with pages of 16)"
+        )
+    if not 0 <= page_carry < 1:  # also NaN
+        raise UsageError(f"--page-carry {page_carry} must lie in [0, 1)")
+    if shortlist < 0:
+        raise UsageError(f"--shortlist {shortlist} must be 0 (every page) or a number of pages")
     count, unit = archive_cap(archive_max)
     if unit == "tokens" and count < 2 * page_size:
         raise UsageError(f"--archive-max {archive_max} must hold at least two pages ({2 * page_size} tokens)")
@@ -53,7 +67,23 @@ def check_recall_options(
     if archive_bits not in ARCHIVE_BITS:
         raise UsageError(f"--archive-bits {archive_bits} is not supported; choose 16 or 8 (or omit it)")
     if page_score not in PAGE_SCORES:
-        raise UsageError(f"--page-score {page_score!r} is unknown; choose {' or '.join(PAGE_SCORES)}")
+        raise UsageError(f"--page-score {page_score!r} is unknown; choose {', '.join(PAGE_SCORES)}")
+
+
+def summary_block(page_size: int, block_size: int | None) -> int:
+    """Tokens per key summary: `--block-size`, else 4 where 4 divides the page, else the page."""
+    if block_size:
+        return block_size
+    return DEFAULT_BLOCK if page_size % DEFAULT_BLOCK == 0 else page_size
+
+
+def archive_storage(setting: str, stored_bytes: int, device_type: str) -> str:
+    """Where the archive's K/V live for `--archive setting`: `auto` is `ram` on an accelerator (its memory) and
+    on the CPU when all of it (`stored_bytes`, every layer's K/V at its capacity) fits in `AUTO_RAM_BYTES`, else
+    `disk`; any other setting is itself (ram, disk or a path)."""
+    if setting != "auto":
+        return setting
+    return "ram" if device_type != "cpu" or stored_bytes <= AUTO_RAM_BYTES else "disk"
 
 
 def archive_capacity(archive_max: int | str, page_size: int, span: int | None, page_bytes: int | None) -> int:

@@ -1,0 +1,272 @@
+"""Which page choice finds a passkey past the window? Read each haystack once, then ask under every variant.
+
+The passkey haystacks of `recall_grid.py` (the needle at a depth of a text longer than the model's window,
+the question after it). Each haystack's text is read once through a `recall` cache; its state is kept
+(`H2OCache.state`), and for every variant the cache is put back to it and the question is read and answered
+(greedy) with the variant's page choice. So every variant sees the same resident set and the same archive,
+and a haystack costs one read however many variants are tried. The text is read with blocks of `--block`
+tokens; a variant with pages of P tokens groups them P / block at a time (the summaries are the same), so
+pages and blocks can be compared without reading again. Variants (`--variants`, comma-separated):
+
+- `pN`: pages of N tokens, each ranked by its best block (N = block: today's pages);
+- `pN-votes`: the same, every KV head of a layer taking the pages in one shared order: a page's place is its
+  best rank in any head of the layer (the heads that single the needle out lend it to the others);
+- `pN-exact`: pages ranked by the best exact `q.k` of their keys (no summary), `pN-mass`: by the attention mass
+  the queries put on them, each query's softmax over every archived key; either may add `-votes`;
+- `-wideN` (with any score): a page scores as the best page within N pages of it, so a hit is read back with
+  the pages around it (a span, as ReAttention widens each hit);
+- `-keepN` (with `mass`): a page's score carried from step to step, each step's mass added to the last
+  score times N/10, so a page the question found stays while the answer is written;
+- `pN-shortK`: the attention mass inside a shortlist, the K pages with the best summary bound per KV head
+  (a two-level choice: summaries first, then the keys of the best pages only);
+- `oracle`: the needle sentence's archived tokens forced into every head's recall slots (what a perfect
+  choice would answer; `recall_oracle.py`).
+
+The question is read as its own chunk (as chat reads a new turn), then up to 12 tokens are generated.
+
+    python scripts/recall_choice.py --length 32768 --depth-list 10,30,50,70,90 --seeds 1 --budget-tokens 819 \
+        --variants p4,p16,p32,p16-votes,oracle --out docs/results/recall/choice_32768.jsonl
+    python scripts/recall_choice.py --summary docs/results/recall/choice_32768.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from recall_grid import MAX_NEW_TOKENS, QUESTION, haystacks, settings_of  # scripts/ on sys.path
+from recall_oracle import Oracle
+from recall_probe import needle_tokens
+
+from h2o_cli.cache.recall.archive import PageArchive
+
+CHOOSE, CHOOSE_ONE = PageArchive.choose, PageArchive.choose_one
+
+
+def regroup(archive: PageArchive, page_size: int) -> None:
+    """View `archive` (read with pages of one block) as pages of `page_size` tokens: the same tokens and block
+    summaries, grouped `page_size / block_size` blocks to a page."""
+    assert page_size % archive.block_size == 0 and archive.capacity % page_size == 0
+    archive.page_size = page_size
+    archive.pages = archive.capacity // page_size
+    archive.blocks_per_page = page_size // archive.block_size
+    device = archive.token_index.device
+    archive._page_offsets = torch.arange(page_size, device=device)
+    archive._block_offsets = torch.arange(archive.blocks_per_page, device=device)
+
+
+def shared_order(bound: torch.Tensor) -> torch.Tensor:
+    """Votes: every head's pages in one order, a page's best rank in any head of the layer (ties: the older
+    page, as `order_key` breaks them), as a float32 per (head, page) that sorts as that order.
+    bound: [n_kv_heads, pages]."""
+    ranks = bound.argsort(dim=1, descending=True).argsort(dim=1)  # 0 = the head's best page
+    return (-ranks.min(dim=0).values.float()).expand_as(bound).contiguous()
+
+
+def exact_bounds(archive: PageArchive, query: torch.Tensor, pages: int, mass: bool) -> torch.Tensor:
+    """Page scores from the archived keys themselves instead of block summaries: `exact`, the best `q.k` of the
+    page's keys under the best query (pages of one token: Quest's bound made exact); `mass`, the attention
+    mass the queries put on the page, each query's softmax taken over every archived key (what the question
+    attends to, InfiniRetri's signal). query: [n_kv_heads, m, head_dim] (the scoring queries); returns
+    [n_kv_heads, pages]."""
+    size = pages * archive.page_size
+    logits = torch.bmm(query.float(), archive.keys[:, :size].float().transpose(1, 2))  # [n_kv, m, size]
+    logits.masked_fill_(archive.token_index[:size] == -1, float("-inf"))
+    if mass:
+        per_token = torch.softmax(logits * archive.head_dim**-0.5, dim=-1).sum(dim=1)
+        return per_token.view(archive.n_kv_heads, pages, archive.page_size).sum(dim=2)
+    return logits.amax(dim=1).view(archive.n_kv_heads, pages, archive.page_size).amax(dim=2)
+
+
+def shortlisted_mass(archive: PageArchive, query: torch.Tensor, pages: int, bounds: torch.Tensor, short: int):
+    """`exact_bounds(..., mass=True)` inside a shortlist: the `short` pages with the best summary bound per KV
+    head, each query's softmax over their keys only; the other pages score -1. bounds: [n_kv_heads, pages]."""
+    size, n_kv = archive.page_size, archive.n_kv_heads
+    top = bounds.topk(min(short, pages), dim=1).indices  # [n_kv, K]
+    slots = (top.unsqueeze(-1) * size + torch.arange(size)).flatten(1)  # [n_kv, K * size]
+    keys = archive.keys.float().gather(1, slots.unsqueeze(-1).expand(-1, -1, archive.head_dim))
+    logits = torch.bmm(query.float(), keys.transpose(1, 2)) * archive.head_dim**-0.5
+    logits.masked_fill_((archive.token_index[slots] == -1).unsqueeze(1), float("-inf"))
+    mass = torch.softmax(logits, dim=-1).sum(dim=1).view(n_kv, -1, size).sum(dim=2)
+    return torch.full((n_kv, pages), -1.0).scatter_(1, top, mass)
+
+
+def choice(extras: set[str]) -> None:
+    """Make `PageArchive.bounds` (which every choice ranks by) score as the variant says (`exact`, `mass`,
+    then `votes` over the result), or put the summaries' bounds back (no extras)."""
+    if not hasattr(PageArchive, "_own_bounds"):
+        PageArchive._own_bounds = PageArchive.bounds
+    own = PageArchive._own_bounds
+
+    def bounds(self, query, pages, fresh=False):
+        short = [int(extra[5:]) for extra in extras if extra.startswith("short")]
+        if short:
+            scores = shortlisted_mass(self, query, pages, own(self, query, pages, fresh), short[0])
+        elif extras & {"exact", "mass"}:
+            scores = exact_bounds(self, query, pages, "mass" in extras)
+        else:
+            scores = own(self, query, pages, fresh)
+        keep = [int(extra[4:]) / 10 for extra in extras if extra.startswith("keep")]
+        if keep:  # scores carried over steps: each step's added to the last's times the decay
+            last = getattr(self, "_carried", None)
+            if last is not None:
+                last = torch.nn.functional.pad(last, (0, pages - last.shape[1]))[:, :pages]
+                scores = scores + keep[0] * last.clamp_min(0)
+            self._carried = scores.clamp_min(0)
+        wide = [int(extra[4:]) for extra in extras if extra.startswith("wide")]
+        if (
+            wide
+        ):  # a page scores as well as the best page within `wide` of it: hits come with their neighbours
+            n = wide[0]
+            scores = torch.nn.functional.max_pool1d(scores.unsqueeze(1), 2 * n + 1, stride=1, padding=n)[:, 0]
+        return shared_order(scores) if "votes" in extras else scores
+
+    PageArchive.bounds = bounds if extras else own
+
+
+ARCHIVED = ("keys", "values", "token_index", "summary")
+
+
+def save_state(cache, path: Path, tokens: int, seconds: float) -> None:
+    """The cache after the read (every store's state and every archive's tensors) in one file."""
+    archives = [{name: getattr(layer.archive, name) for name in ARCHIVED} for layer in cache.layers]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state": cache.state(), "archives": archives, "tokens": tokens, "seconds": seconds}, path)
+
+
+def load_state(cache, path: Path) -> tuple[int, float]:
+    """Put a `save_state` file into a fresh cache of the same settings; returns (tokens read, read seconds)."""
+    saved = torch.load(path)
+    for layer, archive in zip(cache.layers, saved["archives"], strict=True):
+        for name in ARCHIVED:
+            getattr(layer.archive, name).copy_(archive[name])
+        layer.archive.tokens = saved["tokens"]
+    cache.restore(saved["state"])
+    return saved["tokens"], saved["seconds"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=32768)
+    parser.add_argument("--depth-list", type=lambda s: [int(x) for x in s.split(",")], default=[10, 50, 90])
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--seed-from", type=int, default=0)
+    parser.add_argument(
+        "--budget-tokens", type=int, default=819, help="resident + recalled tokens per KV head"
+    )
+    parser.add_argument("--policy", default="recall", help="the reading's recall spec, as recall_grid.py")
+    parser.add_argument("--block", type=int, default=4, help="tokens per key summary while reading")
+    parser.add_argument("--variants", default="p4,p16,p32,p16-votes,oracle")
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--states", type=Path, help="keep each haystack's state after the read here, and reuse it if there"
+    )
+    parser.add_argument("--summary", type=Path, nargs="+")
+    args = parser.parse_args()
+    if args.summary:
+        print(summary(args.summary))
+        return
+    torch.set_num_threads(args.threads)
+
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.eval.data import load_essays
+    from h2o_cli.generation import Sampling, TextStreamer, generate_ids
+    from h2o_cli.models import load_model
+    from h2o_cli.prompting import read_then_answer
+    from h2o_cli.streaming import prefill
+
+    model, tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32")
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    essays = load_essays(None)
+    variants = args.variants.split(",")
+    for seed in range(args.seed_from, args.seed_from + args.seeds):
+        for depth, key, text in haystacks(tokenizer, essays, args.length, args.depth_list, seed):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            pieces = list(read_then_answer(tokenizer, [ids], QUESTION))
+            settings = settings_of(args.policy, args.budget_tokens, args.chunk)
+            settings = replace(settings, page_size=args.block, block_size=args.block, kernels="torch")
+            span = -(-(sum(map(len, pieces)) + MAX_NEW_TOKENS) // 64) * 64  # whole pages of up to 64
+            settings = replace(settings, archive_max=span, archive="ram")
+            cache = H2OCache(model, settings, span=span)
+            saved = (
+                args.states / f"{args.length}_s{seed}_d{depth}_b{args.budget_tokens}.pt"
+                if args.states
+                else None
+            )
+            started = time.perf_counter()
+            if saved is not None and saved.exists():
+                read_tokens, read_seconds = load_state(cache, saved)
+            else:
+                _, stats = prefill(model, cache, pieces[:-1], settings.chunk)
+                stats.reraise()
+                read_tokens, read_seconds = stats.tokens, time.perf_counter() - started
+                if saved is not None:
+                    save_state(cache, saved, read_tokens, read_seconds)
+            state = cache.state()
+            needle, digits = needle_tokens(tokenizer, text, key, len(pieces[0]))
+            for variant in variants:
+                name, *extras = variant.split("-")
+                page = args.block if name == "oracle" else int(name[1:])
+                cache.restore(state)
+                for layer in cache.layers:
+                    regroup(layer.archive, page)
+                    layer.archive._carried = None
+                choice(set(extras))
+                oracle = Oracle(name == "oracle", group)
+                oracle.start(needle, digits, read_tokens)
+                oracle.phase = "question"
+                try:
+                    started = time.perf_counter()
+                    logits, _ = prefill(model, cache, pieces[-1:], settings.chunk)
+                    oracle.phase = "decode"
+                    streamer = TextStreamer(tokenizer)
+                    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+                    sampling = Sampling(max_new_tokens=MAX_NEW_TOKENS)
+                    for token in generate_ids(model, cache, logits, sampling, stop):
+                        streamer.push(token)
+                finally:
+                    PageArchive.choose, PageArchive.choose_one = CHOOSE, CHOOSE_ONE
+                    choice(set())
+                question, steps = oracle.shares(len(cache.layers))
+                row = {"length": args.length, "seed": seed, "depth": depth, "budget_tokens": args.budget_tokens,
+                       "policy": args.policy, "variant": variant, "key": key, "answer": streamer.printed.strip(),
+                       "correct": key in streamer.printed, "text_tokens": len(ids),
+                       "question_heads_with_key": question, "answer_heads_with_key": steps,
+                       "read_seconds": round(read_seconds, 1),
+                       "answer_seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
+                print(json.dumps(row), flush=True)
+                if args.out:
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    with args.out.open("a") as out:
+                        out.write(json.dumps(row) + "\n")
+            cache.close()
+            print(f"s{seed} d{depth}: read {read_seconds:.0f} s", file=sys.stderr, flush=True)
+
+
+def summary(paths: list[Path]) -> str:
+    """One markdown row per (length, budget, variant): answered / runs, and the mean share of heads holding a
+    passkey token while the question is read."""
+    rows = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
+    unique = {(r["length"], r["seed"], r["depth"], r["budget_tokens"], r["variant"]): r for r in rows}
+    cells = defaultdict(list)
+    for row in unique.values():  # a run repeated (the same state, the same variant) counts once
+        cells[(row["length"], row["budget_tokens"], row["variant"])].append(row)
+    lines = ["| text tokens | budget (tokens) | variant | answered | heads holding a digit at the question |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for (length, budget, variant), runs in cells.items():
+        heads = sum(run["question_heads_with_key"] for run in runs) / len(runs)
+        answered = sum(run["correct"] for run in runs)
+        lines.append(f"| {length:,} | {budget:,} | {variant} | {answered}/{len(runs)} | {heads:.0%} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
