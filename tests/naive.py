@@ -108,7 +108,7 @@ def naive_recall(
     (`block_size` tokens each, the page by default). With the positional
     page score (and the attention score) each query is first replaced by the mean of its rotations over the
     distances from the recent slots of S up to the most E_q entries (rolling) or the tokens seen (original).
-    The attention score ranks a page by the softmax mass the queries put on its keys (their mean), over every archived key
+    The attention score ranks a page by the softmax mass the queries put on its keys (their sum), over every archived key
     (with a shortlist: over the keys of the pages whose summary bound is highest; the others score 0), plus
     `page_carry` times the page's score at the head's last choice when the chunk is one token.
     """
@@ -139,7 +139,7 @@ def naive_recall(
             scored = sorted(scored, key=lambda page: (-bound(page), page))[:shortlist]
         tokens = [t for page in scored for t in range(page * size, min((page + 1) * size, len(head.keys)))]
         keys = torch.stack([head.keys[t] for t in tokens]).double()
-        probs = torch.softmax(queries.double() @ keys.T * queries.shape[-1] ** -0.5, dim=-1).mean(dim=0)
+        probs = torch.softmax(queries.double() @ keys.T * queries.shape[-1] ** -0.5, dim=-1).sum(dim=0)
         mass = dict.fromkeys(written, 0.0)  # pages outside the shortlist: 0
         for t, p in zip(tokens, probs.tolist(), strict=True):
             mass[t // size] += p

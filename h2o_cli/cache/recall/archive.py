@@ -511,7 +511,7 @@ class PageArchive:
             logits = torch.bmm(query[:, start : start + block], keys).masked_fill_(empty, float("-inf"))
             mass += torch.softmax(logits, dim=-1).sum(dim=1)
         self.release()
-        return mass.view(n_kv, -1, size).sum(dim=2) / query.shape[1]  # the mean over the queries
+        return mass.view(n_kv, -1, size).sum(dim=2)
 
     def read_into(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write the K and V of archive `slots` [n_kv_heads, r] (one row per KV head) into `keys`, `values`
