@@ -75,7 +75,7 @@ results-tasks:
 # The 5-shot table at 20 %: every policy on the same examples (paired differences from full). One task at a
 # time, cheapest first, its examples split over PROCESSES_5SHOT niced processes of one thread each; a task's
 # JSON is written when it finishes, its log (the table, then the wall time) beside it.
-TASKS_5SHOT ?= copa openbookqa winogrande piqa rte
+TASKS_5SHOT ?= copa_all openbookqa winogrande piqa rte
 LIMIT_5SHOT ?= 200
 POLICIES_5SHOT ?= full,local,sink,tova,h2o,recall
 PROCESSES_5SHOT ?= 2

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# GPU check, <= 8 minutes on one GPU in two time-limited parts:
-#   1. the Triton kernel tests for real (tests/test_kernels.py, tests/test_kernel_fallback.py)   T_TESTS (100 s)
+# GPU check, <= 8 minutes on one GPU in three time-limited parts:
+#   1. the Triton kernel tests for real (tests/test_kernels.py, tests/test_kernel_fallback.py)   T_TESTS (90 s)
+#   1b. the `gpu`-marked tests: a CUDA + CPU device-map split streaming like one device, and the captured
+#      decode step (CUDA graphs) equal to eager                                                   T_GPU_TESTS (60 s)
 #   2. scripts/gpu_bench.py: fused Triton vs torch vs SDPA per attention call (at most 60 s), then plain
 #      transformers vs h2o 10 % on a random-weight Llama-2-7B shape in bf16 at 4K/16K/32K (see its
-#      docstring)                                                                                  T_BENCH (360 s)
-#      Its model part starts no row after BENCH_DEADLINE s (300, from its start) and stops a row after
+#      docstring)                                                                                  T_BENCH (330 s)
+#      Its model part starts no row after BENCH_DEADLINE s (270, from its start) and stops a row after
 #      ROW_LIMIT s (60; the first compiled row gets 2.5x for the compile).
 # Writes docs/benchmarks.md's GPU table (between the gpu-bench markers), and copies it, the JSON rows and the
 # log to $OUT when set (the device machine's return folder).
@@ -16,7 +18,7 @@
 #     --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 bitsandbytes==0.50.2
 # (.whl/ is git-ignored: name it in the device run's `carry`).
 set -uo pipefail
-: "${T_TESTS:=100}" "${T_BENCH:=360}" "${BENCH_DEADLINE:=300}" "${ROW_LIMIT:=60}"
+: "${T_TESTS:=90}" "${T_GPU_TESTS:=60}" "${T_BENCH:=330}" "${BENCH_DEADLINE:=270}" "${ROW_LIMIT:=60}"
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-/tmp/gpu_check}"
 mkdir -p "$OUT_DIR"
@@ -36,6 +38,10 @@ echo "== 1. kernel tests (limit ${T_TESTS}s) =="
 PARALLEL=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8" || true)
 timeout "$T_TESTS" "$PY" -m pytest tests/test_kernels.py tests/test_kernel_fallback.py -v -o addopts="" $PARALLEL \
   -p no:cacheprovider || echo "kernel tests failed or ran past ${T_TESTS}s (exit $?)"
+
+echo "== 1b. gpu-marked tests (limit ${T_GPU_TESTS}s) =="
+timeout "$T_GPU_TESTS" "$PY" -m pytest tests/test_device_map.py tests/test_compiled_step.py -m gpu -v -o addopts="" \
+  -p no:cacheprovider || echo "gpu-marked tests failed or ran past ${T_GPU_TESTS}s (exit $?)"
 
 echo "== 2. gpu_bench (limit ${T_BENCH}s) =="
 timeout "$T_BENCH" "$PY" scripts/gpu_bench.py ${GPU_BENCH_ARGS:-} --deadline "$BENCH_DEADLINE" --row-limit "$ROW_LIMIT" \

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 POLICY_ORDER = ("full", "local", "sink", "tova", "h2o", "recall")
-TASK_ORDER = ("copa", "piqa", "openbookqa", "winogrande", "rte", "mathqa")
+TASK_ORDER = ("copa", "copa_all", "piqa", "openbookqa", "winogrande", "rte", "mathqa")
 
 
 def _load(path: Path) -> list[dict]:

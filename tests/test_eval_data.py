@@ -12,6 +12,7 @@ TASK_FILES = FIXTURES / "tasks"
 # task -> (file in its format, examples in that file that the task scores)
 CASES = {
     "copa": ("copa.xml", 4),  # validation = ids > 400
+    "copa_all": ("copa.xml", 8),  # every item
     "piqa": ("piqa/valid.jsonl", 6),
     "openbookqa": ("openbookqa.jsonl", 6),
     "winogrande": ("winogrande.jsonl", 6),

@@ -30,22 +30,27 @@ def load_script():
     return module
 
 
+def dry_run(tmp_path: Path, *args: str) -> dict:
+    """`gpu_bench.py --dry-run ARGS` in a subprocess on the CPU: its JSON report."""
+    out = tmp_path / "rows.json"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'kernels'}", "TRITON_INTERPRET": "1",
+           "OMP_WAIT_POLICY": "PASSIVE", "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", *args, "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 def test_dry_run_writes_every_row_and_column(tmp_path):
     pytest.importorskip("triton")
     doc = tmp_path / "benchmarks.md"
     doc.write_text(
         "# Benchmarks\n\nbefore\n\n<!-- gpu-bench:begin -->\nold\n<!-- gpu-bench:end -->\n\nafter\n"
     )
-    out = tmp_path / "rows.json"
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'kernels'}", "TRITON_INTERPRET": "1",
-           "OMP_WAIT_POLICY": "PASSIVE", "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--write", str(doc), "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    report = dry_run(tmp_path, "--write", str(doc))
     bench = load_script()
-    report = json.loads(out.read_text())
     contexts = report["contexts"]
     assert contexts == [64, 128]
 
@@ -92,3 +97,16 @@ def test_dry_run_writes_every_row_and_column(tmp_path):
     assert all(line.count(" | ") == len(bench.COLUMNS) - 1 for line in table)
     assert "| fused Triton | torch | SDPA |" in section
     assert "Cache memory at context 128" in section
+
+
+def test_dry_run_in_bf16_measures_the_captured_row(tmp_path):
+    """The model part in bf16, as the GPU runs it: the captured row (the fixed step under `CompiledStep`) is a
+    measured row, not an error, and so is every other row."""
+    report = dry_run(tmp_path, "--dtype", "bfloat16", "--only", "model", "--contexts", "64")
+    assert report["model"]["dtype"] == "torch.bfloat16"
+    rows = {row["variant"]: row for row in report["rows"]}
+    captured = rows["h2o 10% captured/compiled"]
+    assert captured["note"].startswith("CompiledStep"), captured
+    assert captured["decode tok/s"] > 0 and captured["cache MiB"] > 0 and captured["kept"] == 6
+    for variant, row in rows.items():
+        assert not (row.get("note") or "").startswith(("failed", "skipped")), (variant, row)

@@ -91,7 +91,8 @@ class H2OLayer(CacheLayerMixin):
         self.is_initialized = True
         self._call: Call | None = None  # the call `update` took and `attend` has not run yet
         self.maps = maps or DecodeMaps()
-        # One-token calls may take a step (h2o_cli.cache.step) in these compute dtypes.
+        # One-token calls may take a step (h2o_cli.cache.step) in these compute dtypes (the fixed step, which
+        # `H2OCache.fix_steps` checks, takes 16-bit ones too: `fixed_step.FIXED_DTYPES`).
         self._step_path = store.compute_dtype in (torch.float32, torch.float64)
         # While set (`H2OCache.fixed_step`), a one-token call takes the fixed step, the RoPE tables being
         # `fixed_rows` long (set by `H2OCache.fix_steps`).
@@ -341,17 +342,17 @@ class H2OLayer(CacheLayerMixin):
         cos_table, sin_table, step_table = self._fixed_tables()
         position = length[0] if rolling else call.token  # [1]: the query's rank, or its token index
         grouped = fixed_query(
-            query.to(store.compute_dtype),
-            call.cos.to(store.compute_dtype),
-            call.sin.to(store.compute_dtype),
-            cos_table.index_select(0, position),
-            sin_table.index_select(0, position),
-            scaling,
-            store.n_kv_heads,
+            query, call.cos, call.sin, cos_table, sin_table, position, scaling, store.n_kv_heads
         )
         key_positions = store.rank if rolling else store.token_index.clamp_min(0)
+        dtype = grouped.dtype  # float32 for a 16-bit store: its slots upcast as they are read
         output, probs = step_attention(
-            grouped, store.key_states(), store.value_states(), key_positions, step_table, present=store.valid
+            grouped,
+            store.key_states(dtype=dtype),
+            store.value_states(dtype=dtype),
+            key_positions,
+            step_table,
+            present=store.valid,
         )
         accumulate_fixed(store, probs.sum(dim=1), self.policy.decay_per_query)
         evict_fixed(store, self.policy, length + 1)

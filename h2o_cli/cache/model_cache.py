@@ -13,6 +13,7 @@ from h2o_kernels.dispatch import kernels_choice, triton_possible
 from transformers.cache_utils import Cache
 
 from h2o_cli.cache.families import check_family
+from h2o_cli.cache.fixed_step import FIXED_DTYPES
 from h2o_cli.cache.kvquant import storage_dtype
 from h2o_cli.cache.layer import H2OLayer
 from h2o_cli.cache.positions import Rope
@@ -168,9 +169,10 @@ class H2OCache(Cache):
         captured step never regrows them). Raises `UsageError` where it cannot run."""
         for layer in self.layers:
             store = layer.store
-            if not layer._step_path:
+            if store.compute_dtype not in FIXED_DTYPES:
                 raise UsageError(
-                    f"the fixed decode step (--compile) computes in float32 or float64, not {store.compute_dtype}"
+                    "the fixed decode step (--compile) takes a float16, bfloat16, float32 or float64 model, "
+                    f"not {store.compute_dtype}"
                 )
             layer.prepare_fixed()
             cos_table, sin_table = layer._fixed_tables()[:2]

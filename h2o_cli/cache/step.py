@@ -123,7 +123,8 @@ def step_attention(
     [n_kv_heads, n, head_dim] unrotated; recalled: None, or R's keys, values [n_kv_heads, r, head_dim]
     (unrotated, read where they lie: no concatenation) and which of its slots hold a token [n_kv_heads, r] bool
     (None: all); key_positions: [n_kv_heads, n + r] int64, S's then R's; step_table: [positions, 2 * head_dim]
-    (`Rope.step_table`: row p is [c, s, s, c], the cos and sin of position p over the first half of the dims).
+    (`Rope.step_table`: row p is [c, s, s, c], the cos and sin of position p over the first half of the dims),
+    in the keys' dtype or a narrower one, whose rows read are upcast (the fixed step of a 16-bit store).
     Returns output [n_kv_heads, group, head_dim] and probabilities [n_kv_heads, group, n + r] (float32; an empty
     slot gets 0). The C step (h2o_kernels/step.c) is its twin.
     """
@@ -135,6 +136,8 @@ def step_attention(
     # terms, and the bmm with the expanded query sums them: one gather and an in-place multiply instead
     # of two gathers and the rotation's five element-wise passes.
     terms = step_table.index_select(0, key_positions.reshape(-1)).view(n_kv_heads, total, 2, head_dim)
+    if terms.dtype != keys.dtype:  # the fixed step of a 16-bit store: 16-bit table rows, float32 keys
+        terms = terms.to(keys.dtype)
     if recalled is None:
         terms.mul_(keys.unsqueeze(2))  # [a·c, b·s] and [a·s, b·c] of each key
     else:

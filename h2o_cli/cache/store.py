@@ -99,18 +99,21 @@ class LayerStore:
             }
         return views
 
-    def key_states(self, slots: int | None = None) -> torch.Tensor:
-        """Keys `[n_kv_heads, slots, head_dim]` of the first `slots` slots (default all), in the compute
-        dtype (dequantised for an int8 store)."""
+    def key_states(self, slots: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Keys `[n_kv_heads, slots, head_dim]` of the first `slots` slots (default all), in `dtype` (default
+        the compute dtype; the fixed step of a 16-bit store reads them in float32), dequantised for an int8
+        store."""
+        dtype = dtype or self.compute_dtype
         if self.quantized:
-            return dequantize(self.keys[:, :slots], self.key_scales[:, :slots], self.compute_dtype)
-        return self.keys[:, :slots].to(self.compute_dtype)
+            return dequantize(self.keys[:, :slots], self.key_scales[:, :slots], dtype)
+        return self.keys[:, :slots].to(dtype)
 
-    def value_states(self, slots: int | None = None) -> torch.Tensor:
+    def value_states(self, slots: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Values `[n_kv_heads, slots, head_dim]`, like `key_states`."""
+        dtype = dtype or self.compute_dtype
         if self.quantized:
-            return dequantize(self.values[:, :slots], self.value_scales[:, :slots], self.compute_dtype)
-        return self.values[:, :slots].to(self.compute_dtype)
+            return dequantize(self.values[:, :slots], self.value_scales[:, :slots], dtype)
+        return self.values[:, :slots].to(dtype)
 
     def nbytes(self) -> int:
         """Bytes held by this layer's buffers (K/V plus score, index and position arrays)."""

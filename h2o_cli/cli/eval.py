@@ -177,7 +177,9 @@ def eval(  # noqa: A001 - the command is called eval
         list[str],
         typer.Argument(
             help="copa piqa openbookqa winogrande rte mathqa xsum hotpotqa "
-            "kv-retrieval needle, or any lm-eval task name / YAML path."
+            "kv-retrieval needle, or any lm-eval task name / YAML path. copa scores COPA's 100 "
+            "validation items (shots from the 400 training ones); copa_all all 500 labelled ones, "
+            "each with shots from the other 499."
         ),
     ],
     policies: Annotated[

@@ -144,6 +144,7 @@ def load_essays(path=None) -> str:
 # Each built-in task's loader and the fields its prompts read (lm-eval's names), for checking a `--data` file.
 LOADERS = {
     "copa": (load_copa, ("premise", "choice1", "choice2", "question", "label")),
+    "copa_all": (load_copa, ("premise", "choice1", "choice2", "question", "label")),
     "piqa": (load_piqa, ("goal", "sol1", "sol2", "label")),
     "openbookqa": (load_openbookqa, ("query", "choices", "gold")),
     "winogrande": (load_winogrande, ("context_options", "continuation", "gold")),

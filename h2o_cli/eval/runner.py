@@ -23,7 +23,8 @@ from h2o_cli.eval.scoring import (
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 HARNESS_TASKS = {
-    name: f"h2o_{name}" for name in ("copa", "piqa", "openbookqa", "winogrande", "rte", "mathqa", "xsum")
+    name: f"h2o_{name}"
+    for name in ("copa", "copa_all", "piqa", "openbookqa", "winogrande", "rte", "mathqa", "xsum")
 }
 
 

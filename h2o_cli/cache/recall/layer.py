@@ -215,7 +215,7 @@ class RecallLayer(H2OLayer):
         lowest free slot, pass 1 by `PageArchive.choose_fixed` and `_read_back`, one softmax over every slot of
         S (empty ones masked) and R, rolling positions ranked on the device, S's scores, eviction where S passes
         its budget. query: [1, n_heads, 1, head_dim] rotated by the model. Returns [1, 1, n_heads, head_dim]."""
-        store, archive, dtype = self.store, self.archive, self.store.compute_dtype
+        store, archive = self.store, self.archive
         length = store.write_fixed(call.keys, call.values, call.token)
         slots = self.recall_index.shape[1]
         if slots:
@@ -237,21 +237,16 @@ class RecallLayer(H2OLayer):
             position = call.token
         cos_table, sin_table, step_table = self._fixed_tables()
         grouped = fixed_query(
-            query.to(dtype),
-            call.cos.to(dtype),
-            call.sin.to(dtype),
-            cos_table.index_select(0, position),
-            sin_table.index_select(0, position),
-            scaling,
-            store.n_kv_heads,
+            query, call.cos, call.sin, cos_table, sin_table, position, scaling, store.n_kv_heads
         )
+        dtype = grouped.dtype  # float32 for a 16-bit store: S's slots and R upcast as they are read
         output, probs = step_attention(
             grouped,
-            store.key_states(),
-            store.value_states(),
+            store.key_states(dtype=dtype),
+            store.value_states(dtype=dtype),
             key_positions,
             step_table,
-            (self.recall_keys, self.recall_values, recalled),
+            (self.recall_keys.to(dtype), self.recall_values.to(dtype), recalled),
             present=store.valid,
         )
         accumulate_fixed(store, probs[:, :, : store.slots].sum(dim=1), self.policy.decay_per_query)

@@ -15,6 +15,12 @@ def copa(data_path=None, **_):
     return _dataset(**data.load_copa(data_path))
 
 
+def copa_all(data_path=None, **_):
+    """All 500 labelled COPA items as one split, `all` (ids 1-500), for the h2o_copa_all task."""
+    splits = data.load_copa(data_path)
+    return _dataset(all=splits["train"] + splits["validation"])
+
+
 def piqa(data_path=None, **_):
     return _dataset(validation=data.load_piqa(data_path))
 
