@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from h2o_cli.cache.recall.limits import summary_block
-
 QUANTS = ("none", "8bit", "4bit")
 NF4_BLOCK = 64  # bitsandbytes' default 4-bit block size
 SLOT_STATE_BYTES = 4 + 4 + 4 + 8 + 8 + 1  # scores, seen, last_probs (f32); token_index, rank (i64); valid
@@ -183,20 +181,19 @@ def memory_table(
     contexts: tuple[int, ...] = CONTEXTS,
     page_size: int = 16,
     archive_max: int = 131072,
-    block_size: int | None = None,
+    block_size: int = 4,
     archive_bits: int | None = None,
     archive_storage: str = "ram",
 ) -> dict:
     """Weights, KV cache (full vs H2O, per head and total) and activation peaks for each context length;
-    the `recall` archive per token and at `archive_max` tokens (pages of `page_size`, summaries per `block_size`,
-    the page by default), stored as `archive_bits`
+    the `recall` archive per token and at `archive_max` tokens (pages of `page_size`, summaries per `block_size`
+    tokens), stored as `archive_bits`
     in `archive_storage` (ram or disk), split into RAM and disk bytes, and per token for every `--archive-bits`."""
     weights = weight_bytes(shape, quant, dtype_bytes)
     heads = shape.n_layers * shape.n_kv_heads
     slots = budget + chunk
     h2o_head = h2o_head_bytes(shape, slots, kv_bits, dtype_bytes)
     h2o_activations = activation_bytes(shape, chunk, slots, kv_bits, dtype_bytes)["peak"]
-    block_size = summary_block(page_size, block_size)
     split = archive_split(shape, archive_max, block_size, dtype_bytes, archive_bits, archive_storage)
 
     def per_token(bits: int | None, storage: str) -> tuple[float, float]:

@@ -125,7 +125,7 @@ def test_json_from_stdin_equals_file(tmp_path):
 @pytest.mark.model
 def test_recall_json_reports_its_archive():
     args = ["--ppl", "--json", "--budget", "64", "--max-tokens", "300", "--chunk", "32", "--policy", "recall"]
-    result = h2o("stream", EXCERPT, *args, "--archive-max", "160", "--page-size", "8")
+    result = h2o("stream", EXCERPT, *args, "--archive-max", "160", "--page-size", "8", "--block-size", "8")
     assert result.returncode == 0, result.stderr.decode()
     report = json.loads(result.stdout)
     assert report["policy"] == "recall" and report["budget_tokens"] == 64 and report["recall_slots"] == 32

@@ -4,6 +4,7 @@ rows of one process (metrics, budgets, per-example outcomes, paired differences)
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -40,6 +41,8 @@ def test_long_tasks_run_in_one_process(monkeypatch, capsys):
     from h2o_cli.cli.app import main
 
     monkeypatch.setattr("h2o_cli.cli.eval.load", lambda *args, **kwargs: pytest.fail("loaded a model"))
+    # `--data-dir` sets $H2O_DATA for lm-eval's loaders: recorded first, so the tests after see it undone.
+    monkeypatch.setenv("H2O_DATA", os.environ.get("H2O_DATA", ""))
     monkeypatch.setattr(
         sys, "argv", ["h2o", "eval", "needle", "--processes", "2", "--data-dir", str(FIXTURES)]
     )

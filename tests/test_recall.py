@@ -289,7 +289,7 @@ def test_one_token_writes_are_the_piece_write(bits):
 
 def test_archive_drops_the_oldest_pages_and_keeps_its_buffers(tiny_pair):
     _, model = tiny_pair
-    settings = CacheSettings(budget=16, policy="recall", chunk=6, page_size=8, archive_max=40)
+    settings = CacheSettings(budget=16, policy="recall", chunk=6, page_size=8, block_size=8, archive_max=40)
     cache = H2OCache(model, settings)
     layer = cache.layers[0]
     archive = layer.archive
@@ -344,7 +344,10 @@ def test_recall_past_the_models_window_with_rolling_positions(tiny_pair):
         (dict(archive_max=10, page_size=16), "--archive-max 10 must hold at least two pages"),
         (dict(recall_ratio=0.95, budget=20), "leaves 1 resident token"),
         (dict(score_decay=0.99, score_norm="mean"), "--score-decay below 1 works with --score-norm sum only"),
-        (dict(page_score="rotated"), "--page-score 'rotated' is unknown; choose positional or unrotated"),
+        (
+            dict(page_score="rotated"),
+            "--page-score 'rotated' is unknown; choose positional, unrotated, attention",
+        ),
     ],
 )
 def test_bad_recall_settings_are_usage_errors(values, words):
