@@ -92,6 +92,9 @@ class CacheSettings:
     block_size: int | None = None  # recall: tokens per key summary inside a page (None: 4, or the page)
     shortlist: int = 512  # recall, --page-score attention: pages the summaries pick to be scored (0: all)
     page_carry: float = 0.9  # recall, --page-score attention: share of a page's last score added to the next
+    chunk_weight: float = (
+        8.0  # recall, --page-carry: one-token steps a chunk of c > 1 tokens weighs (at most c)
+    )
     page_score: str = "attention"  # recall: pages ranked by the attention they get, or by summary bounds (positional, unrotated)
     archive_max: int | str = (
         DEFAULT_ARCHIVE_MAX  # recall: tokens (131072) or bytes ("64MiB") the archive holds; then oldest dropped
@@ -137,6 +140,7 @@ class CacheSettings:
             self.block_size,
             self.shortlist,
             self.page_carry,
+            self.chunk_weight,
         )
         if self.is_resolved:
             make_policy(self)  # the policy checks its own parameters (budget, split, sinks, ...)

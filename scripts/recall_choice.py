@@ -19,6 +19,8 @@ pages and blocks can be compared without reading again. Variants (`--variants`, 
   score times N/10, so a page the question found stays while the answer is written;
 - `pN-shortK`: the attention mass inside a shortlist, the K pages with the best summary bound per KV head
   (a two-level choice: summaries first, then the keys of the best pages only);
+- `@field=value` (after any of the above, repeatable): a `PageArchive` setting for the question and answer,
+  e.g. `p16@chunk_weight=8@carry=0.95` (the reading keeps `--policy`'s);
 - `oracle`: the needle sentence's archived tokens forced into every head's recall slots (what a perfect
   choice would answer; `recall_oracle.py`).
 
@@ -104,14 +106,14 @@ def choice(extras: set[str]) -> None:
         PageArchive._own_bounds = PageArchive.bounds
     own = PageArchive._own_bounds
 
-    def bounds(self, query, pages, fresh=False):
+    def bounds(self, query, pages, chunk=1):
         short = [int(extra[5:]) for extra in extras if extra.startswith("short")]
         if short:
-            scores = shortlisted_mass(self, query, pages, own(self, query, pages, fresh), short[0])
+            scores = shortlisted_mass(self, query, pages, own(self, query, pages, chunk), short[0])
         elif extras & {"exact", "mass"}:
             scores = exact_bounds(self, query, pages, "mass" in extras)
         else:
-            scores = own(self, query, pages, fresh)
+            scores = own(self, query, pages, chunk)
         keep = [int(extra[4:]) / 10 for extra in extras if extra.startswith("keep")]
         if keep:  # scores carried over steps: each step's added to the last's times the decay
             last = getattr(self, "_carried", None)
@@ -211,14 +213,21 @@ def main() -> None:
                 if saved is not None:
                     save_state(cache, saved, read_tokens, read_seconds)
             state = cache.state()
+            tunable = ("attention", "shortlist", "carry", "chunk_weight")
+            base = [{field: getattr(layer.archive, field) for field in tunable} for layer in cache.layers]
             needle, digits = needle_tokens(tokenizer, text, key, len(pieces[0]))
             for variant in variants:
-                name, *extras = variant.split("-")
+                choice_part, *settings_part = variant.split("@")
+                name, *extras = choice_part.split("-")
+                overrides = dict(item.split("=") for item in settings_part)
                 page = args.block if name == "oracle" else int(name[1:])
                 cache.restore(state)
-                for layer in cache.layers:
+                for layer, settings_of_layer in zip(cache.layers, base, strict=True):
+                    layer.archive.__dict__.update(settings_of_layer)
                     regroup(layer.archive, page)
                     layer.archive._carried = None
+                    for field, value in overrides.items():  # an archive setting: @chunk_weight=8, @carry=0.95
+                        setattr(layer.archive, field, type(getattr(layer.archive, field))(float(value)))
                 choice(set(extras))
                 oracle = Oracle(name == "oracle", group)
                 oracle.start(needle, digits, read_tokens)

@@ -37,8 +37,8 @@ class Oracle:
         self.question, self.phase, self.log = 0, "text", []
         choose, choose_one = PageArchive.choose, PageArchive.choose_one
 
-        def chunk(archive, query, resident, before, slots, fresh=False):
-            chosen, valid = choose(archive, query, resident, before, slots, fresh)
+        def chunk(archive, query, resident, before, slots, chunk=1):
+            chosen, valid = choose(archive, query, resident, before, slots, chunk)
             if self.phase == "text" and before + query.shape[1] // self.group > self.question:
                 self.phase = "question"
             if self.phase == "question":

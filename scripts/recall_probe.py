@@ -55,8 +55,8 @@ class Probe:
         self.rope = None  # the model's `Rope` (its tables), set per run
         inner = PageArchive.choose
 
-        def choose(archive, query, resident, before, slots, fresh=False):
-            chosen, valid = inner(archive, query, resident, before, slots, fresh)
+        def choose(archive, query, resident, before, slots, chunk=1):
+            chosen, valid = inner(archive, query, resident, before, slots, chunk)
             if before + query.shape[1] // self.group > self.question:  # the chunk holds question tokens
                 self.record(archive, query, resident, before, slots, chosen, valid)
             return chosen, valid

@@ -110,7 +110,8 @@ def naive_recall(
     distances from the recent slots of S up to the most E_q entries (rolling) or the tokens seen (original).
     The attention score ranks a page by the softmax mass the queries put on its keys (their mean), over every archived key
     (with a shortlist: over the keys of the pages whose summary bound is highest; the others score 0), plus
-    `page_carry` times the page's score at the head's last choice when the chunk is one token.
+    `page_carry` times the page's score at the head's last choice when the chunk is one token; a chunk of c > 1
+    tokens starts afresh, its mass times min(c, `chunk_weight`).
     """
     size = settings.page_size
     candidates = [t for t in range(first_token) if not head.alive[t]]
@@ -144,8 +145,9 @@ def naive_recall(
         for t, p in zip(tokens, probs.tolist(), strict=True):
             mass[t // size] += p
         carry = getattr(settings, "page_carry", 0.0)  # the last score's share, page by page; a chunk of
-        last = head.carried if chunk == 1 else {}  # more than one token starts afresh
-        mass = {page: score + carry * last.get(page, 0.0) for page, score in mass.items()}
+        last = head.carried if chunk == 1 else {}  # more than one token starts afresh, weighing
+        weight = 1.0 if chunk == 1 else min(chunk, getattr(settings, "chunk_weight", 1.0))  # min(c, N) steps
+        mass = {page: weight * score + carry * last.get(page, 0.0) for page, score in mass.items()}
         head.carried = mass
 
         def bound(page: int) -> float:  # noqa: F811 - the attention mass replaces the bound

@@ -183,6 +183,15 @@ PageCarry = Annotated[
         "question found stays while the answer is written (0: every step scores afresh).",
     ),
 ]
+ChunkWeight = Annotated[
+    float,
+    typer.Option(
+        "--chunk-weight",
+        help="recall, --page-carry: a chunk of c > 1 tokens (a question, a chat turn) starts the carried page "
+        "scores weighing min(c, N) answer steps, so what the question found outlasts the answer's first words "
+        "(1: one step).",
+    ),
+]
 PageScore = Annotated[
     str,
     typer.Option(
@@ -282,6 +291,7 @@ CACHE_OPTIONS = {
     "block_size": BlockSize,
     "shortlist": Shortlist,
     "page_carry": PageCarry,
+    "chunk_weight": ChunkWeight,
     "page_score": PageScore,
     "archive_max": ArchiveMax,
     "archive": Archive,

@@ -25,6 +25,7 @@ class RecallPolicy(HeavyHitterPolicy):
     block_size: int | None = None
     shortlist: int = 512
     page_carry: float = 0.9
+    chunk_weight: float = 8.0
     archive_max: int | str = DEFAULT_ARCHIVE_MAX
     page_score: str = "attention"
 
@@ -37,6 +38,7 @@ class RecallPolicy(HeavyHitterPolicy):
             block_size=self.block_size,
             shortlist=self.shortlist,
             page_carry=self.page_carry,
+            chunk_weight=self.chunk_weight,
         )
         super().__post_init__()
         if self.resident < 2:

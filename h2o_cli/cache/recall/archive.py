@@ -87,6 +87,7 @@ class PageArchive:
         attention: bool = False,
         shortlist: int = 0,
         carry: float = 0.0,
+        chunk_weight: float = 1.0,
     ) -> None:
         assert capacity % page_size == 0 and capacity >= 2 * page_size, "a whole number (>= 2) of pages"
         block_size = summary_block(page_size, block_size)
@@ -96,6 +97,9 @@ class PageArchive:
         self.attention = attention  # pages scored by attention mass (`attention_mass`), not by the summaries
         self.shortlist = shortlist  # with `attention`: only the pages the summaries bound best (0: all)
         self.carry = carry  # with `attention`: the share of a page's last score added to the next
+        self.chunk_weight = (
+            chunk_weight  # with `carry`: a chunk of c tokens starts at min(c, this) steps' weight
+        )
         self.pages = capacity // page_size
         self.blocks_per_page = page_size // block_size
         self.dtype, self.bits, self.region = dtype, bits, region
@@ -329,7 +333,7 @@ class PageArchive:
             self._summarise(touched)
 
     def choose(
-        self, query: torch.Tensor, resident: torch.Tensor, before: int, slots: int, fresh: bool = False
+        self, query: torch.Tensor, resident: torch.Tensor, before: int, slots: int, chunk: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick up to `slots` archived tokens per KV head for a chunk's queries (pass 1 of a recall step).
 
@@ -337,7 +341,8 @@ class PageArchive:
         (m = group * chunk); resident: [n_kv_heads, n] token indices of S (-1 = empty); `before`: the chunk's
         first token (only older tokens are candidates). A candidate is an archived token older than `before`
         not in S. Pages with a candidate are ranked by the max over the m queries of `page_bound` (ties: the
-        older page first); their candidates are taken in that order, oldest first inside a page.
+        older page first); their candidates are taken in that order, oldest first inside a page. `chunk`: the
+        chunk's tokens (m / group), which `bounds` weighs with `chunk_weight` when scores are carried.
         Returns archive slots [n_kv_heads, slots] and which of them hold a chosen token [n_kv_heads, slots].
         """
         n_kv, device = self.n_kv_heads, self.token_index.device
@@ -354,7 +359,7 @@ class PageArchive:
         used = min(self.pages, -(-self.tokens // self.page_size))
         bound = torch.zeros(n_kv, self.pages, device=device)  # pages past `used` hold no candidate
         if used:
-            bound[:, :used] = self.bounds(query, used, fresh)
+            bound[:, :used] = self.bounds(query, used, chunk)
         # Every page with a candidate holds at least one, so the first `slots` pages in rank order suffice.
         page_start = self.token_index.view(self.pages, self.page_size)[:, 0]
         top = min(slots, self.pages)
@@ -450,10 +455,12 @@ class PageArchive:
         head_dim] (unrotated). Returns [n_kv_heads, span // page_size] float32 (the C step's input)."""
         return self.bounds(query, self.span // self.page_size)
 
-    def bounds(self, query: torch.Tensor, pages: int, fresh: bool = False) -> torch.Tensor:
+    def bounds(self, query: torch.Tensor, pages: int, chunk: int = 1) -> torch.Tensor:
         """The score every choice ranks the first `pages` ring pages by: the bound under the best of the `m`
-        queries, the best of its blocks' `best_page_bound`; with `attention`, `attention_mass` instead.
-        query: [n_kv_heads, m, head_dim]. Returns [n_kv_heads, pages] float32."""
+        queries, the best of its blocks' `best_page_bound`; with `attention`, `attention_mass` instead, and with
+        `carry` plus `carry` times the page's last score on a one-token step; a chunk of `chunk` > 1 tokens
+        starts afresh, its mass times min(chunk, `chunk_weight`). query: [n_kv_heads, m, head_dim].
+        Returns [n_kv_heads, pages] float32."""
         if not self.attention:
             return self.summary_bounds(query, pages)
         page_start = self.token_index.view(self.pages, self.page_size)[:pages, 0]
@@ -464,9 +471,12 @@ class PageArchive:
             picked = torch.topk(key, self.shortlist, dim=1, sorted=False).indices  # [n_kv, shortlist]
             scores = torch.zeros(self.n_kv_heads, pages, device=query.device)
             scores.scatter_(1, picked, self.attention_mass(query, pages, picked))
-        if self.carry:  # a chunk of more than one token (`fresh`) starts afresh: a new text or turn
-            same = (self.carried_start[:pages] == page_start) & (page_start != NOTHING) & (not fresh)
+        if self.carry and chunk > 1:  # a chunk of more than one token starts afresh: a new text or turn,
+            scores *= min(chunk, self.chunk_weight)  # weighing as many one-token steps as `chunk_weight` says
+        elif self.carry:
+            same = (self.carried_start[:pages] == page_start) & (page_start != NOTHING)
             scores += self.carry * torch.where(same, self.carried[:, :pages], 0.0)
+        if self.carry:
             self.carried[:, :pages] = scores
             self.carried_start[:pages] = page_start
         return scores

@@ -48,7 +48,7 @@ class RecallLayer(H2OLayer):
         self.archive = PageArchive(
             store.n_kv_heads, store.head_dim, capacity, policy.page_size, dtype, device, bits, region,
             policy.block_size, attention=policy.page_score == "attention", shortlist=policy.shortlist,
-            carry=policy.page_carry,
+            carry=policy.page_carry, chunk_weight=policy.chunk_weight,
         )  # fmt: skip
         shape = (store.n_kv_heads, policy.recall_slots)
         self.recall_keys = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)
@@ -101,9 +101,7 @@ class RecallLayer(H2OLayer):
             grouped = self._page_query(query, chunk).reshape(
                 n_kv, -1, store.head_dim
             )  # [n_kv, group * chunk, d]
-            chosen, valid = self.archive.choose(
-                grouped, store.token_index[:, :active], first, slots, fresh=chunk > 1
-            )
+            chosen, valid = self.archive.choose(grouped, store.token_index[:, :active], first, slots, chunk)
             hits = self._read_back(chosen, valid)
         self.counts.add((self.recall_index >= 0).sum(), hits)
         # Pass 2: E_q = S ∪ R ∪ {chunk tokens <= q}; R is older than the chunk, so every query sees all of it.

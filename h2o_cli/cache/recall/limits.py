@@ -41,9 +41,10 @@ def check_recall_options(
     block_size: int | None = None,
     shortlist: int = 0,
     page_carry: float = 0.0,
+    chunk_weight: float = 1.0,
 ) -> None:
     """One-line usage errors for `--recall-ratio`, `--page-size`, `--archive-max`, `--archive`,
-    `--archive-bits`, `--page-score`, `--block-size`, `--shortlist`, `--page-carry` (whatever the policy). A cap in bytes is checked against a page when the
+    `--archive-bits`, `--page-score`, `--block-size`, `--shortlist`, `--page-carry`, `--chunk-weight` (whatever the policy). A cap in bytes is checked against a page when the
     cache is built."""
     if not 0 <= recall_ratio <= 1:  # also NaN
         raise UsageError(f"--recall-ratio {recall_ratio} must lie in [0, 1]")
@@ -55,6 +56,10 @@ def check_recall_options(
         )
     if not 0 <= page_carry < 1:  # also NaN
         raise UsageError(f"--page-carry {page_carry} must lie in [0, 1)")
+    if not chunk_weight >= 1:  # also NaN
+        raise UsageError(
+            f"--chunk-weight {chunk_weight} must be at least 1 (1: a chunk weighs one answer step)"
+        )
     if shortlist < 0:
         raise UsageError(f"--shortlist {shortlist} must be 0 (every page) or a number of pages")
     count, unit = archive_cap(archive_max)
