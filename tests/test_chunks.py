@@ -19,3 +19,17 @@ def test_a_new_chunk_piece_is_never_mixed_with_the_text_before_it():
     assert list(chunks_of([question], 2)) == [[9, 10], [11]]  # nothing before it: no empty chunk
     ids = [t for chunk in chunks_of([*text, question], 3) for t in chunk]
     assert ids == list(range(1, 12))  # the same ids in the same order
+
+
+def test_stream_sizes_the_cache_for_what_it_can_read():
+    """`h2o stream` tells the cache the most tokens it can meet, so a recall archive is no larger than the text:
+    the file's bytes or --max-tokens (the smaller), plus the question, its frame and the answer; stdin without
+    --max-tokens is unknown."""
+    from h2o_cli.cli.stream import _span
+    from h2o_cli.generation import Sampling
+
+    sampling = Sampling(max_new_tokens=12)
+    assert _span(None, None, None, sampling) is None
+    assert _span(None, 5000, None, sampling) == 5000
+    assert _span(3000, 5000, None, sampling) == 3000
+    assert _span(3000, None, "Who?", sampling) == 3000 + 4 + 256 + 12

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import FIXTURES
@@ -136,6 +137,34 @@ def test_recall_json_reports_its_archive():
     assert report["archive_bytes"] == 30 * 160 * (2 * 3 * 64 * 4 + 8 + 2 * 3 * 64 * 4 / 8)
     assert 0 < report["recalled_per_step"] <= 32
     assert report["ppl"] < 100
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(
+    ("cut", "capacity"), [(["--max-tokens", "300"], 304), ([], None)], ids=["max-tokens", "file"]
+)
+def test_recall_archive_is_no_larger_than_the_text(monkeypatch, capsys, cut, capacity):
+    """The default reach (131,072 tokens, a 5.6 GiB file for this model) shrinks to what the text can bring:
+    --max-tokens 300 in whole pages of 16, or at most a token per byte of the file; in RAM, as it is small."""
+    args = [
+        "--ppl",
+        "--json",
+        "--budget",
+        "64",
+        "--chunk",
+        "64",
+        "--policy",
+        "recall",
+        "--threads",
+        "1",
+        *cut,
+    ]
+    code, out, err = h2o_in_process(monkeypatch, capsys, "stream", EXCERPT, *args)
+    assert code == 0, err
+    report = json.loads(out)
+    size = Path(EXCERPT).stat().st_size
+    assert report["archive_capacity"] == (capacity or -(-size // 16) * 16)
+    assert report["archive_storage"] == "ram" and report["archive_reach"] == 0
 
 
 @pytest.mark.model

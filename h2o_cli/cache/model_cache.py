@@ -74,6 +74,9 @@ class H2OCache(Cache):
 
     A fractional budget is resolved against the model's context window. `span` is the most tokens this cache
     will be given (default: the context window): a policy that never evicts preallocates that many.
+    `archive_span` bounds only what a recall archive holds (the most tokens a text can bring when that is known,
+    e.g. a file's size): the archive is then no larger than the text, and the settings are still checked as
+    for any text.
     With rolling positions, `budget + chunk` (capped at `span`) must fit in the context window, else a
     `UsageError` names the fix (positions would pass the window the model was trained on).
 
@@ -82,7 +85,9 @@ class H2OCache(Cache):
         model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
     """
 
-    def __init__(self, model, settings: CacheSettings, span: int | None = None) -> None:
+    def __init__(
+        self, model, settings: CacheSettings, span: int | None = None, archive_span: int | None = None
+    ) -> None:
         from h2o_cli.cache.attention import enable
 
         check_family(model)
@@ -127,7 +132,8 @@ class H2OCache(Cache):
         ]
         self.archive_file = None  # the recall archive's mapped file, with --archive disk or PATH
         if policy.recalls:
-            self._add_archives(layers, policy, span, dtype, devices)
+            known = [bound for bound in (span, archive_span) if bound is not None]
+            self._add_archives(layers, policy, min(known) if known else None, dtype, devices)
         super().__init__(layers=layers)
 
     def _add_archives(self, layers: list[RecallLayer], policy, span: int | None, dtype, devices) -> None:

@@ -108,7 +108,11 @@ def stream(
         if total_bytes == 0:
             raise InputError(f"{source} is empty; give a text with at least two tokens")
     lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant, device_map)
-    cache = H2OCache(lm, settings.resolved(context_window(lm)))
+    cache = H2OCache(
+        lm,
+        settings.resolved(context_window(lm)),
+        archive_span=_span(max_tokens, total_bytes, prompt, sampling),
+    )
     chunk = settings.chunk
     step = _compiled_step(lm, cache, ppl and chunk > 1) if compiled else None
     run = _run_ppl if ppl else _run_generate
@@ -119,6 +123,17 @@ def stream(
         print(json.dumps(report))
     if report.get("error"):
         raise InputError(report["error"])
+
+
+def _span(max_tokens: int | None, total_bytes: int | None, prompt: str | None, sampling) -> int | None:
+    """The most tokens the cache can meet when that is known before reading (None: stdin without
+    --max-tokens): the text's tokens (at most --max-tokens, at most one per byte of the file), the question
+    (at most one per byte) with its frame, and the answer. A recall archive is then no larger than the text."""
+    text = min(bound for bound in (max_tokens, total_bytes, float("inf")) if bound is not None)
+    if text == float("inf"):
+        return None
+    asked = len(prompt.encode()) + 256 + sampling.max_new_tokens if prompt else 0
+    return int(text) + asked
 
 
 def _compiled_step(lm, cache, chunked: bool):
