@@ -10,6 +10,10 @@ haystack and only while the prompt fits the model's window (past it, original po
     python scripts/recall_grid.py --lengths 1536,4096 --depths 10 --seeds 3 --budgets 0.05,0.1,0.2 \
         --policies full,h2o,sink,local,recall --out docs/results/recall_grid.jsonl
     python scripts/recall_grid.py --summary docs/results/recall_grid.jsonl     # the tables, from the lines
+
+`--needles 2` hides a pass key at the depth and a vault code half the text further on (wrapping) and asks
+for each in turn, the second as `h2o chat` asks a new turn on the same cache; a run counts when each answer
+holds its key.
 """
 
 from __future__ import annotations
@@ -28,6 +32,17 @@ import torch
 NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 QUESTION = "What is the pass key? Answer with the number only."
 MAX_NEW_TOKENS = 12
+# `--needles 2`: a pass key and a vault code, at `depth` and half the text further on (wrapping), asked
+# one after the other as two chat turns on the same cache; a run is correct when each answer holds its key.
+TWO_NEEDLES = (
+    "\nThe pass key is {key}. Remember it. {key} is the pass key.\n",
+    "\nThe vault code is {key}. Remember it. {key} is the vault code.\n",
+)
+TWO_QUESTIONS = (
+    "What is the pass key? Answer with the number only.",
+    "What is the vault code? Answer with the number only.",
+)
+TWO_MAX_NEW_TOKENS = 16  # per answer: "The vault code is 12345." and a little more
 
 
 def parse_policy(spec: str) -> tuple[str, dict[str, str]]:
@@ -51,46 +66,80 @@ def settings_of(spec: str, budget: int, chunk: int):
     return CacheSettings.from_args(**values, budget=budget, policy=name, chunk=chunk)
 
 
-def haystacks(tokenizer, essays: str, length: int, depths: list[int], seed: int):
-    """(depth, passkey, text) for one seed: `length` prompt tokens in all, the passkey at each depth."""
+def haystacks(tokenizer, essays: str, length: int, depths: list[int], seed: int, needles: int = 1):
+    """(depth, passkey, text) for one seed: `length` prompt tokens in all, the passkey at each depth. With
+    `needles=2` the passkey is the two keys joined by a space, the pass key at `depth`, the vault code at
+    `depth + 50` % (wrapping), each at a sentence end."""
     from h2o_cli.prompting import document_frame
 
     rng = random.Random(seed)
-    key = str(rng.randint(10000, 99999))
-    needle = NEEDLE.format(key=key)
-    before, after = document_frame(tokenizer, QUESTION)
-    overhead = len(tokenizer(before + needle + after)["input_ids"])
+    keys = [str(rng.randint(10000, 99999)) for _ in range(needles)]
+    texts = (NEEDLE,) if needles == 1 else TWO_NEEDLES
+    inserted = [text.format(key=key) for text, key in zip(texts, keys, strict=True)]
+    before, after = document_frame(tokenizer, QUESTION if needles == 1 else TWO_QUESTIONS[0])
+    overhead = len(tokenizer(before + "".join(inserted) + after)["input_ids"])
     ids = tokenizer(essays, add_special_tokens=False)["input_ids"]
     room = length - overhead
     start = rng.randrange(0, max(1, len(ids) - room))
     context = tokenizer.decode(ids[start : start + room])
-    for depth in depths:
+
+    def cut_at(depth: int) -> int:  # the sentence end before `depth` % of the context
         cut = int(len(context) * depth / 100)
         period = context.rfind(".", 0, cut)
-        cut = period + 1 if period >= 0 else cut
-        yield depth, key, context[:cut] + needle + context[cut:]
+        return period + 1 if period >= 0 else cut
+
+    for depth in depths:
+        cuts = [cut_at(depth), cut_at((depth + 50) % 100)][: len(inserted)]
+        places = sorted(zip(cuts, inserted, strict=True))
+        text, last = "", 0
+        for cut, needle in places:
+            text, last = text + context[last:cut] + needle, cut
+        yield depth, " ".join(keys), text + context[last:]
 
 
-def answer(model, tokenizer, settings, text: str) -> tuple[str, int, float]:
-    """What `h2o stream --prompt QUESTION` answers after `text`: (answer, prompt tokens, seconds)."""
+def answer(
+    model, tokenizer, settings, text: str, questions: tuple[str, ...] = (QUESTION,)
+) -> tuple[str, int, float]:
+    """What `h2o stream --prompt QUESTION` answers after `text`: (answer, prompt tokens, seconds). With more
+    than one question, each next one is asked as `h2o chat` asks a new turn, on the same cache (the answers
+    joined by " | ")."""
     from h2o_cli.cache import H2OCache
+    from h2o_cli.chat.framing import answer_suffix, turn_text
     from h2o_cli.generation import Sampling, TextStreamer, generate_ids
-    from h2o_cli.prompting import read_then_answer
+    from h2o_cli.prompting import NewChunk, read_then_answer
     from h2o_cli.streaming import prefill
 
     started = time.perf_counter()
     pieces = list(
-        read_then_answer(tokenizer, [tokenizer(text, add_special_tokens=False)["input_ids"]], QUESTION)
+        read_then_answer(tokenizer, [tokenizer(text, add_special_tokens=False)["input_ids"]], questions[0])
     )
-    span = sum(map(len, pieces)) + MAX_NEW_TOKENS
+    most = MAX_NEW_TOKENS if len(questions) == 1 else TWO_MAX_NEW_TOKENS
+    span = sum(map(len, pieces)) + len(questions) * (most + 64)
     cache = H2OCache(model, settings, span=span)
     logits, stats = prefill(model, cache, pieces, settings.chunk)
     stats.reraise()
-    streamer = TextStreamer(tokenizer)
     stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    for token in generate_ids(model, cache, logits, Sampling(max_new_tokens=MAX_NEW_TOKENS), stop):
-        streamer.push(token)
-    return streamer.printed, stats.tokens, time.perf_counter() - started
+    history, answers, tokens = [{"role": "user", "content": text + "\n\n" + questions[0]}], [], stats.tokens
+    for number, question in enumerate(questions):
+        if number:  # the next question, as chat frames a new turn after the answer
+            history.append({"role": "assistant", "content": answers[-1]})
+            turn = answer_suffix(tokenizer, None) + turn_text(tokenizer, None, history, question)
+            history.append({"role": "user", "content": question})
+            ids = NewChunk(tokenizer(turn, add_special_tokens=False)["input_ids"])
+            logits, stats = prefill(model, cache, [ids], settings.chunk)
+            stats.reraise()
+            tokens += stats.tokens
+        streamer = TextStreamer(tokenizer)
+        for token in generate_ids(model, cache, logits, Sampling(max_new_tokens=most), stop):
+            streamer.push(token)
+        answers.append(streamer.printed.strip() if len(questions) > 1 else streamer.printed)
+    return " | ".join(answers), tokens, time.perf_counter() - started
+
+
+def correct(key: str, said: str) -> bool:
+    """Each key (space-separated) in its answer (answers joined by " | ", in the keys' order)."""
+    keys, answers = key.split(), said.split(" | ")
+    return len(answers) == len(keys) and all(k in part for k, part in zip(keys, answers, strict=True))
 
 
 def answer_in_chat(
@@ -123,6 +172,9 @@ def run(args) -> None:
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     window = context_window(model)
     essays = load_essays(args.essays)
+    asked = (QUESTION,) if args.needles == 1 else TWO_QUESTIONS
+    if args.via == "chat" and args.needles != 1:
+        raise SystemExit("--via chat asks one passkey; use --via stream with --needles 2")
     depths = args.depth_list or [round(100 * (i + 0.5) / args.depths) for i in range(args.depths)]
     done = set()
     if args.out.exists():  # resume: skip the runs already written
@@ -133,7 +185,7 @@ def run(args) -> None:
     with args.out.open("a") as out:
         for length in args.lengths:
             for seed in range(args.seed_from, args.seed_from + args.seeds):
-                for depth, key, text in haystacks(tokenizer, essays, length, depths, seed):
+                for depth, key, text in haystacks(tokenizer, essays, length, depths, seed, args.needles):
                     text_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
                     for spec in args.policies:
                         name, _ = parse_policy(spec)
@@ -144,7 +196,9 @@ def run(args) -> None:
                             if (length, seed, depth, spec, budget) in done:
                                 continue
                             tokens = (
-                                max(2, round(budget * text_tokens)) if evicts else length + MAX_NEW_TOKENS
+                                max(2, round(budget * text_tokens))
+                                if evicts
+                                else length + len(asked) * (TWO_MAX_NEW_TOKENS + 64)
                             )
                             settings = settings_of(spec, tokens, args.chunk)
                             try:
@@ -153,14 +207,15 @@ def run(args) -> None:
                                         spec, tokens, args.chunk, text, args.threads
                                     )
                                 else:
-                                    said, read, seconds = answer(model, tokenizer, settings, text)
+                                    said, read, seconds = answer(model, tokenizer, settings, text, asked)
                             except Exception as error:  # a cell that cannot run is recorded, not fatal
                                 said, read, seconds = f"ERROR: {error}", 0, 0.0
                             row = {
                                 "length": length, "seed": seed, "depth": depth, "policy_spec": spec,
                                 "policy": name, "budget": budget, "budget_tokens": tokens,
                                 "text_tokens": text_tokens, "prompt_tokens": read, "key": key,
-                                "answer": said, "correct": key in said, "seconds": round(seconds, 3),
+                                "answer": said, "correct": correct(key, said),
+                                "needles": args.needles, "seconds": round(seconds, 3),
                                 "device": str(model.device), "chunk": args.chunk, "via": args.via,
                             }  # fmt: skip
                             out.write(json.dumps(row) + "\n")
@@ -228,6 +283,8 @@ def main() -> None:
         default=None,
         help="these depths (%%) instead of --depths evenly spread",
     )
+    parser.add_argument("--needles", type=int, choices=(1, 2), default=1,
+                        help="passkeys per text: 2 hides a second at depth + 50 %% and asks for both")  # fmt: skip
     parser.add_argument("--out", type=Path, help="JSON lines, appended (an interrupted grid resumes)")
     parser.add_argument("--summary", type=Path, nargs="+", help="print the tables of these JSON-lines files")
     args = parser.parse_args()
