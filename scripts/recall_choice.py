@@ -19,6 +19,7 @@ pages and blocks can be compared without reading again. Variants (`--variants`, 
   score times N/10, so a page the question found stays while the answer is written;
 - `pN-shortK`: the attention mass inside a shortlist, the K pages with the best summary bound per KV head
   (a two-level choice: summaries first, then the keys of the best pages only);
+- `-tailN`: a chunk (the question) scores with its last N tokens' queries only;
 - `@field=value` (after any of the above, repeatable): a `PageArchive` setting for the question and answer,
   e.g. `p16@chunk_weight=8@carry=0.95` (the reading keeps `--policy`'s);
 - `oracle`: the needle sentence's archived tokens forced into every head's recall slots (what a perfect
@@ -107,6 +108,12 @@ def choice(extras: set[str]) -> None:
     own = PageArchive._own_bounds
 
     def bounds(self, query, pages, chunk=1):
+        tail = [int(extra[4:]) for extra in extras if extra.startswith("tail")]
+        if tail and chunk > tail[0]:  # a chunk's last `tail` tokens' queries alone (layout [n_kv, group, chunk])
+            query = query.reshape(query.shape[0], -1, chunk, query.shape[-1])[:, :, -tail[0] :]
+            query = query.reshape(query.shape[0], -1, query.shape[-1])
+            if not extras - {f"tail{tail[0]}"}:
+                return own(self, query, pages, chunk)
         short = [int(extra[5:]) for extra in extras if extra.startswith("short")]
         if short:
             scores = shortlisted_mass(self, query, pages, own(self, query, pages, chunk), short[0])

@@ -1,0 +1,70 @@
+"""What recall's page choice costs per decode step as the archive grows (the curve docs/benchmarks.md states).
+
+One `PageArchive` per size, filled with random keys (the choice's cost does not depend on their values), the
+embedded model's shape (3 KV heads of 64, 3 query heads each) and the default choice (attention mass inside a
+shortlist of 512 pages of 16, blocks of 4, carried scores). Per size: the median time of `step_bounds` (what a
+one-token step ranks pages by) and of its two parts, the key summaries' bound over every block (linear in the
+archive) and the attention mass over the shortlisted pages' keys (bounded by the shortlist), per layer and for
+all 30 layers. One thread.
+
+    python scripts/bench_choice.py --tokens 8192,32768,131072 --repeat 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from h2o_cli.cache.recall.archive import NOTHING, PageArchive, order_key
+
+LAYERS, N_KV, GROUP, HEAD_DIM = 30, 3, 3, 64
+
+
+def median_ms(run, repeat: int) -> float:
+    run()
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768, 131072]
+    )
+    parser.add_argument("--shortlist", type=int, default=512)
+    parser.add_argument("--repeat", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    print(f"{platform.machine()}, {platform.processor() or 'cpu'}, torch threads 1, load average "
+          f"{os.getloadavg()[0]:.1f} at the start; medians of {args.repeat} steps, one layer\n")  # fmt: skip
+    print(
+        "| archive tokens | pages | summary bound (ms) | shortlist mass (ms) | step choice (ms) | × 30 layers (ms) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for tokens in args.tokens:
+        archive = PageArchive(N_KV, HEAD_DIM, tokens, 16, torch.float32, torch.device("cpu"), attention=True,
+                              shortlist=args.shortlist, carry=0.9)  # fmt: skip
+        archive.write(torch.randn(N_KV, tokens, HEAD_DIM), torch.randn(N_KV, tokens, HEAD_DIM))
+        query = torch.randn(N_KV, GROUP, HEAD_DIM)
+        pages = tokens // 16
+        summary = median_ms(lambda: archive.summary_bounds(query, pages), args.repeat)  # noqa: B023
+        start = archive.token_index.view(pages, 16)[:, 0]
+        key = order_key(archive.summary_bounds(query, pages), start, start != NOTHING)
+        picked = torch.topk(key, min(args.shortlist, pages), dim=1, sorted=False).indices
+        mass = median_ms(lambda: archive.attention_mass(query, pages, picked), args.repeat)  # noqa: B023
+        step = median_ms(lambda: archive.step_bounds(query), args.repeat)  # noqa: B023
+        print(f"| {tokens:,} | {pages:,} | {summary:.2f} | {mass:.2f} | {step:.2f} | {step * LAYERS:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
