@@ -3,9 +3,10 @@
 One `PageArchive` per size, filled with random keys (the choice's cost does not depend on their values), the
 embedded model's shape (3 KV heads of 64, 3 query heads each) and the default choice (attention mass inside a
 shortlist of 512 pages of 16, blocks of 4, carried scores). Per size: the median time of `step_bounds` (what a
-one-token step ranks pages by) and of its two parts, the key summaries' bound over every block (linear in the
-archive) and the attention mass over the shortlisted pages' keys (bounded by the shortlist), per layer and for
-all 30 layers. One thread.
+one-token step ranks pages by) and of its two parts, picking the shortlist (sections of 256 tokens, then the
+blocks of the best sections: `PageArchive.shortlisted`) and the attention mass over the shortlisted pages'
+keys; beside them, what bounding every block would cost (the flat bound, linear in the archive). Per layer
+and for all 30 layers. One thread.
 
     python scripts/bench_choice.py --tokens 8192,32768,131072 --repeat 30
 """
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-from h2o_cli.cache.recall.archive import NOTHING, PageArchive, order_key
+from h2o_cli.cache.recall.archive import PageArchive
 
 LAYERS, N_KV, GROUP, HEAD_DIM = 30, 3, 3, 64
 
@@ -47,10 +48,9 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"{platform.machine()}, {platform.processor() or 'cpu'}, torch threads 1, load average "
           f"{os.getloadavg()[0]:.1f} at the start; medians of {args.repeat} steps, one layer\n")  # fmt: skip
-    print(
-        "| archive tokens | pages | summary bound (ms) | shortlist mass (ms) | step choice (ms) | × 30 layers (ms) |"
-    )
-    print("|---|---|---|---|---|---|")
+    print("| archive tokens | pages | every block bounded (ms) | shortlist picked (ms) | shortlist mass (ms) "
+          "| step choice (ms) | × 30 layers (ms) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for tokens in args.tokens:
         archive = PageArchive(N_KV, HEAD_DIM, tokens, 16, torch.float32, torch.device("cpu"), attention=True,
                               shortlist=args.shortlist, carry=0.9)  # fmt: skip
@@ -59,11 +59,16 @@ def main() -> None:
         pages = tokens // 16
         summary = median_ms(lambda: archive.summary_bounds(query, pages), args.repeat)  # noqa: B023
         start = archive.token_index.view(pages, 16)[:, 0]
-        key = order_key(archive.summary_bounds(query, pages), start, start != NOTHING)
-        picked = torch.topk(key, min(args.shortlist, pages), dim=1, sorted=False).indices
+        if pages > args.shortlist:
+            pick = median_ms(lambda: archive.shortlisted(query, pages, start), args.repeat)  # noqa: B023
+            picked = archive.shortlisted(query, pages, start)
+        else:  # every page is scored
+            pick, picked = 0.0, torch.arange(pages).expand(N_KV, -1)
         mass = median_ms(lambda: archive.attention_mass(query, pages, picked), args.repeat)  # noqa: B023
         step = median_ms(lambda: archive.step_bounds(query), args.repeat)  # noqa: B023
-        print(f"| {tokens:,} | {pages:,} | {summary:.2f} | {mass:.2f} | {step:.2f} | {step * LAYERS:.0f} |")
+        print(
+            f"| {tokens:,} | {pages:,} | {summary:.2f} | {pick:.2f} | {mass:.2f} | {step:.2f} | {step * LAYERS:.0f} |"
+        )
 
 
 if __name__ == "__main__":

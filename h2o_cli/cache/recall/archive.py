@@ -8,7 +8,9 @@ whole; its keys are summarised in blocks of `block_size` tokens (a divisor of th
 default): per (ring block, KV head) the archive keeps the per-channel min and max of the block's keys (Quest's
 summary), so a query bounds its best logit in a block without reading it,
 `sum_i max(q_i * max_i, q_i * min_i) >= q . k` for every key `k` of the block, and a page's bound is the best
-of its blocks' (as tight as pages of `block_size`, read back `page_size` tokens at a time).
+of its blocks' (as tight as pages of `block_size`, read back `page_size` tokens at a time). A long archive's
+shortlist has a coarser level too: sections of `SECTION_TOKENS` tokens, each with the min/max of its blocks',
+so a step bounds the sections and then the blocks of the best ones only (`shortlisted`).
 
 Storage: K/V in RAM (`torch.empty`: the system backs them as they are written) or in a region of a memory-mapped
 file (`h2o_cli.cache.recall.archive_file`), whose pages are released from the process after every write and read; in the
@@ -25,6 +27,7 @@ from h2o_cli.cache.kvquant import SCALE_DTYPE, dequantize, quantize, storage_dty
 from h2o_cli.cache.recall.limits import summary_block
 
 NOTHING = -1  # token index of an empty archive slot
+SECTION_TOKENS = 256  # the coarse level of a shortlist: sections of this many tokens (whole pages) rank first
 
 
 def page_bound(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
@@ -133,6 +136,15 @@ class PageArchive:
         self._head_rows = torch.arange(n_kv_heads, device=device).unsqueeze(1) * capacity
         self._page_offsets = torch.arange(page_size, device=device)
         self._block_offsets = torch.arange(self.blocks_per_page, device=device)
+        # Sections (a shortlist's first level): `section_pages` ring pages each, when they tile the ring; their
+        # [high, low] summaries are folded from the blocks' and refreshed when read (`_section_summaries`).
+        section_pages = max(1, SECTION_TOKENS // page_size)
+        self.section_pages = section_pages if self.pages % section_pages == 0 else 0
+        sections = self.pages // section_pages if self.section_pages else 0
+        self.section_summary = torch.zeros(
+            n_kv_heads, sections, 2 * head_dim, dtype=torch.float32, device=device
+        )
+        self._sections_at = None  # `tokens` when the section summaries were last refreshed (None: never)
 
     @staticmethod
     def stored_bytes(
@@ -316,11 +328,13 @@ class PageArchive:
         self.token_index.fill_(NOTHING)
         self.carried_start.fill_(NOTHING)
         self.tokens = self._floor = 0
+        self._sections_at = None
 
     def rewind(self, tokens: int) -> None:
         """Forget the tokens from index `tokens` on (a scorer going back to a snapshot). Pages the ring dropped
         for them do not come back."""
         self.carried_start.fill_(NOTHING)  # the scores carried so far are forgotten
+        self._sections_at = None
         newer = self.token_index >= tokens
         touched = torch.unique(newer.nonzero().flatten() // self.page_size)
         self.token_index[newer] = NOTHING
@@ -445,7 +459,7 @@ class PageArchive:
         blocked.scatter_(1, torch.where(marks, resident_slots, capacity), True)
         candidate = blocked[:, :capacity].logical_not()  # [n_kv, capacity]
         has_candidate = candidate.view(n_kv, self.pages, size).any(dim=2)
-        bound = self.bounds(query, self.pages)
+        bound = self.bounds(query, self.pages, fixed=True)
         page_start = self.token_index.view(self.pages, size)[:, 0]
         key = order_key(bound, page_start, has_candidate)
         return self._first_candidates(key, candidate, min(slots, self.pages), slots)
@@ -455,7 +469,7 @@ class PageArchive:
         head_dim] (unrotated). Returns [n_kv_heads, span // page_size] float32 (the C step's input)."""
         return self.bounds(query, self.span // self.page_size)
 
-    def bounds(self, query: torch.Tensor, pages: int, chunk: int = 1) -> torch.Tensor:
+    def bounds(self, query: torch.Tensor, pages: int, chunk: int = 1, fixed: bool = False) -> torch.Tensor:
         """The score every choice ranks the first `pages` ring pages by: the bound under the best of the `m`
         queries, the best of its blocks' `best_page_bound`; with `attention`, `attention_mass` instead, and with
         `carry` plus `carry` times the page's last score on a one-token step; a chunk of `chunk` > 1 tokens
@@ -466,9 +480,8 @@ class PageArchive:
         page_start = self.token_index.view(self.pages, self.page_size)[:pages, 0]
         if not self.shortlist or pages <= self.shortlist:
             scores = self.attention_mass(query, pages)
-        else:  # two levels: the summaries pick the `shortlist` pages, the keys of those pages alone are scored
-            key = order_key(self.summary_bounds(query, pages), page_start, page_start != NOTHING)
-            picked = torch.topk(key, self.shortlist, dim=1, sorted=False).indices  # [n_kv, shortlist]
+        else:  # the summaries pick the `shortlist` pages (sections first), the keys of those pages are scored
+            picked = self.shortlisted(query, pages, page_start, fixed)  # [n_kv, shortlist]
             scores = torch.zeros(self.n_kv_heads, pages, device=query.device)
             scores.scatter_(1, picked, self.attention_mass(query, pages, picked))
         if self.carry and chunk > 1:  # a chunk of more than one token starts afresh: a new text or turn,
@@ -480,6 +493,71 @@ class PageArchive:
             self.carried[:, :pages] = scores
             self.carried_start[:pages] = page_start
         return scores
+
+    def shortlisted(
+        self, query: torch.Tensor, pages: int, page_start: torch.Tensor, fixed: bool = False
+    ) -> torch.Tensor:
+        """The `shortlist` pages (of the first `pages`) whose summary bound under the best of the `m` queries is
+        highest, per KV head (ties: the older page). With sections (`section_pages` pages, when the ring is made
+        of whole sections, the shortlist is at least one, and `keep = ceil(2 * shortlist / section_pages)`
+        sections hold at most a quarter of the pages), two levels: the sections ranked by the bound of their
+        own summary (the min/max over their pages' keys; ties: the older section), then the pages of the best
+        `keep` sections only, so a step bounds every section and a fixed number of blocks however long the
+        archive. `fixed`: every section's summary is folded afresh
+        (fixed shapes, the fixed step). query: [n_kv_heads, m, head_dim]; page_start: [pages] first token
+        index of each ring page (NOTHING: empty). Returns ring pages [n_kv_heads, shortlist]."""
+        size = self.section_pages
+        sections = -(-pages // size) if size else 0
+        keep = -(-2 * self.shortlist // size) if size else 0
+        if not size or sections < 4 * keep or self.shortlist < size:  # the flat bound is as cheap
+            key = order_key(self.summary_bounds(query, pages), page_start, page_start != NOTHING)
+            return torch.topk(key, self.shortlist, dim=1, sorted=False).indices
+        starts = page_start.new_full((sections * size,), NOTHING)
+        starts[:pages] = page_start
+        summary = self._section_summaries(starts, fixed)[:, :sections]
+        section_start = starts.view(sections, size)[:, 0]
+        key = order_key(best_page_bound(query.float(), summary), section_start, section_start != NOTHING)
+        best = torch.topk(key, keep, dim=1, sorted=False).indices  # [n_kv, keep]
+        chosen = (best.unsqueeze(-1) * size + torch.arange(size, device=best.device)).flatten(1)  # ring pages
+        blocks = (chosen.unsqueeze(-1) * self.blocks_per_page + self._block_offsets).flatten(1)
+        rows = (
+            blocks + torch.arange(self.n_kv_heads, device=blocks.device).unsqueeze(1) * self.summary.shape[1]
+        )
+        summaries = self.summary.view(-1, 2 * self.head_dim).index_select(0, rows.view(-1))
+        per_block = best_page_bound(query.float(), summaries.view(self.n_kv_heads, -1, 2 * self.head_dim))
+        per_block.masked_fill_(summaries.view(self.n_kv_heads, -1, 2 * self.head_dim)[..., 0] == float("-inf"),
+                               float("-inf"))  # fmt: skip
+        bound = per_block.view(self.n_kv_heads, -1, self.blocks_per_page).amax(dim=2)
+        start = starts.take(
+            chosen
+        )  # NOTHING past `pages`: ranked last, and the shortlist is at least a section
+        key = order_key(bound, start, start != NOTHING)
+        return chosen.gather(1, torch.topk(key, self.shortlist, dim=1, sorted=False).indices)
+
+    def _section_summaries(self, starts: torch.Tensor, fixed: bool) -> torch.Tensor:
+        """The sections' [high, low] summaries [n_kv_heads, sections, 2 * head_dim], folded from the blocks of
+        the ring pages that hold a page (`starts` [>= pages]: each ring page's first token index, NOTHING when
+        empty or not scored; such a page adds nothing): every section when `fixed` or after a reset or rewind,
+        else only those written since the last fold."""
+        size, sections = self.section_pages, self.section_summary.shape[1]
+        if fixed or self._sections_at is None or self.tokens - self._sections_at >= self.capacity:
+            touched = torch.arange(sections, device=self.summary.device)
+        else:
+            slots = torch.arange(self._sections_at, self.tokens, device=self.summary.device) % self.capacity
+            touched = torch.unique(slots // (size * self.page_size))
+        if touched.numel():
+            per = size * self.blocks_per_page
+            blocks = (touched.unsqueeze(-1) * per + torch.arange(per, device=touched.device)).flatten()
+            folded = self.summary.index_select(1, blocks).view(self.n_kv_heads, -1, per, 2 * self.head_dim)
+            held = starts.take((blocks // self.blocks_per_page).clamp_max(starts.numel() - 1)) != NOTHING
+            written = (held & (blocks < starts.numel() * self.blocks_per_page)).view(1, -1, per, 1)
+            high, low = folded[..., : self.head_dim], folded[..., self.head_dim :]
+            high = high.masked_fill(~written, float("-inf")).amax(dim=2)
+            low = low.masked_fill(~written, float("inf")).amin(dim=2)
+            self.section_summary.index_copy_(1, touched, torch.cat([high, low], dim=2))
+        if not fixed:
+            self._sections_at = self.tokens
+        return self.section_summary
 
     def summary_bounds(self, query: torch.Tensor, pages: int) -> torch.Tensor:
         """The bound of each of the first `pages` ring pages under the best of the `m` queries: the best of its
