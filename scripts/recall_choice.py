@@ -109,7 +109,8 @@ def choice(extras: set[str]) -> None:
 
     def bounds(self, query, pages, chunk=1):
         tail = [int(extra[4:]) for extra in extras if extra.startswith("tail")]
-        if tail and chunk > tail[0]:  # a chunk's last `tail` tokens' queries alone (layout [n_kv, group, chunk])
+        # A chunk's last `tail` tokens' queries alone (layout [n_kv, group, chunk]).
+        if tail and chunk > tail[0]:
             query = query.reshape(query.shape[0], -1, chunk, query.shape[-1])[:, :, -tail[0] :]
             query = query.reshape(query.shape[0], -1, query.shape[-1])
             if not extras - {f"tail{tail[0]}"}:
