@@ -46,16 +46,17 @@ def picks(archive: PageArchive, query: torch.Tensor, fixed: bool = False) -> lis
     return [set(row.tolist()) for row in archive.shortlisted(query, pages, starts, fixed)]
 
 
-@pytest.mark.parametrize("tokens", [700, 768])
-def test_sections_then_blocks_pick_the_pages_the_rule_picks(monkeypatch, tokens):
+@pytest.mark.parametrize(("tokens", "capacity"), [(700, 4096), (768, 4096), (760, 4040)])
+def test_sections_then_blocks_pick_the_pages_the_rule_picks(monkeypatch, tokens, capacity):
     """Sections of 32 tokens (4 pages of 8, blocks of 4), a shortlist of 8: 2 * 8 / 4 = 4 sections kept of 22-24
     (a quarter or less: two levels). Written in a piece, then token by token with picks in between, so the
-    section summaries are refreshed where the writes went; the fixed-shape fold picks the same."""
+    section summaries are refreshed where the writes went; the fixed-shape fold picks the same. A ring of
+    4,040 tokens (505 pages) ends in a section of one page."""
     monkeypatch.setattr(archive_module, "SECTION_TOKENS", 32)
     torch.manual_seed(0)
-    archive = PageArchive(2, 8, 4096, 8, torch.float32, torch.device("cpu"), block_size=4, attention=True,
+    archive = PageArchive(2, 8, capacity, 8, torch.float32, torch.device("cpu"), block_size=4, attention=True,
                           shortlist=8)  # fmt: skip
-    assert archive.section_pages == 4
+    assert archive.section_pages == 4 and archive.section_summary.shape[1] == -(-capacity // 32)
     keys, query = torch.randn(2, tokens, 8), torch.randn(2, 3, 8)
 
     def expected(written: int) -> list[set]:  # two levels from 16 sections (4 kept) on, else the flat rule

@@ -136,11 +136,10 @@ class PageArchive:
         self._head_rows = torch.arange(n_kv_heads, device=device).unsqueeze(1) * capacity
         self._page_offsets = torch.arange(page_size, device=device)
         self._block_offsets = torch.arange(self.blocks_per_page, device=device)
-        # Sections (a shortlist's first level): `section_pages` ring pages each, when they tile the ring; their
+        # Sections (a shortlist's first level): `section_pages` ring pages each (the last one maybe fewer); their
         # [high, low] summaries are folded from the blocks' and refreshed when read (`_section_summaries`).
-        section_pages = max(1, SECTION_TOKENS // page_size)
-        self.section_pages = section_pages if self.pages % section_pages == 0 else 0
-        sections = self.pages // section_pages if self.section_pages else 0
+        self.section_pages = max(1, SECTION_TOKENS // page_size)
+        sections = -(-self.pages // self.section_pages)
         self.section_summary = torch.zeros(
             n_kv_heads, sections, 2 * head_dim, dtype=torch.float32, device=device
         )
@@ -498,8 +497,8 @@ class PageArchive:
         self, query: torch.Tensor, pages: int, page_start: torch.Tensor, fixed: bool = False
     ) -> torch.Tensor:
         """The `shortlist` pages (of the first `pages`) whose summary bound under the best of the `m` queries is
-        highest, per KV head (ties: the older page). With sections (`section_pages` pages, when the ring is made
-        of whole sections, the shortlist is at least one, and `keep = ceil(2 * shortlist / section_pages)`
+        highest, per KV head (ties: the older page). With sections (`section_pages` ring pages each, when the
+        shortlist is at least one, and `keep = ceil(2 * shortlist / section_pages)`
         sections hold at most a quarter of the pages), two levels: the sections ranked by the bound of their
         own summary (the min/max over their pages' keys; ties: the older section), then the pages of the best
         `keep` sections only, so a step bounds every section and a fixed number of blocks however long the
@@ -507,9 +506,8 @@ class PageArchive:
         (fixed shapes, the fixed step). query: [n_kv_heads, m, head_dim]; page_start: [pages] first token
         index of each ring page (NOTHING: empty). Returns ring pages [n_kv_heads, shortlist]."""
         size = self.section_pages
-        sections = -(-pages // size) if size else 0
-        keep = -(-2 * self.shortlist // size) if size else 0
-        if not size or sections < 4 * keep or self.shortlist < size:  # the flat bound is as cheap
+        sections, keep = -(-pages // size), -(-2 * self.shortlist // size)
+        if sections < 4 * keep or self.shortlist < size:  # the flat bound is as cheap
             key = order_key(self.summary_bounds(query, pages), page_start, page_start != NOTHING)
             return torch.topk(key, self.shortlist, dim=1, sorted=False).indices
         starts = page_start.new_full((sections * size,), NOTHING)
@@ -520,6 +518,9 @@ class PageArchive:
         best = torch.topk(key, keep, dim=1, sorted=False).indices  # [n_kv, keep]
         chosen = (best.unsqueeze(-1) * size + torch.arange(size, device=best.device)).flatten(1)  # ring pages
         blocks = (chosen.unsqueeze(-1) * self.blocks_per_page + self._block_offsets).flatten(1)
+        blocks.clamp_max_(
+            self.summary.shape[1] - 1
+        )  # past the ring (a short last section): ranked last below
         rows = (
             blocks + torch.arange(self.n_kv_heads, device=blocks.device).unsqueeze(1) * self.summary.shape[1]
         )
@@ -528,9 +529,7 @@ class PageArchive:
         per_block.masked_fill_(summaries.view(self.n_kv_heads, -1, 2 * self.head_dim)[..., 0] == float("-inf"),
                                float("-inf"))  # fmt: skip
         bound = per_block.view(self.n_kv_heads, -1, self.blocks_per_page).amax(dim=2)
-        start = starts.take(
-            chosen
-        )  # NOTHING past `pages`: ranked last, and the shortlist is at least a section
+        start = starts.take(chosen)  # NOTHING past `pages`: ranked last (the shortlist is at least a section)
         key = order_key(bound, start, start != NOTHING)
         return chosen.gather(1, torch.topk(key, self.shortlist, dim=1, sorted=False).indices)
 
@@ -548,9 +547,13 @@ class PageArchive:
         if touched.numel():
             per = size * self.blocks_per_page
             blocks = (touched.unsqueeze(-1) * per + torch.arange(per, device=touched.device)).flatten()
-            folded = self.summary.index_select(1, blocks).view(self.n_kv_heads, -1, per, 2 * self.head_dim)
+            total = self.summary.shape[1]  # a short last section's blocks past the ring add nothing
+            folded = self.summary.index_select(1, blocks.clamp_max(total - 1))
+            folded = folded.view(self.n_kv_heads, -1, per, 2 * self.head_dim)
             held = starts.take((blocks // self.blocks_per_page).clamp_max(starts.numel() - 1)) != NOTHING
-            written = (held & (blocks < starts.numel() * self.blocks_per_page)).view(1, -1, per, 1)
+            written = (held & (blocks < min(total, starts.numel() * self.blocks_per_page))).view(
+                1, -1, per, 1
+            )
             high, low = folded[..., : self.head_dim], folded[..., self.head_dim :]
             high = high.masked_fill(~written, float("-inf")).amax(dim=2)
             low = low.masked_fill(~written, float("inf")).amin(dim=2)
