@@ -25,12 +25,13 @@ QUESTION = "What is the code of my locker? Answer with the number only."
 BOOK = Path("gutenberg_books/moby_dick_pg2701.txt")
 
 
-def converse(session, book_ids: list[int], tokenizer, tokens: int, turn_tokens: int, code: str):
+def converse(session, book_ids: list[int], tokenizer, tokens: int, turn_tokens: int, code: str,
+             fact: str = FACT, question: str = QUESTION):  # fmt: skip
     """Feed the fact, the book's turns up to `tokens` tokens read, then the question: (answer, turns)."""
     from h2o_cli.generation import Sampling
 
     session.sampling = Sampling(max_new_tokens=8)
-    session.ask(FACT.format(code=code))
+    session.ask(fact.format(code=code))
     session.sampling = Sampling(max_new_tokens=3)
     start, turns = 0, 0
     while session.cache.tokens_seen < tokens:
@@ -38,7 +39,7 @@ def converse(session, book_ids: list[int], tokenizer, tokens: int, turn_tokens: 
         session.ask(f"Here is the next part of a book I am reading:\n\n{part}\n\nReply with OK.")
         start, turns = start + turn_tokens, turns + 1
     session.sampling = Sampling(max_new_tokens=12)
-    return session.ask(QUESTION), turns
+    return session.ask(question), turns
 
 
 def main() -> None:
@@ -54,6 +55,8 @@ def main() -> None:
     parser.add_argument("--policies", default="recall,h2o")
     parser.add_argument("--seed", type=int, default=0, help="picks the code and where in the book to start")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fact", default=FACT, help="the first turn, {code} standing for the number")
+    parser.add_argument("--question", default=QUESTION)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -65,8 +68,10 @@ def main() -> None:
     for policy in args.policies.split(","):
         session = ChatSession(model, tokenizer, CacheSettings(budget=args.budget, policy=policy))
         started = time.perf_counter()
-        said, turns = converse(session, ids[offset:], tokenizer, args.tokens, args.turn_tokens, code)
-        row = {"policy": policy, "budget": args.budget, "seed": args.seed, "code": code, "answer": said,
+        said, turns = converse(
+            session, ids[offset:], tokenizer, args.tokens, args.turn_tokens, code, args.fact, args.question
+        )
+        row = {"policy": policy, "budget": args.budget, "seed": args.seed, "fact": args.fact, "code": code, "answer": said,
                "correct": code in said, "tokens_read": session.cache.tokens_seen, "book_turns": turns,
                "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
         session.cache.close()
