@@ -37,8 +37,8 @@ def document_frame(tokenizer, question: str, answer_cue: str = "") -> tuple[str,
 
 
 class NewChunk(list):
-    """Token ids that start a chunk of their own when a stream is read (`h2o_cli.streaming.chunks_of`): the
-    question after a text, so its queries alone choose what `recall` brings back for it."""
+    """Token ids that end the chunk they are read in (`h2o_cli.streaming.chunks_of`): the question after a
+    text, read with the text's last tokens when it fits, its queries alone choosing what `recall` brings back."""
 
 
 def read_then_answer(
@@ -47,7 +47,7 @@ def read_then_answer(
     """Token ids to feed for "read this document, then answer": the frame's head, the document's ids
     (`pieces`, cut to their first `max_text_tokens`), then the question and the assistant header.
 
-    The limit applies to the document only: the question is always asked in full, in a chunk of its own
+    The limit applies to the document only: the question is always asked in full, and ends its chunk
     (`NewChunk`).
     """
     before, after = document_frame(tokenizer, question, ANSWER_CUE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -48,19 +49,34 @@ class StreamStats:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+class AskingChunk(list):
+    """A chunk whose last `asks` ids are a question (a `NewChunk` piece read with the text before it): a
+    `recall` cache chooses what to bring back with their queries alone (`H2OCache.asking`)."""
+
+    asks: int = 0
+
+
 def chunks_of(pieces: Iterable[list[int]], size: int, limit: int | None = None) -> Iterator[list[int]]:
-    """Regroup id lists into lists of exactly `size` ids (the last may be shorter), stopping after `limit`; a
-    `NewChunk` piece starts a new list (the one before it may be shorter)."""
+    """Regroup id lists into lists of exactly `size` ids (the last may be shorter), stopping after `limit`. A
+    `NewChunk` piece (a question) of at least two ids ends the list it lands in: it joins the ids before it when
+    it fits in the list's room (an `AskingChunk`, `asks` = its length), else it starts a list of its own (the
+    one before it may be shorter)."""
     buffer: list[int] = []
     taken = 0
     for piece in pieces:
-        if isinstance(piece, NewChunk) and buffer:
+        asks = len(piece) if isinstance(piece, NewChunk) and len(piece) >= 2 else 0
+        if isinstance(piece, NewChunk) and buffer and len(buffer) + len(piece) > size:
             yield buffer
             buffer = []
         if limit is not None:
             piece = piece[: limit - taken]
         taken += len(piece)
         buffer.extend(piece)
+        if asks and len(buffer) <= size and len(piece) == asks:
+            chunk = AskingChunk(buffer)
+            chunk.asks = asks
+            yield chunk
+            buffer = []
         while len(buffer) >= size:
             yield buffer[:size]
             buffer = buffer[size:]
@@ -154,7 +170,9 @@ def prefill(
     try:
         for ids in chunks_of(pieces, chunk, max_tokens):
             input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
-            output = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            asks = getattr(ids, "asks", 0)
+            with cache.asking(asks) if asks and isinstance(cache, H2OCache) else nullcontext():
+                output = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
             last = output.logits[0, -1].float()
             stats.tokens += len(ids)
             stats.seconds = time.perf_counter() - stats.started

@@ -69,7 +69,8 @@ def feed_chunk(layer, q, k, v, start: int) -> torch.Tensor:
 
 def feed_against_naive(layer, settings, inv_freq, chunks, n_heads: int, after_chunk=None) -> None:
     """Random chunks (spiky logits, so a few tokens become heavy hitters) through `layer` and through the naive
-    simulation (tests/naive.py): after each chunk the outputs and every KV head's kept tokens must agree;
+    simulation (tests/naive.py): after each chunk the outputs and every KV head's kept tokens must agree (a chunk
+    given as (size, asks) ends in a question of `asks` tokens, `H2OCache.asking`);
     `after_chunk(store)` adds the caller's own checks."""
     from naive import NaiveHeadState, naive_attend_chunk
 
@@ -78,11 +79,14 @@ def feed_against_naive(layer, settings, inv_freq, chunks, n_heads: int, after_ch
     heads = [NaiveHeadState() for _ in range(n_kv)]
     start = 0
     for c in chunks:
+        c, asks = c if isinstance(c, tuple) else (c, 0)  # (size, question tokens ending it)
         q = torch.randn(n_heads, c, head_dim, dtype=torch.float64) * 2
         k = torch.randn(n_kv, c, head_dim, dtype=torch.float64) * 2
         v = torch.randn(n_kv, c, head_dim, dtype=torch.float64)
+        layer.asks = asks
         got = feed_chunk(layer, q, k, v, start)
-        want = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, head_dim**-0.5)
+        layer.asks = 0
+        want = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, head_dim**-0.5, asks)
         # The model's rotary tables are float32 (cos/sin error ~1e-7); everything else is float64.
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         start += c

@@ -99,7 +99,13 @@ def choose_victim(head: NaiveHeadState, settings) -> int:
 
 
 def naive_recall(
-    head: NaiveHeadState, queries: torch.Tensor, first_token: int, chunk: int, settings, inv_freq
+    head: NaiveHeadState,
+    queries: torch.Tensor,
+    first_token: int,
+    chunk: int,
+    settings,
+    inv_freq,
+    weighed: int = 0,
 ) -> list[int]:
     """R of one KV head for a chunk (docs/spec.md, recall pass 1), literally; no archive cap.
 
@@ -146,7 +152,9 @@ def naive_recall(
             mass[t // size] += p
         carry = getattr(settings, "page_carry", 0.0)  # the last score's share, page by page; a chunk of
         last = head.carried if chunk == 1 else {}  # more than one token starts afresh, weighing
-        weight = 1.0 if chunk == 1 else min(chunk, getattr(settings, "chunk_weight", 1.0))  # min(c, N) steps
+        weight = (
+            1.0 if chunk == 1 else min(weighed or chunk, getattr(settings, "chunk_weight", 1.0))
+        )  # min(c, N)
         mass = {page: weight * score + carry * last.get(page, 0.0) for page, score in mass.items()}
         head.carried = mass
 
@@ -157,8 +165,9 @@ def naive_recall(
     return [t for page in order for t in candidates if t // size == page][: recall_slots(settings)]
 
 
-def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_freq, scaling):
-    """One chunk through one layer. queries [n_heads, c, d], keys/values [n_kv, c, d] unrotated.
+def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_freq, scaling, asks: int = 0):
+    """One chunk through one layer. queries [n_heads, c, d], keys/values [n_kv, c, d] unrotated. `asks`: the
+    chunk's last `asks` tokens are a question, whose queries alone choose R (recall), weighed as `asks` tokens.
 
     Returns the output [n_heads, c, d] (float64) and evicts after the chunk.
     """
@@ -178,8 +187,9 @@ def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_
             head.last.append(0.0)
         recalled = []
         if recall_slots(settings):
-            group_queries = queries[j * group : (j + 1) * group].reshape(-1, head_dim)
-            recalled = naive_recall(head, group_queries, first_token, chunk, settings, inv_freq)
+            choosing = asks if 1 < asks < chunk else chunk
+            group_queries = queries[j * group : (j + 1) * group, chunk - choosing :].reshape(-1, head_dim)
+            recalled = naive_recall(head, group_queries, first_token, chunk, settings, inv_freq, choosing)
         for i in range(chunk):
             query_token = first_token + i
             visible = sorted(old + recalled) + list(range(first_token, query_token + 1))  # E_q, token order

@@ -1,10 +1,10 @@
 """How a stream is cut into chunks (h2o_cli.streaming.chunks_of): fixed sizes, a limit, and a question that
-starts a chunk of its own."""
+ends the chunk it lands in."""
 
 from __future__ import annotations
 
 from h2o_cli.prompting import NewChunk
-from h2o_cli.streaming import chunks_of
+from h2o_cli.streaming import AskingChunk, chunks_of
 
 
 def test_pieces_are_regrouped_into_chunks_of_the_size():
@@ -12,11 +12,20 @@ def test_pieces_are_regrouped_into_chunks_of_the_size():
     assert list(chunks_of([[1, 2, 3], [4, 5, 6, 7, 8]], 3, limit=5)) == [[1, 2, 3], [4, 5]]
 
 
-def test_a_new_chunk_piece_is_never_mixed_with_the_text_before_it():
+def test_a_question_ends_the_chunk_it_lands_in():
+    """A `NewChunk` piece joins the text before it when it fits in that chunk's room (an `AskingChunk` telling
+    how many of its ids are the question), else starts a chunk of its own; nothing follows it in a chunk."""
     text, question = [[1, 2, 3], [4, 5, 6, 7, 8]], NewChunk([9, 10, 11])
-    assert list(chunks_of([*text, question], 4)) == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]
-    assert list(chunks_of([*text, question], 3)) == [[1, 2, 3], [4, 5, 6], [7, 8], [9, 10, 11]]
-    assert list(chunks_of([question], 2)) == [[9, 10], [11]]  # nothing before it: no empty chunk
+    chunks = list(chunks_of([*text, question], 4))
+    assert chunks == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]  # no room after 8: a chunk of its own
+    assert isinstance(chunks[-1], AskingChunk) and chunks[-1].asks == 3
+    chunks = list(chunks_of([*text, question], 6))
+    assert chunks == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11]] and chunks[-1].asks == 3  # joins 7, 8
+    chunks = list(chunks_of([*text, question, [12, 13]], 6))
+    assert chunks == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11], [12, 13]]  # the question ends its chunk
+    assert chunks[1].asks == 3 and not isinstance(chunks[2], AskingChunk)
+    assert list(chunks_of([question], 2)) == [[9, 10], [11]]  # longer than a chunk: plain chunks
+    assert not any(isinstance(chunk, AskingChunk) for chunk in chunks_of([question], 2))
     ids = [t for chunk in chunks_of([*text, question], 3) for t in chunk]
     assert ids == list(range(1, 12))  # the same ids in the same order
 

@@ -88,11 +88,16 @@ def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
     ],
     ids=["page-1", "page-3", "page-6-shortlist-2", "carried"],
 )
-@pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6]], ids=["decode", "chunked"])
+@pytest.mark.parametrize(
+    "chunks",
+    [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6], [9, 7, (9, 4), 1, 1, 1, (8, 3), 1, 1, 6]],
+    ids=["decode", "chunked", "asked"],
+)
 def test_attention_page_score_matches_the_naive_simulation(positions, pages, chunks):
     """`--page-score attention`: pages ranked by the softmax mass the queries put on their keys, over every
     archived key, or over those of the `--shortlist` pages the summaries bound best, plus `--page-carry` of
-    each page's last score (docs/spec.md), on the chunk path and the torch step."""
+    each page's last score (docs/spec.md), on the chunk path and the torch step; `asked`: chunks that end in a
+    question, whose queries alone choose (weighed as its tokens)."""
     torch.manual_seed(9)
     settings = dataclasses.replace(
         naive_settings(positions, 0.75, archive_max=96, page_score="attention"), **pages

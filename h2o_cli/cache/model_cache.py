@@ -200,6 +200,19 @@ class H2OCache(Cache):
         return list(found.values())
 
     @contextmanager
+    def asking(self, tokens: int) -> Iterator[None]:
+        """Within: a forward's chunk whose last `tokens` tokens are a question (`streaming.AskingChunk`; 0: no
+        question). A `recall` layer then chooses what to bring back with their queries alone, weighed as a
+        chunk of that many tokens (docs/spec.md, recall: choice); every other policy reads the chunk as ever."""
+        for layer in self.layers:
+            layer.asks = tokens
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.asks = 0
+
+    @contextmanager
     def fixed_step(self) -> Iterator[None]:
         """Run the enclosed one-token forward on the fixed step (after `fix_steps`): every layer reads only
         tensors, its token index from the forward's `position_ids` (which must be `tokens_seen`); then

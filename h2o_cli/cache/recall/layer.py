@@ -33,6 +33,7 @@ class RecallLayer(H2OLayer):
     # hence the page choice are bit for bit the chunk path's.
     step_keys_by_map = False
     fused_kernels = False  # the Triton kernels know nothing of the recall slots
+    asks = 0  # the current chunk's last `asks` tokens are a question: their queries alone choose (H2OCache.asking)
 
     def add_archive(
         self,
@@ -98,10 +99,14 @@ class RecallLayer(H2OLayer):
         n_kv, active, first = store.n_kv_heads, store.active, store.tokens_seen - chunk
         slots, hits = self.recall_index.shape[1], 0
         if slots:  # pass 1: the chunk's queries choose archived tokens, read back into the recall slots
-            grouped = self._page_query(query, chunk).reshape(
+            # A question ending the chunk (H2OCache.asking) chooses with its own queries alone.
+            choosing = self.asks if 1 < self.asks < chunk else chunk
+            grouped = self._page_query(query, chunk)[:, chunk - choosing :].reshape(
                 n_kv, -1, store.head_dim
-            )  # [n_kv, group * chunk, d]
-            chosen, valid = self.archive.choose(grouped, store.token_index[:, :active], first, slots, chunk)
+            )  # [n_kv, group * choosing, d]
+            chosen, valid = self.archive.choose(
+                grouped, store.token_index[:, :active], first, slots, choosing
+            )
             hits = self._read_back(chosen, valid)
         self.counts.add((self.recall_index >= 0).sum(), hits)
         # Pass 2: E_q = S ∪ R ∪ {chunk tokens <= q}; R is older than the chunk, so every query sees all of it.
