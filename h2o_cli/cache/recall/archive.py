@@ -100,9 +100,8 @@ class PageArchive:
         self.attention = attention  # pages scored by attention mass (`attention_mass`), not by the summaries
         self.shortlist = shortlist  # with `attention`: only the pages the summaries bound best (0: all)
         self.carry = carry  # with `attention`: the share of a page's last score added to the next
-        self.chunk_weight = (
-            chunk_weight  # with `carry`: a chunk of c tokens starts at min(c, this) steps' weight
-        )
+        # With `carry`: a chunk of c > 1 tokens starts the carried scores at min(c, this) steps' weight.
+        self.chunk_weight = chunk_weight
         self.pages = capacity // page_size
         self.blocks_per_page = page_size // block_size
         self.dtype, self.bits, self.region = dtype, bits, region
@@ -483,12 +482,14 @@ class PageArchive:
             picked = self.shortlisted(query, pages, page_start, fixed)  # [n_kv, shortlist]
             scores = torch.zeros(self.n_kv_heads, pages, device=query.device)
             scores.scatter_(1, picked, self.attention_mass(query, pages, picked))
-        if self.carry and chunk > 1:  # a chunk of more than one token starts afresh: a new text or turn,
-            scores *= min(chunk, self.chunk_weight)  # weighing as many one-token steps as `chunk_weight` says
-        elif self.carry:
-            same = (self.carried_start[:pages] == page_start) & (page_start != NOTHING)
-            scores += self.carry * torch.where(same, self.carried[:, :pages], 0.0)
         if self.carry:
+            if (
+                chunk > 1
+            ):  # a new text or turn starts afresh, weighing min(chunk, chunk_weight) one-token steps
+                scores *= min(chunk, self.chunk_weight)
+            else:
+                same = (self.carried_start[:pages] == page_start) & (page_start != NOTHING)
+                scores += self.carry * torch.where(same, self.carried[:, :pages], 0.0)
             self.carried[:, :pages] = scores
             self.carried_start[:pages] = page_start
         return scores
@@ -518,9 +519,8 @@ class PageArchive:
         best = torch.topk(key, keep, dim=1, sorted=False).indices  # [n_kv, keep]
         chosen = (best.unsqueeze(-1) * size + torch.arange(size, device=best.device)).flatten(1)  # ring pages
         blocks = (chosen.unsqueeze(-1) * self.blocks_per_page + self._block_offsets).flatten(1)
-        blocks.clamp_max_(
-            self.summary.shape[1] - 1
-        )  # past the ring (a short last section): ranked last below
+        # A short last section's pages past the ring read some block (clamped); they rank last below.
+        blocks.clamp_max_(self.summary.shape[1] - 1)
         rows = (
             blocks + torch.arange(self.n_kv_heads, device=blocks.device).unsqueeze(1) * self.summary.shape[1]
         )
