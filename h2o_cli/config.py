@@ -95,6 +95,7 @@ class CacheSettings:
     chunk_weight: float = (
         8.0  # recall, --page-carry: one-token steps a chunk of c > 1 tokens weighs (at most c)
     )
+    choice_tokens: int = 32  # recall: a chunk of text chooses with at most this many of its tokens (0: all)
     page_score: str = "attention"  # recall: pages ranked by the attention they get, or by summary bounds (positional, unrotated)
     archive_max: int | str = (
         DEFAULT_ARCHIVE_MAX  # recall: tokens (131072) or bytes ("64MiB") the archive holds; then oldest dropped
@@ -141,6 +142,7 @@ class CacheSettings:
             self.shortlist,
             self.page_carry,
             self.chunk_weight,
+            self.choice_tokens,
         )
         if self.is_resolved:
             make_policy(self)  # the policy checks its own parameters (budget, split, sinks, ...)

@@ -167,7 +167,8 @@ def naive_recall(
 
 def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_freq, scaling, asks: int = 0):
     """One chunk through one layer. queries [n_heads, c, d], keys/values [n_kv, c, d] unrotated. `asks`: the
-    chunk's last `asks` tokens are a question, whose queries alone choose R (recall), weighed as `asks` tokens.
+    chunk's last `asks` tokens are a question, whose queries alone choose R (recall), weighed as `asks` tokens;
+    without one, at most `choice_tokens` of the chunk's tokens choose (evenly spaced, its last among them).
 
     Returns the output [n_heads, c, d] (float64) and evicts after the chunk.
     """
@@ -187,9 +188,15 @@ def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_
             head.last.append(0.0)
         recalled = []
         if recall_slots(settings):
-            choosing = asks if 1 < asks < chunk else chunk
-            group_queries = queries[j * group : (j + 1) * group, chunk - choosing :].reshape(-1, head_dim)
-            recalled = naive_recall(head, group_queries, first_token, chunk, settings, inv_freq, choosing)
+            # A question's tokens choose; else a chunk's tokens, every ceil(c / choice_tokens)-th from its last
+            limit = getattr(settings, "choice_tokens", 0)
+            if 1 < asks <= chunk:
+                picks, weighed = list(range(chunk - asks, chunk)), asks
+            else:
+                every = -(-chunk // limit) if limit else 1
+                picks, weighed = [i for i in range(chunk) if (chunk - 1 - i) % every == 0], chunk
+            group_queries = queries[j * group : (j + 1) * group, picks].reshape(-1, head_dim)
+            recalled = naive_recall(head, group_queries, first_token, chunk, settings, inv_freq, weighed)
         for i in range(chunk):
             query_token = first_token + i
             visible = sorted(old + recalled) + list(range(first_token, query_token + 1))  # E_q, token order

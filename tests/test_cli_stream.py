@@ -61,6 +61,7 @@ def h2o_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
         (["chat", "--policy", "recall", "--recall-ratio", "1.5"], 2, "--recall-ratio 1.5 must lie in [0, 1]"),
         (["eval", "copa", "--policies", "recall", "--page-size", "0"], 2, "--page-size 0 must be at least 1"),
         (["stream", EXCERPT, "--ppl", "--chunk-weight", "0.5"], 2, "--chunk-weight 0.5 must be at least 1"),
+        (["stream", EXCERPT, "--ppl", "--choice-tokens", "-1"], 2, "--choice-tokens -1 must be 0"),
         (
             ["compare", EXCERPT, "--archive-max", "8", "--page-size", "8"],
             2,

@@ -85,8 +85,9 @@ def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
         dict(page_size=3),
         dict(page_size=6, block_size=2, shortlist=2),
         dict(page_size=6, block_size=2, shortlist=2, page_carry=0.9),
+        dict(page_size=3, page_carry=0.9, choice_tokens=3),
     ],
-    ids=["page-1", "page-3", "page-6-shortlist-2", "carried"],
+    ids=["page-1", "page-3", "page-6-shortlist-2", "carried", "sampled"],
 )
 @pytest.mark.parametrize(
     "chunks",
@@ -346,6 +347,7 @@ def test_recall_past_the_models_window_with_rolling_positions(tiny_pair):
         (dict(recall_ratio=1.5), "--recall-ratio 1.5 must lie in [0, 1]"),
         (dict(recall_ratio=float("nan")), "--recall-ratio nan"),
         (dict(page_size=0), "--page-size 0 must be at least 1"),
+        (dict(choice_tokens=-1), "--choice-tokens -1 must be 0"),
         (dict(archive_max=10, page_size=16), "--archive-max 10 must hold at least two pages"),
         (dict(recall_ratio=0.95, budget=20), "leaves 1 resident token"),
         (dict(score_decay=0.99, score_norm="mean"), "--score-decay below 1 works with --score-norm sum only"),

@@ -192,6 +192,15 @@ ChunkWeight = Annotated[
         "(1: one step).",
     ),
 ]
+ChoiceTokens = Annotated[
+    int,
+    typer.Option(
+        "--choice-tokens",
+        help="recall: a chunk of text chooses what it recalls with at most N of its tokens' queries, evenly "
+        "spaced (0: every token; a question's tokens always all choose). Fewer read faster; perplexity "
+        "measured in docs/results.md.",
+    ),
+]
 PageScore = Annotated[
     str,
     typer.Option(
@@ -292,6 +301,7 @@ CACHE_OPTIONS = {
     "shortlist": Shortlist,
     "page_carry": PageCarry,
     "chunk_weight": ChunkWeight,
+    "choice_tokens": ChoiceTokens,
     "page_score": PageScore,
     "archive_max": ArchiveMax,
     "archive": Archive,

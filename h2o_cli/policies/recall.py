@@ -26,6 +26,7 @@ class RecallPolicy(HeavyHitterPolicy):
     shortlist: int = 512
     page_carry: float = 0.9
     chunk_weight: float = 8.0
+    choice_tokens: int = 32
     archive_max: int | str = DEFAULT_ARCHIVE_MAX
     page_score: str = "attention"
 
@@ -39,6 +40,7 @@ class RecallPolicy(HeavyHitterPolicy):
             shortlist=self.shortlist,
             page_carry=self.page_carry,
             chunk_weight=self.chunk_weight,
+            choice_tokens=self.choice_tokens,
         )
         super().__post_init__()
         if self.resident < 2:

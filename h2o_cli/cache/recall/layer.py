@@ -19,6 +19,19 @@ from h2o_cli.cache.step import step_attention
 from h2o_cli.errors import UsageError
 
 
+def choosing_tokens(chunk: int, asks: int, limit: int, device: torch.device) -> tuple[int, torch.Tensor]:
+    """Which of a chunk's `chunk` tokens choose what it recalls, and how many tokens their choice weighs: a
+    question of `asks` >= 2 tokens ending the chunk (`H2OCache.asking`), all of its tokens, weighing `asks`;
+    else at most `limit` (0: every one) of the chunk's tokens, evenly spaced and its last among them (every
+    ceil(chunk / limit)-th, counted back from the last), weighing `chunk`. Returns (weight, the tokens' offsets
+    in the chunk [picked], ascending)."""
+    if 1 < asks <= chunk:
+        return asks, torch.arange(chunk - asks, chunk, device=device)
+    if not limit or chunk <= limit:
+        return chunk, torch.arange(chunk, device=device)
+    return chunk, torch.arange(chunk - 1, -1, -chunk // limit, device=device).flip(0)
+
+
 class RecallLayer(H2OLayer):
     """A layer of the `recall` policy (docs/spec.md): `H2OLayer`'s store holds S, managed as `h2o`; every
     token is also written to a `PageArchive`, and each step refills `recall_slots` slots per KV head from it.
@@ -99,14 +112,13 @@ class RecallLayer(H2OLayer):
         n_kv, active, first = store.n_kv_heads, store.active, store.tokens_seen - chunk
         slots, hits = self.recall_index.shape[1], 0
         if slots:  # pass 1: the chunk's queries choose archived tokens, read back into the recall slots
-            # A question ending the chunk (H2OCache.asking) chooses with its own queries alone.
-            choosing = self.asks if 1 < self.asks < chunk else chunk
-            grouped = self._page_query(query, chunk)[:, chunk - choosing :].reshape(
+            # A question ending the chunk (H2OCache.asking) chooses with its own queries alone; a chunk of
+            # text with at most `choice_tokens` of its tokens' (evenly spaced, its last among them).
+            weighed, picks = choosing_tokens(chunk, self.asks, self.policy.choice_tokens, query.device)
+            grouped = self._page_query(query.index_select(1, picks), chunk).reshape(
                 n_kv, -1, store.head_dim
-            )  # [n_kv, group * choosing, d]
-            chosen, valid = self.archive.choose(
-                grouped, store.token_index[:, :active], first, slots, choosing
-            )
+            )  # [n_kv, group * picked, d]
+            chosen, valid = self.archive.choose(grouped, store.token_index[:, :active], first, slots, weighed)
             hits = self._read_back(chosen, valid)
         self.counts.add((self.recall_index >= 0).sum(), hits)
         # Pass 2: E_q = S ∪ R ∪ {chunk tokens <= q}; R is older than the chunk, so every query sees all of it.
