@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -435,3 +437,22 @@ def test_the_default_archive_goes_to_a_file_past_the_ram_limit(tiny_pair, monkey
     assert os.path.dirname(summary["archive_path"]) == str(tmp_path / "archive")
     large.close()
     assert not os.path.exists(summary["archive_path"])
+
+
+@pytest.mark.model
+def test_a_terminated_stream_removes_its_archive_file(tmp_path):
+    """SIGTERM (`kill`, `timeout`) mid-stream: exit code 143 and the recall archive's file removed, as after
+    Ctrl-C or an error."""
+    code = "from h2o_cli.cli.app import main; main()"
+    args = ["stream", "--sample", "--ppl", "--policy", "recall", "--budget", "64", "--chunk", "16"]
+    args += ["--max-tokens", "20000", "--archive", f"{tmp_path}/", "--threads", "1"]
+    run = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not os.listdir(tmp_path) and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert os.listdir(tmp_path), "the archive file never appeared"
+    time.sleep(1.0)  # inside the read
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 143, err.decode()
+    assert not os.listdir(tmp_path)

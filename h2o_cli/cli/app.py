@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 
 import typer
@@ -57,16 +59,27 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+class Terminated(SystemExit):
+    """SIGTERM (`kill`, `timeout`): the process ends as after an error, its `finally` blocks and exit hooks run
+    (a recall archive's file is removed), with exit code 128 + the signal's number."""
+
+
+def _terminate(number: int, frame) -> None:
+    raise Terminated(128 + number)
+
+
 def main() -> None:
     """Entry point: run the app, turn library errors into one line, keep tracebacks for H2O_DEBUG=1."""
     debug = os.environ.get("H2O_DEBUG") == "1"
     command = typer.main.get_command(app)
+    with contextlib.suppress(ValueError):  # not the main thread (an embedding app): leave its handler alone
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         try:
             command.main(prog_name="h2o", standalone_mode=False)
         except SystemExit as done:
             # typer turns EPIPE into exit 1 after wrapping the streams; for us a closed reader is no error.
-            if type(sys.stdout).__name__ == "PacifyFlushWrapper":
+            if type(sys.stdout).__name__ == "PacifyFlushWrapper" and not isinstance(done, Terminated):
                 raise BrokenPipeError from done
             raise
     except typer.Exit as done:
