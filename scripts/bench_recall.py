@@ -29,7 +29,8 @@ BOOK = Path("gutenberg_books/war_and_peace_pg2600.txt")
 
 
 def one_round(model, ids: list[int], spec: str, budget: int, chunk: int, decode: int) -> tuple[float, float]:
-    cache = H2OCache(model, settings_of(spec, budget, chunk))
+    # The archive sized to the text, as `h2o stream FILE` sizes it (in RAM up to 1 GiB, as there)
+    cache = H2OCache(model, settings_of(spec, budget, chunk), span=len(ids) + decode)
     started = time.perf_counter()
     logits, stats = prefill(model, cache, [ids], chunk)
     stats.reraise()
