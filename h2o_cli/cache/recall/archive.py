@@ -134,6 +134,7 @@ class PageArchive:
         # [n_kv_heads, 1]: each KV head's first row in the K/V seen as [n_kv_heads * capacity, head_dim].
         self._head_rows = torch.arange(n_kv_heads, device=device).unsqueeze(1) * capacity
         self._page_offsets = torch.arange(page_size, device=device)
+        self._head_pages = torch.arange(n_kv_heads, device=device).unsqueeze(1) * self.pages  # as _head_rows
         self._block_offsets = torch.arange(self.blocks_per_page, device=device)
         # Sections (a shortlist's first level): `section_pages` ring pages each (the last one maybe fewer); their
         # [high, low] summaries are folded from the blocks' and refreshed when read (`_section_summaries`).
@@ -590,10 +591,17 @@ class PageArchive:
                 scales = scales[:, : pages * size]
         else:
             slots = (picked.unsqueeze(-1) * size + self._page_offsets).flatten(1)  # [n_kv, k * size]
-            rows = (slots + self._head_rows).view(-1)  # rows of the K seen as [n_kv * capacity, d]: one
-            # index_select reads them 5x faster than a gather over [n_kv, capacity, d]
-            keys = self.keys.view(-1, self.head_dim).index_select(0, rows).view(n_kv, -1, self.head_dim)
-            scales = self.key_scales.view(-1).index_select(0, rows).view(n_kv, -1) if self.quantized else None
+            # Whole pages of the K seen as [n_kv * pages, size * d]: one index_select of k pages per head reads
+            # them faster than one of k * size token rows, and far faster than a gather over [n_kv, capacity, d]
+            rows = (picked + self._head_pages).view(-1)
+            keys = (
+                self.keys.view(-1, size * self.head_dim).index_select(0, rows).view(n_kv, -1, self.head_dim)
+            )
+            scales = (
+                self.key_scales.view(-1, size).index_select(0, rows).view(n_kv, -1)
+                if self.quantized
+                else None
+            )
         if self.quantized:
             keys = dequantize(keys, scales, torch.float32)
         keys = keys.float().transpose(1, 2)  # [n_kv, head_dim, tokens]
