@@ -7,6 +7,10 @@ the code, the tokens read, seconds. `recall` is what should remember; `h2o` and 
 without an archive answers.
 
     python scripts/chat_remembers.py --tokens 20000 --budget 819 --policies recall,h2o
+
+`--probe` also records, for every layer call while the question is read and answered, how many of the
+code's digit tokens each KV head holds in S (resident) and in R (recalled): a miss where R never holds them is
+the page choice's; one where every head holds them is the placement's or the model's.
 """
 
 from __future__ import annotations
@@ -26,20 +30,79 @@ BOOK = Path("gutenberg_books/moby_dick_pg2701.txt")
 
 
 def converse(session, book_ids: list[int], tokenizer, tokens: int, turn_tokens: int, code: str,
-             fact: str = FACT, question: str = QUESTION):  # fmt: skip
-    """Feed the fact, the book's turns up to `tokens` tokens read, then the question: (answer, turns)."""
+             fact: str = FACT, question: str = QUESTION, before_question=None, reply_tokens: int = 32):  # fmt: skip
+    """Feed the fact, the book's turns up to `tokens` tokens read, then the question: (answer, turns, the
+    replies to the book's turns). `before_question(session)` is called just before the question is sent. Each
+    reply may take `reply_tokens`: cut shorter, the cut replies become a pattern the model repeats."""
     from h2o_cli.generation import Sampling
 
     session.sampling = Sampling(max_new_tokens=8)
     session.ask(fact.format(code=code))
-    session.sampling = Sampling(max_new_tokens=3)
-    start, turns = 0, 0
+    session.sampling = Sampling(max_new_tokens=reply_tokens)
+    start, turns, replies = 0, 0, []
     while session.cache.tokens_seen < tokens:
         part = tokenizer.decode(book_ids[start : start + turn_tokens])
-        session.ask(f"Here is the next part of a book I am reading:\n\n{part}\n\nReply with OK.")
+        replies.append(
+            session.ask(f"Here is the next part of a book I am reading:\n\n{part}\n\nReply with OK.")
+        )
         start, turns = start + turn_tokens, turns + 1
-    session.sampling = Sampling(max_new_tokens=12)
-    return session.ask(question), turns
+    session.sampling = Sampling(max_new_tokens=24)  # "The code of my locker is 6049" took 12
+    if before_question is not None:
+        before_question(session)
+    return session.ask(question), turns, replies
+
+
+class Probe:
+    """Where the code's tokens are after each `recall` layer call (S or R, per KV head) while `on`."""
+
+    def __init__(self, cache, tokens: list[int]) -> None:
+        self.tokens, self.on, self.calls = torch.tensor(tokens), False, []
+        for number, layer in enumerate(cache.layers):
+            for name in ("_chunk_attend", "_torch_step", "_c_step"):
+                self._watch(layer, name, number)
+
+    def _watch(self, layer, name: str, number: int) -> None:
+        original = getattr(layer, name)
+
+        def watched(*args, **kwargs):
+            output = original(*args, **kwargs)
+            if self.on:
+                resident = torch.isin(layer.store.token_index, self.tokens).sum(dim=1)
+                recalled = torch.isin(layer.recall_index, self.tokens).sum(dim=1)
+                self.calls.append((number, name, resident.tolist(), recalled.tolist()))
+            return output
+
+        setattr(layer, name, watched)
+
+    def summary(self, layers: int) -> dict:
+        """Per call of the last layer's sequence: the share of (layer, KV head) holding every code token."""
+        steps = [self.calls[i : i + layers] for i in range(0, len(self.calls), layers)]
+        want = len(self.tokens)
+
+        def share(step, where: str) -> float:
+            pick = {"S": lambda s, r: s, "R": lambda s, r: r, "S+R": lambda s, r: s + r}[where]
+            held = [pick(s, r) == want for _, _, resident, recalled in step
+                    for s, r in zip(resident, recalled, strict=True)]  # fmt: skip
+            return round(sum(held) / len(held), 3)
+
+        return {where: [share(step, where) for step in steps] for where in ("S", "R", "S+R")}
+
+
+def code_tokens(session, code: str) -> list[int]:
+    """Token indices of the first turn's code digits (the tokens whose text lies inside the code)."""
+    turn = session.turns[0]
+    ids = list(session.ids[turn.start : turn.end])
+    text, spans = "", []
+    for offset, token in enumerate(ids):
+        piece = session.tokenizer.decode([token])
+        spans.append((len(text), len(text) + len(piece), turn.start + offset))
+        text += piece
+    at = text.index(code)
+    return [
+        index
+        for begin, end, index in spans
+        if begin < at + len(code) and end > at and text[begin:end].strip()
+    ]
 
 
 def main() -> None:
@@ -58,6 +121,10 @@ def main() -> None:
     parser.add_argument("--fact", default=FACT, help="the first turn, {code} standing for the number")
     parser.add_argument("--question", default=QUESTION)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--reply-tokens", type=int, default=32, help="most tokens of each reply to a book turn"
+    )
+    parser.add_argument("--probe", action="store_true", help="record where the code's tokens are (recall)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32")
@@ -67,13 +134,23 @@ def main() -> None:
     offset = rng.randrange(0, len(ids) - 2 * args.tokens)
     for policy in args.policies.split(","):
         session = ChatSession(model, tokenizer, CacheSettings(budget=args.budget, policy=policy))
-        started = time.perf_counter()
-        said, turns = converse(
-            session, ids[offset:], tokenizer, args.tokens, args.turn_tokens, code, args.fact, args.question
-        )
+        started, probes = time.perf_counter(), []
+
+        def watch(session, probes=probes):
+            probes.append(Probe(session.cache, code_tokens(session, code)))
+            probes[-1].on = True
+
+        said, turns, replies = converse(
+            session, ids[offset:], tokenizer, args.tokens, args.turn_tokens, code, args.fact, args.question,
+            watch if args.probe and policy == "recall" else None, args.reply_tokens,
+        )  # fmt: skip
         row = {"policy": policy, "budget": args.budget, "seed": args.seed, "fact": args.fact, "code": code, "answer": said,
                "correct": code in said, "tokens_read": session.cache.tokens_seen, "book_turns": turns,
+               "reply_tokens": args.reply_tokens, "replies": replies[:3],
                "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
+        if probes:
+            row["code_tokens"] = probes[0].tokens.tolist()
+            row["held_by_call"] = probes[0].summary(len(session.cache.layers))
         session.cache.close()
         print(json.dumps(row), flush=True)
         if args.out:
