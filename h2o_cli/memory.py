@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from h2o_cli.cache.recall.limits import DEFAULT_ARCHIVE_MAX, DEFAULT_BLOCK
-
 QUANTS = ("none", "8bit", "4bit")
 NF4_BLOCK = 64  # bitsandbytes' default 4-bit block size
 SLOT_STATE_BYTES = 4 + 4 + 4 + 8 + 8 + 1  # scores, seen, last_probs (f32); token_index, rank (i64); valid
@@ -182,8 +180,8 @@ def memory_table(
     dtype_bytes: int = 4,
     contexts: tuple[int, ...] = CONTEXTS,
     page_size: int = 16,
-    archive_max: int = DEFAULT_ARCHIVE_MAX,
-    block_size: int = DEFAULT_BLOCK,
+    archive_max: int = 131072,
+    block_size: int = 4,
     archive_bits: int | None = None,
     archive_storage: str = "ram",
 ) -> dict:
