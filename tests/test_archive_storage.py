@@ -446,7 +446,9 @@ def test_a_terminated_stream_removes_its_archive_file(tmp_path):
     code = "from h2o_cli.cli.app import main; main()"
     args = ["stream", "--sample", "--ppl", "--policy", "recall", "--budget", "64", "--chunk", "16"]
     args += ["--max-tokens", "20000", "--archive", f"{tmp_path}/", "--threads", "1"]
-    run = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    run = subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     deadline = time.monotonic() + 120
     while not os.listdir(tmp_path) and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
