@@ -122,6 +122,12 @@ def choice(extras: set[str]) -> None:
             scores = exact_bounds(self, query, pages, "mass" in extras)
         else:
             scores = own(self, query, pages, chunk)
+        if "hold" in extras:  # answer steps keep the question's scores: what it found stays till the end
+            if chunk > 1 or getattr(self, "_held", None) is None:
+                self._held = scores
+            else:
+                held = self._held
+                scores = torch.nn.functional.pad(held, (0, pages - held.shape[1]), value=-1.0)[:, :pages]
         keep = [int(extra[4:]) / 10 for extra in extras if extra.startswith("keep")]
         if keep:  # scores carried over steps: each step's added to the last's times the decay
             last = getattr(self, "_carried", None)
@@ -171,7 +177,16 @@ def main() -> None:
         "--budget-tokens", type=int, default=819, help="resident + recalled tokens per KV head"
     )
     parser.add_argument("--policy", default="recall", help="the reading's recall spec, as recall_grid.py")
-    parser.add_argument("--block", type=int, default=4, help="tokens per key summary while reading")
+    parser.add_argument(
+        "--block",
+        type=int,
+        help="pages and key summaries of this many tokens while reading (default: the policy's)",
+    )
+    parser.add_argument(
+        "--question-alone",
+        action="store_true",
+        help="read the question as a chunk of its own (default: it ends the text's last chunk, as `stream --prompt`)",
+    )
     parser.add_argument("--variants", default="p4,p16,p32,p16-votes,oracle")
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
@@ -190,8 +205,8 @@ def main() -> None:
     from h2o_cli.eval.data import load_essays
     from h2o_cli.generation import Sampling, TextStreamer, generate_ids
     from h2o_cli.models import load_model
-    from h2o_cli.prompting import read_then_answer
-    from h2o_cli.streaming import prefill
+    from h2o_cli.prompting import NewChunk, read_then_answer
+    from h2o_cli.streaming import chunks_of, prefill
 
     model, tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32")
     group = model.config.num_attention_heads // model.config.num_key_value_heads
@@ -202,12 +217,23 @@ def main() -> None:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             pieces = list(read_then_answer(tokenizer, [ids], QUESTION))
             settings = settings_of(args.policy, args.budget_tokens, args.chunk)
-            settings = replace(settings, page_size=args.block, block_size=args.block, kernels="torch")
+            if args.block:
+                settings = replace(settings, page_size=args.block, block_size=args.block)
+            settings = replace(settings, kernels="torch")
+            if args.question_alone:
+                reading, asking = pieces[:-1], pieces[-1:]
+            else:  # the question ends the text's last chunk (`chunks_of`): read up to it, then ask with it
+                *reading, last = chunks_of(pieces, settings.chunk)
+                asks = getattr(last, "asks", 0)
+                asking = (
+                    [list(last[: len(last) - asks]), NewChunk(last[len(last) - asks :])] if asks else [NewChunk(last)]
+                )
             span = -(-(sum(map(len, pieces)) + MAX_NEW_TOKENS) // 64) * 64  # whole pages of up to 64
             settings = replace(settings, archive_max=span, archive="ram")
             cache = H2OCache(model, settings, span=span)
+            tag = ("" if args.question_alone else "_asked") + (f"_p{args.block}" if args.block else "")
             saved = (
-                args.states / f"{args.length}_s{seed}_d{depth}_b{args.budget_tokens}.pt"
+                args.states / f"{args.length}_s{seed}_d{depth}_b{args.budget_tokens}{tag}.pt"
                 if args.states
                 else None
             )
@@ -215,7 +241,7 @@ def main() -> None:
             if saved is not None and saved.exists():
                 read_tokens, read_seconds = load_state(cache, saved)
             else:
-                _, stats = prefill(model, cache, pieces[:-1], settings.chunk)
+                _, stats = prefill(model, cache, reading, settings.chunk)
                 stats.reraise()
                 read_tokens, read_seconds = stats.tokens, time.perf_counter() - started
                 if saved is not None:
@@ -228,12 +254,12 @@ def main() -> None:
                 choice_part, *settings_part = variant.split("@")
                 name, *extras = choice_part.split("-")
                 overrides = dict(item.split("=") for item in settings_part)
-                page = args.block if name == "oracle" else int(name[1:])
+                page = settings.page_size if name == "oracle" else int(name[1:])
                 cache.restore(state)
                 for layer, settings_of_layer in zip(cache.layers, base, strict=True):
                     layer.archive.__dict__.update(settings_of_layer)
                     regroup(layer.archive, page)
-                    layer.archive._carried = None
+                    layer.archive._carried = layer.archive._held = None
                     for field, value in overrides.items():  # an archive setting: @chunk_weight=8, @carry=0.95
                         setattr(layer.archive, field, type(getattr(layer.archive, field))(float(value)))
                 choice(set(extras))
@@ -242,7 +268,7 @@ def main() -> None:
                 oracle.phase = "question"
                 try:
                     started = time.perf_counter()
-                    logits, _ = prefill(model, cache, pieces[-1:], settings.chunk)
+                    logits, _ = prefill(model, cache, asking, settings.chunk)
                     oracle.phase = "decode"
                     streamer = TextStreamer(tokenizer)
                     stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -253,10 +279,12 @@ def main() -> None:
                     PageArchive.choose, PageArchive.choose_one = CHOOSE, CHOOSE_ONE
                     choice(set())
                 question, steps = oracle.shares(len(cache.layers))
+                _, whole = oracle.shares(len(cache.layers), column=3)
                 row = {"length": args.length, "seed": seed, "depth": depth, "budget_tokens": args.budget_tokens,
                        "policy": args.policy, "variant": variant, "key": key, "answer": streamer.printed.strip(),
                        "correct": key in streamer.printed, "text_tokens": len(ids),
                        "question_heads_with_key": question, "answer_heads_with_key": steps,
+                       "answer_heads_with_every_digit": whole,
                        "read_seconds": round(read_seconds, 1),
                        "answer_seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
                 print(json.dumps(row), flush=True)

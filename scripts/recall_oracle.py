@@ -59,11 +59,10 @@ class Oracle:
         if self.force:
             chosen, valid = self.forced(archive, chosen, valid, resident)
         recalled = torch.where(valid, archive.token_index[chosen], -1)
-        held = [
-            bool(torch.isin(self.key, torch.cat([resident[h], recalled[h]])).any())
-            for h in range(len(chosen))
-        ]
-        self.log.append((self.phase, sum(held), len(held)))
+        present = [torch.isin(self.key, torch.cat([resident[h], recalled[h]])) for h in range(len(chosen))]
+        held = [bool(p.any()) for p in present]
+        whole = [bool(p.all()) for p in present]
+        self.log.append((self.phase, sum(held), len(held), sum(whole)))
         return chosen, valid
 
     def forced(self, archive, chosen, valid, resident):
@@ -84,11 +83,12 @@ class Oracle:
             valid[head, : len(take)] = True
         return chosen, valid
 
-    def shares(self, layers: int) -> tuple[float, list[float]]:
-        """Share of (layer, KV head) holding a digit token: over the question's chunk(s), and per answer step."""
+    def shares(self, layers: int, column: int = 1) -> tuple[float, list[float]]:
+        """Share of (layer, KV head) holding a digit token (`column` 3: every digit token): over the question's
+        chunk(s), and per answer step."""
 
         def share(rows):
-            return round(sum(r[1] for r in rows) / max(1, sum(r[2] for r in rows)), 3)
+            return round(sum(r[column] for r in rows) / max(1, sum(r[2] for r in rows)), 3)
 
         question = [row for row in self.log if row[0] == "question"]
         steps = [row for row in self.log if row[0] == "decode"]
