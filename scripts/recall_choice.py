@@ -20,6 +20,9 @@ pages and blocks can be compared without reading again. Variants (`--variants`, 
 - `pN-shortK`: the attention mass inside a shortlist, the K pages with the best summary bound per KV head
   (a two-level choice: summaries first, then the keys of the best pages only);
 - `-tailN`: a chunk (the question) scores with its last N tokens' queries only;
+- `-qall`: the question scores every page's mass (no shortlist), answer steps as the archive is set;
+  `-qlistN`: the same, and each answer step scores the N pages its carried scores rank best (the question's
+  choice is the answer's shortlist) instead of the summaries' shortlist;
 - `@field=value` (after any of the above, repeatable): a `PageArchive` setting for the question and answer,
   e.g. `p16@chunk_weight=8@carry=0.95` (the reading keeps `--policy`'s);
 - `oracle`: the needle sentence's archived tokens forced into every head's recall slots (what a perfect
@@ -116,7 +119,20 @@ def choice(extras: set[str]) -> None:
             if not extras - {f"tail{tail[0]}"}:
                 return own(self, query, pages, chunk)
         short = [int(extra[5:]) for extra in extras if extra.startswith("short")]
-        if short:
+        listed = [int(extra[5:]) for extra in extras if extra.startswith("qlist")]
+        if chunk > 1 and ("qall" in extras or listed):  # the question scores every page
+            shortlist, self.shortlist = self.shortlist, 0
+            scores = own(self, query, pages, chunk)
+            self.shortlist = shortlist
+        elif listed:  # an answer step scores the pages the carried scores rank best (the question's)
+            page_start = self.token_index.view(self.pages, self.page_size)[:pages, 0]
+            same = (self.carried_start[:pages] == page_start) & (page_start != -1)
+            last = torch.where(same, self.carried[:, :pages], 0.0)
+            picked = last.topk(min(listed[0], pages), dim=1).indices
+            scores = torch.zeros_like(last).scatter_(1, picked, self.attention_mass(query, pages, picked))
+            scores += self.carry * last
+            self.carried[:, :pages], self.carried_start[:pages] = scores, page_start
+        elif short:
             scores = shortlisted_mass(self, query, pages, own(self, query, pages, chunk), short[0])
         elif extras & {"exact", "mass"}:
             scores = exact_bounds(self, query, pages, "mass" in extras)
@@ -226,7 +242,9 @@ def main() -> None:
                 *reading, last = chunks_of(pieces, settings.chunk)
                 asks = getattr(last, "asks", 0)
                 asking = (
-                    [list(last[: len(last) - asks]), NewChunk(last[len(last) - asks :])] if asks else [NewChunk(last)]
+                    [list(last[: len(last) - asks]), NewChunk(last[len(last) - asks :])]
+                    if asks
+                    else [NewChunk(last)]
                 )
             span = -(-(sum(map(len, pieces)) + MAX_NEW_TOKENS) // 64) * 64  # whole pages of up to 64
             settings = replace(settings, archive_max=span, archive="ram")
