@@ -106,6 +106,7 @@ def naive_recall(
     settings,
     inv_freq,
     weighed: int = 0,
+    question: bool = False,
 ) -> list[int]:
     """R of one KV head for a chunk (docs/spec.md, recall pass 1), literally; no archive cap.
 
@@ -115,7 +116,8 @@ def naive_recall(
     page score (and the attention score) each query is first replaced by the mean of its rotations over the
     distances from the recent slots of S up to the most E_q entries (rolling) or the tokens seen (original).
     The attention score ranks a page by the softmax mass the queries put on its keys (their mean), over every archived key
-    (with a shortlist: over the keys of the pages whose summary bound is highest; the others score 0), plus
+    (with a shortlist: over the keys of the pages whose summary bound is highest, or on a one-token step with
+    `page_carry` of those whose last score is; the others score 0; a `question` scores every page), plus
     `page_carry` times the page's score at the head's last choice when the chunk is one token; a chunk of c > 1
     tokens starts afresh, its mass times min(c, `chunk_weight`).
     """
@@ -142,7 +144,12 @@ def naive_recall(
         written = range(-(-len(head.keys) // size))
         scored = list(written)
         shortlist = getattr(settings, "shortlist", 0)
-        if shortlist and len(scored) > shortlist:  # the pages the summaries bound best (ties: the older)
+        carry = getattr(settings, "page_carry", 0.0)
+        if question or not shortlist or len(scored) <= shortlist:
+            pass  # a question scores every page
+        elif carry and chunk == 1:  # a step: the pages its last scores rank best (ties: the older)
+            scored = sorted(scored, key=lambda page: (-head.carried.get(page, 0.0), page))[:shortlist]
+        else:  # the pages the summaries bound best (ties: the older)
             scored = sorted(scored, key=lambda page: (-bound(page), page))[:shortlist]
         tokens = [t for page in scored for t in range(page * size, min((page + 1) * size, len(head.keys)))]
         keys = torch.stack([head.keys[t] for t in tokens]).double()
@@ -150,8 +157,8 @@ def naive_recall(
         mass = dict.fromkeys(written, 0.0)  # pages outside the shortlist: 0
         for t, p in zip(tokens, probs.tolist(), strict=True):
             mass[t // size] += p
-        carry = getattr(settings, "page_carry", 0.0)  # the last score's share, page by page; a chunk of
-        last = head.carried if chunk == 1 else {}  # more than one token starts afresh, weighing
+        # The last score's share, page by page; a chunk of more than one token starts afresh, weighing
+        last = head.carried if chunk == 1 else {}
         weight = (
             1.0 if chunk == 1 else min(weighed or chunk, getattr(settings, "chunk_weight", 1.0))
         )  # min(c, N)
@@ -196,7 +203,9 @@ def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_
                 every = -(-chunk // limit) if limit else 1
                 picks, weighed = [i for i in range(chunk) if (chunk - 1 - i) % every == 0], chunk
             group_queries = queries[j * group : (j + 1) * group, picks].reshape(-1, head_dim)
-            recalled = naive_recall(head, group_queries, first_token, chunk, settings, inv_freq, weighed)
+            recalled = naive_recall(
+                head, group_queries, first_token, chunk, settings, inv_freq, weighed, 1 < asks <= chunk
+            )
         for i in range(chunk):
             query_token = first_token + i
             visible = sorted(old + recalled) + list(range(first_token, query_token + 1))  # E_q, token order

@@ -346,7 +346,13 @@ class PageArchive:
             self._summarise(touched)
 
     def choose(
-        self, query: torch.Tensor, resident: torch.Tensor, before: int, slots: int, chunk: int = 1
+        self,
+        query: torch.Tensor,
+        resident: torch.Tensor,
+        before: int,
+        slots: int,
+        chunk: int = 1,
+        question: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick up to `slots` archived tokens per KV head for a chunk's queries (pass 1 of a recall step).
 
@@ -355,8 +361,8 @@ class PageArchive:
         first token (only older tokens are candidates). A candidate is an archived token older than `before`
         not in S. Pages with a candidate are ranked by the max over the m queries of `page_bound` (ties: the
         older page first); their candidates are taken in that order, oldest first inside a page. `chunk`: the
-        chunk's tokens (m / group), which `bounds` weighs with `chunk_weight` when scores are carried.
-        Returns archive slots [n_kv_heads, slots] and which of them hold a chosen token [n_kv_heads, slots].
+        chunk's tokens (m / group), which `bounds` weighs with `chunk_weight` when scores are carried;
+        `question`: the queries are a question's (`bounds` scores every page for it). Returns archive slots [n_kv_heads, slots] and which of them hold a chosen token [n_kv_heads, slots].
         """
         n_kv, device = self.n_kv_heads, self.token_index.device
         archived = (self.token_index != NOTHING) & (self.token_index < before)
@@ -372,7 +378,7 @@ class PageArchive:
         used = min(self.pages, -(-self.tokens // self.page_size))
         bound = torch.zeros(n_kv, self.pages, device=device)  # pages past `used` hold no candidate
         if used:
-            bound[:, :used] = self.bounds(query, used, chunk)
+            bound[:, :used] = self.bounds(query, used, chunk, question=question)
         # Every page with a candidate holds at least one, so the first `slots` pages in rank order suffice.
         page_start = self.token_index.view(self.pages, self.page_size)[:, 0]
         top = min(slots, self.pages)
@@ -468,29 +474,38 @@ class PageArchive:
         head_dim] (unrotated). Returns [n_kv_heads, span // page_size] float32 (the C step's input)."""
         return self.bounds(query, self.span // self.page_size)
 
-    def bounds(self, query: torch.Tensor, pages: int, chunk: int = 1, fixed: bool = False) -> torch.Tensor:
+    def bounds(
+        self, query: torch.Tensor, pages: int, chunk: int = 1, fixed: bool = False, question: bool = False
+    ) -> torch.Tensor:
         """The score every choice ranks the first `pages` ring pages by: the bound under the best of the `m`
-        queries, the best of its blocks' `best_page_bound`; with `attention`, `attention_mass` instead, and with
-        `carry` plus `carry` times the page's last score on a one-token step; a chunk of `chunk` > 1 tokens
-        starts afresh, its mass times min(chunk, `chunk_weight`). query: [n_kv_heads, m, head_dim].
-        Returns [n_kv_heads, pages] float32."""
+        queries, the best of its blocks' `best_page_bound`; with `attention`, `attention_mass` instead, over
+        every page for a `question` or up to `shortlist` pages, else over the `shortlist` pages the summaries
+        bound best (`shortlisted`) — or, on a one-token step with `carry`, the pages the carried scores rank
+        best (what the question and the steps since found). With `carry` the score adds `carry` times the
+        page's last score on a one-token step; a chunk of `chunk` > 1 tokens starts afresh, its mass times
+        min(chunk, `chunk_weight`). query: [n_kv_heads, m, head_dim]. Returns [n_kv_heads, pages] float32."""
         if not self.attention:
             return self.summary_bounds(query, pages)
         page_start = self.token_index.view(self.pages, self.page_size)[:pages, 0]
-        if not self.shortlist or pages <= self.shortlist:
+        step = self.carry and chunk == 1
+        if step:  # the scores carried from the last choice, for the pages that still hold the same page
+            same = (self.carried_start[:pages] == page_start) & (page_start != NOTHING)
+            last = torch.where(same, self.carried[:, :pages], 0.0)
+        if question or not self.shortlist or pages <= self.shortlist:
             scores = self.attention_mass(query, pages)
-        else:  # the summaries pick the `shortlist` pages (sections first), the keys of those pages are scored
-            picked = self.shortlisted(query, pages, page_start, fixed)  # [n_kv, shortlist]
+        else:
+            if step:  # ties: the older page, as the choice's order
+                key = order_key(last, page_start, page_start != NOTHING)
+                picked = torch.topk(key, self.shortlist, dim=1, sorted=False).indices
+            else:  # the summaries pick the `shortlist` pages (sections first)
+                picked = self.shortlisted(query, pages, page_start, fixed)  # [n_kv, shortlist]
             scores = torch.zeros(self.n_kv_heads, pages, device=query.device)
             scores.scatter_(1, picked, self.attention_mass(query, pages, picked))
         if self.carry:
-            if (
-                chunk > 1
-            ):  # a new text or turn starts afresh, weighing min(chunk, chunk_weight) one-token steps
+            if step:
+                scores += self.carry * last
+            else:  # a new text or turn starts afresh, weighing min(chunk, chunk_weight) one-token steps
                 scores *= min(chunk, self.chunk_weight)
-            else:
-                same = (self.carried_start[:pages] == page_start) & (page_start != NOTHING)
-                scores += self.carry * torch.where(same, self.carried[:, :pages], 0.0)
             self.carried[:, :pages] = scores
             self.carried_start[:pages] = page_start
         return scores

@@ -118,7 +118,10 @@ class RecallLayer(H2OLayer):
             grouped = self._page_query(query.index_select(1, picks), chunk).reshape(
                 n_kv, -1, store.head_dim
             )  # [n_kv, group * picked, d]
-            chosen, valid = self.archive.choose(grouped, store.token_index[:, :active], first, slots, weighed)
+            asked = 1 < self.asks <= chunk  # a question scores every archived page
+            chosen, valid = self.archive.choose(
+                grouped, store.token_index[:, :active], first, slots, weighed, question=asked
+            )
             hits = self._read_back(chosen, valid)
         self.counts.add((self.recall_index >= 0).sum(), hits)
         # Pass 2: E_q = S ∪ R ∪ {chunk tokens <= q}; R is older than the chunk, so every query sees all of it.
