@@ -90,7 +90,7 @@ class CacheSettings:
     recall_ratio: float = 0.5  # recall: share of the budget refilled from the archive at every step
     page_size: int = 16  # recall: tokens per archive page (what a recall reads back whole)
     block_size: int | None = None  # recall: tokens per key summary inside a page (None: 4, or the page)
-    shortlist: int = 512  # recall, --page-score attention: pages the summaries pick to be scored (0: all)
+    shortlist: int = 512  # recall, --page-score attention: pages a chunk (by summaries) or a step (by carried score) scores
     page_carry: float = 0.9  # recall, --page-score attention: share of a page's last score added to the next
     chunk_weight: float = (
         8.0  # recall, --page-carry: one-token steps a chunk of c > 1 tokens weighs (at most c)

@@ -228,6 +228,34 @@ def exact_bounds(keys: torch.Tensor, token_index: torch.Tensor, queries: torch.T
     return bound, best
 
 
+@pytest.mark.parametrize("bits", [None, 8])
+def test_the_keys_an_answer_keeps_follow_the_writes(bits):
+    """`held_page_keys`: the keys of the pages an answer's steps score, kept between steps, are the archive's
+    own after every write — tokens written into one of those pages, and a page the ring gives to a new one."""
+    torch.manual_seed(11)
+    archive = PageArchive(
+        N_KV,
+        HEAD_DIM,
+        24,
+        4,
+        torch.float32,
+        torch.device("cpu"),
+        bits,
+        attention=True,
+        shortlist=3,
+        carry=0.9,
+    )
+    keys = torch.randn(N_KV, 40, HEAD_DIM)
+    archive.write(keys[:, :10], keys[:, :10])
+    picked = torch.tensor([[0, 1, 2], [1, 2, 4]])  # ring pages of 4 tokens; page 2 is being written
+    for token in range(10, 40):  # fills page 2, then the ring (6 pages) wraps over pages 0, 1, 2 and 4
+        held = archive.held_page_keys(picked)
+        written = archive.token_index[(picked.unsqueeze(-1) * 4 + torch.arange(4)).flatten(1)] >= 0
+        assert torch.equal(held[written], archive.page_keys(picked)[written]), token
+        archive.write(keys[:, token : token + 1], keys[:, token : token + 1])
+    assert archive.oldest == 16
+
+
 def test_page_choice_agrees_with_the_exact_bound_and_finds_a_planted_key():
     torch.manual_seed(5)
     size, capacity = 4, 64

@@ -171,8 +171,9 @@ Shortlist = Annotated[
     int,
     typer.Option(
         "--shortlist",
-        help="recall, --page-score attention: score only the K pages whose key summaries bound highest "
-        "(two levels: summaries, then those pages' keys); 0 scores every page.",
+        help="recall, --page-score attention: a chunk scores only the K pages whose key summaries bound "
+        "highest, an answer step (with --page-carry) the K its carried scores rank highest; a question scores "
+        "every page; 0 scores every page always.",
     ),
 ]
 PageCarry = Annotated[

@@ -144,6 +144,7 @@ class PageArchive:
             n_kv_heads, sections, 2 * head_dim, dtype=torch.float32, device=device
         )
         self._sections_at = None  # `tokens` when the section summaries were last refreshed (None: never)
+        self._held_keys = None  # (pages, their keys, `tokens` then): `held_page_keys`' last result
 
     @staticmethod
     def stored_bytes(
@@ -327,13 +328,13 @@ class PageArchive:
         self.token_index.fill_(NOTHING)
         self.carried_start.fill_(NOTHING)
         self.tokens = self._floor = 0
-        self._sections_at = None
+        self._sections_at = self._held_keys = None
 
     def rewind(self, tokens: int) -> None:
         """Forget the tokens from index `tokens` on (a scorer going back to a snapshot). Pages the ring dropped
         for them do not come back."""
         self.carried_start.fill_(NOTHING)  # the scores carried so far are forgotten
-        self._sections_at = None
+        self._sections_at = self._held_keys = None
         newer = self.token_index >= tokens
         touched = torch.unique(newer.nonzero().flatten() // self.page_size)
         self.token_index[newer] = NOTHING
@@ -499,8 +500,12 @@ class PageArchive:
                 picked = torch.topk(key, self.shortlist, dim=1, sorted=False).indices
             else:  # the summaries pick the `shortlist` pages (sections first)
                 picked = self.shortlisted(query, pages, page_start, fixed)  # [n_kv, shortlist]
+            keys = None
+            if step:  # the answer's pages in one order, their keys kept between steps (not in fixed shapes)
+                picked = picked.sort(dim=1).values
+                keys = None if fixed else self.held_page_keys(picked)
             scores = torch.zeros(self.n_kv_heads, pages, device=query.device)
-            scores.scatter_(1, picked, self.attention_mass(query, pages, picked))
+            scores.scatter_(1, picked, self.attention_mass(query, pages, picked, keys=keys))
         if self.carry:
             if step:
                 scores += self.carry * last
@@ -590,35 +595,30 @@ class PageArchive:
         return per_block.view(self.n_kv_heads, pages, self.blocks_per_page).amax(dim=2)
 
     def attention_mass(
-        self, query: torch.Tensor, pages: int, picked: torch.Tensor | None = None, block: int = 32
+        self,
+        query: torch.Tensor,
+        pages: int,
+        picked: torch.Tensor | None = None,
+        block: int = 32,
+        keys: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The attention the `m` queries put on each of the first `pages` ring pages (or on the pages `picked`
         [n_kv_heads, k] of each KV head), each query's softmax taken over every token those pages hold
         (`head_dim ** -0.5` scaling, as the model's attention): the sum over the queries and the page's tokens
-        (docs/spec.md, recall: `--page-score attention`). Reads those pages' keys (dequantised when int8), in
-        blocks of `block` queries so no [m, tokens] tensor is made. query: [n_kv_heads, m, head_dim].
+        (docs/spec.md, recall: `--page-score attention`). Reads those pages' keys (dequantised when int8), or
+        takes them as `keys` (`page_keys(picked)`, float32), in blocks of `block` queries so no [m, tokens]
+        tensor is made. query: [n_kv_heads, m, head_dim].
         Returns [n_kv_heads, pages] (or [n_kv_heads, k], in `picked`'s order) float32."""
         n_kv, size = self.n_kv_heads, self.page_size
         if picked is None:
             slots = torch.arange(pages * size, device=query.device).expand(n_kv, -1)
             keys, scales = self.keys[:, : pages * size], None if not self.quantized else self.key_scales
-            if scales is not None:
-                scales = scales[:, : pages * size]
+            if self.quantized:
+                keys = dequantize(keys, scales[:, : pages * size], torch.float32)
         else:
             slots = (picked.unsqueeze(-1) * size + self._page_offsets).flatten(1)  # [n_kv, k * size]
-            # Whole pages of the K seen as [n_kv * pages, size * d]: one index_select of k pages per head reads
-            # them faster than one of k * size token rows, and far faster than a gather over [n_kv, capacity, d]
-            rows = (picked + self._head_pages).view(-1)
-            keys = (
-                self.keys.view(-1, size * self.head_dim).index_select(0, rows).view(n_kv, -1, self.head_dim)
-            )
-            scales = (
-                self.key_scales.view(-1, size).index_select(0, rows).view(n_kv, -1)
-                if self.quantized
-                else None
-            )
-        if self.quantized:
-            keys = dequantize(keys, scales, torch.float32)
+            if keys is None:
+                keys = self.page_keys(picked)
         keys = keys.float().transpose(1, 2)  # [n_kv, head_dim, tokens]
         empty = (self.token_index.take(slots) == NOTHING).unsqueeze(1)  # [n_kv, 1, tokens]
         query = query.float() * self.head_dim**-0.5
@@ -628,6 +628,48 @@ class PageArchive:
             mass += torch.softmax(logits, dim=-1).sum(dim=1)
         self.release()
         return mass.view(n_kv, -1, size).sum(dim=2) / query.shape[1]  # the mean over the queries
+
+    def page_keys(self, picked: torch.Tensor) -> torch.Tensor:
+        """The keys of ring pages `picked` [n_kv_heads, k] of each KV head, page after page, as float32:
+        [n_kv_heads, k * page_size, head_dim]."""
+        keys = self._page_rows((picked + self._head_pages).view(-1))
+        return keys.view(self.n_kv_heads, -1, self.head_dim)
+
+    def _page_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The keys of (KV head, ring page) rows `rows` [n] (head * pages + page) as float32 [n, page_size,
+        head_dim], dequantised when int8. The K seen as [n_kv * pages, size * d]: one index_select of whole
+        pages reads them faster than one of token rows, and far faster than a gather over [n_kv, capacity, d]."""
+        size, d = self.page_size, self.head_dim
+        keys = self.keys.view(-1, size * d).index_select(0, rows).view(-1, size, d)
+        if self.quantized:
+            keys = dequantize(keys, self.key_scales.view(-1, size).index_select(0, rows), torch.float32)
+        self.release()
+        return keys.float()
+
+    def held_page_keys(self, picked: torch.Tensor) -> torch.Tensor:
+        """`page_keys(picked)`, kept from one call to the next: an answer's steps score the same pages step
+        after step (a page outside the carried ranking's best never gains on one inside it), so the keys are
+        read again when the pages change, and otherwise only those of the pages written since.
+        picked: [n_kv_heads, k] ring pages. Returns [n_kv_heads, k * page_size, head_dim] float32."""
+        held = self._held_keys
+        if (
+            held is None
+            or held[2] > self.tokens
+            or held[0].shape != picked.shape
+            or not torch.equal(held[0], picked)
+        ):
+            keys = self.page_keys(picked)
+        else:
+            keys, since = held[1], held[2]
+            if since < self.tokens:  # pages written since hold new keys (or another page, the ring wrapped)
+                written = torch.arange(since // self.page_size, (self.tokens - 1) // self.page_size + 1)
+                stale = torch.isin(picked, written.to(picked.device) % self.pages)
+                heads, columns = stale.nonzero(as_tuple=True)
+                if heads.numel():
+                    pages = keys.view(self.n_kv_heads, picked.shape[1], self.page_size, self.head_dim)
+                    pages[heads, columns] = self._page_rows(picked[heads, columns] + heads * self.pages)
+        self._held_keys = (picked, keys, self.tokens)
+        return keys
 
     def read_into(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write the K and V of archive `slots` [n_kv_heads, r] (one row per KV head) into `keys`, `values`
