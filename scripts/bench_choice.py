@@ -3,10 +3,12 @@
 One `PageArchive` per size, filled with random keys (the choice's cost does not depend on their values), the
 embedded model's shape (3 KV heads of 64, 3 query heads each) and the default choice (attention mass inside a
 shortlist of 512 pages of 16, blocks of 4, carried scores). Per size: the median time of `step_bounds` (what a
-one-token step ranks pages by) and of its two parts, picking the shortlist (sections of 256 tokens, then the
-blocks of the best sections: `PageArchive.shortlisted`) and the attention mass over the shortlisted pages'
-keys; beside them, what bounding every block would cost (the flat bound, linear in the archive). Per layer
-and for all 30 layers. One thread.
+one-token step ranks pages by: the mass over the 512 pages its carried scores rank best, their keys kept from
+the step before); what a chunk's choice takes in its two parts, picking the shortlist (sections of 256 tokens,
+then the blocks of the best sections: `PageArchive.shortlisted`) and the attention mass over those pages'
+keys (read from the archive); what bounding every block would cost (the flat bound, linear in the archive);
+and a question's choice, once per question: the mass of `--question` tokens' queries over every page. Per
+layer, and the step for all 30 layers. One thread.
 
     python scripts/bench_choice.py --tokens 8192,32768,131072 --repeat 30
 """
@@ -43,14 +45,15 @@ def main() -> None:
     )
     parser.add_argument("--shortlist", type=int, default=512)
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--question", type=int, default=20, help="tokens of a question (its queries score)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     print(f"{platform.machine()}, {platform.processor() or 'cpu'}, torch threads 1, load average "
           f"{os.getloadavg()[0]:.1f} at the start; medians of {args.repeat} steps, one layer\n")  # fmt: skip
     print("| archive tokens | pages | every block bounded (ms) | shortlist picked (ms) | shortlist mass (ms) "
-          "| step choice (ms) | × 30 layers (ms) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "| step choice (ms) | × 30 layers (ms) | question, every page (ms) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for tokens in args.tokens:
         archive = PageArchive(N_KV, HEAD_DIM, tokens, 16, torch.float32, torch.device("cpu"), attention=True,
                               shortlist=args.shortlist, carry=0.9)  # fmt: skip
@@ -66,8 +69,11 @@ def main() -> None:
             pick, picked = 0.0, torch.arange(pages).expand(N_KV, -1)
         mass = median_ms(lambda: archive.attention_mass(query, pages, picked), args.repeat)  # noqa: B023
         step = median_ms(lambda: archive.step_bounds(query), args.repeat)  # noqa: B023
+        asked = torch.randn(N_KV, GROUP * args.question, HEAD_DIM)
+        question = median_ms(lambda: archive.attention_mass(asked, pages), max(3, args.repeat // 5))  # noqa: B023
         print(
-            f"| {tokens:,} | {pages:,} | {summary:.2f} | {pick:.2f} | {mass:.2f} | {step:.2f} | {step * LAYERS:.0f} |"
+            f"| {tokens:,} | {pages:,} | {summary:.2f} | {pick:.2f} | {mass:.2f} | {step:.2f} | {step * LAYERS:.0f} "
+            f"| {question:.1f} |"
         )
 
 

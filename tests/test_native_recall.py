@@ -4,6 +4,8 @@ and statistics, and the outputs and scores to float tolerance, call by call; and
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import assert_same_store, feed_chunk, tiny_config
@@ -12,6 +14,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from h2o_cli.cache import H2OCache, RecallLayer
 from h2o_cli.cache.positions import Rope
+from h2o_cli.cache.recall.archive import PageArchive
+from h2o_cli.cache.recall.archive_file import ArchiveFile
 from h2o_cli.cache.recall.c_step import RecallCStep
 from h2o_cli.cache.store import LayerStore
 from h2o_cli.config import CacheSettings
@@ -20,7 +24,14 @@ N_HEADS, N_KV, HEAD_DIM = 6, 2, 16
 needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
 
 
-def make_layer(kernels: str, budget: int = 20, archive_max: int = 64, page_size: int = 4, **extra):
+def make_layer(
+    kernels: str,
+    budget: int = 20,
+    archive_max: int = 64,
+    page_size: int = 4,
+    file: Path | None = None,
+    **extra,
+):
     config = tiny_config(
         hidden_size=N_HEADS * HEAD_DIM, num_attention_heads=N_HEADS, num_key_value_heads=N_KV
     )
@@ -36,8 +47,25 @@ def make_layer(kernels: str, budget: int = 20, archive_max: int = 64, page_size:
     resident = settings.budget - round(settings.budget * settings.recall_ratio)
     store = LayerStore(N_KV, HEAD_DIM, resident, 6, torch.float32, torch.device("cpu"))
     layer = RecallLayer(store, settings, Rope(LlamaRotaryEmbedding(config), HEAD_DIM), 512)
-    layer.add_archive(settings.archive_max, torch.float32, torch.device("cpu"))
+    region = None
+    if file is not None:  # the archive's K/V in a mapped file, as `--archive PATH` keeps them
+        size = PageArchive.stored_bytes(N_KV, HEAD_DIM, settings.archive_max, torch.float32, None)
+        layer.archive_file = ArchiveFile(file, size)
+        region = layer.archive_file.region(size)
+    layer.add_archive(settings.archive_max, torch.float32, torch.device("cpu"), region=region)
     return layer
+
+
+def mapped_rss_kib(path: Path) -> int:
+    """KiB of the mapping of `path` resident in this process (/proc/self/smaps; Linux)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: address range, perms, ..., path
+            inside = fields[-1] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
 
 
 def same_state(c_layer: RecallLayer, torch_layer: RecallLayer, where) -> None:
@@ -59,11 +87,12 @@ def same_state(c_layer: RecallLayer, torch_layer: RecallLayer, where) -> None:
     ), where
 
 
-def run_both(steps: int, chunks=(6, 5), tie_keys: bool = False, **options):
+def run_both(steps: int, chunks=(6, 5), tie_keys: bool = False, c_file: Path | None = None, **options):
     """The same chunks (a prefill, then one-token steps) through a torch-step and a C-step layer, comparing
     the outputs and the whole state after each call. `tie_keys`: most keys are zero (exactly so after the
-    model's rotation is undone), so many pages share their summaries and hence their bounds (ties: by age)."""
-    torch_layer, c_layer = make_layer("torch", **options), make_layer("native", **options)
+    model's rotation is undone), so many pages share their summaries and hence their bounds (ties: by age).
+    `c_file`: the C layer's archive in this file (the torch layer's stays in RAM)."""
+    torch_layer, c_layer = make_layer("torch", **options), make_layer("native", file=c_file, **options)
     torch.manual_seed(7)
     start, not_full = 0, 0
     for chunk in [*chunks] + [1] * steps:
@@ -108,6 +137,21 @@ def test_c_recall_step_equals_the_torch_step(options):
 
 
 @needs_compiler
+@pytest.mark.parametrize("options", [{}, {"page_score": "attention", "page_size": 8, "block_size": 2,
+                                      "shortlist": 3, "page_carry": 0.9}], ids=["bound", "attention"])  # fmt: skip
+def test_c_recall_step_on_a_file_archive_equals_the_torch_step(tmp_path, options):
+    """A float32 archive in a mapped file takes the C step too (it writes and reads through the mapping, then
+    releases the pages), with the RAM archive's results; the process keeps none of the file's pages."""
+    torch_layer, c_layer, _ = run_both(150, c_file=tmp_path / "archive.bin", **options)
+    assert isinstance(c_layer._c_buffers, RecallCStep) and c_layer.archive.region is not None
+    assert c_layer.archive.tokens > 2 * c_layer.archive.capacity  # the ring wrapped
+    assert c_layer.recalled_total > 0 and c_layer.hits_total > 0
+    step = [torch.randn(N_HEADS, 1, HEAD_DIM), *torch.randn(2, N_KV, 1, HEAD_DIM)]  # q, k, v of one more step
+    feed_chunk(c_layer, *step, c_layer.archive.tokens)  # (the comparisons above read the file's pages in)
+    assert mapped_rss_kib(tmp_path / "archive.bin") == 0
+
+
+@needs_compiler
 @pytest.mark.parametrize("positions", ["rolling", "original"])
 def test_c_recall_step_with_partly_empty_recall_slots(positions):
     """A prefill of one token: S fills (and the C step starts) while the archive holds fewer candidates than
@@ -125,14 +169,10 @@ def test_c_recall_step_breaks_bound_ties_as_the_torch_step():
 
 
 @needs_compiler
-@pytest.mark.parametrize(
-    "options", [{"archive_bits": 8}, {"archive_bits": 16}, {"kernels": "torch"}, {"archive": "file"}]
-)
-def test_int8_16bit_or_file_archives_keep_the_torch_step(tiny_pair, tmp_path, options):
-    """Archives other than a float32 one in RAM (and `--kernels torch`) take the torch step."""
+@pytest.mark.parametrize("options", [{"archive_bits": 8}, {"archive_bits": 16}, {"kernels": "torch"}])
+def test_int8_or_16bit_archives_keep_the_torch_step(tiny_pair, options):
+    """Archives other than float32 ones (and `--kernels torch`) take the torch step."""
     _, model = tiny_pair
-    if options.get("archive") == "file":
-        options = {"archive": f"{tmp_path}/"}
     cache = H2OCache(model, CacheSettings(budget=24, policy="recall", chunk=8, **options))
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():

@@ -14,14 +14,15 @@ from h2o_cli.cache.c_step import CStep
 
 class RecallCStep(CStep):
     """The fixed arguments of one `RecallLayer`'s C calls: the store's (`CStep`), its archive's and recall
-    slots' addresses, and scratch (the archive is a float32 ring in RAM: its buffers never move)."""
+    slots' addresses, and scratch (the archive is a float32 ring, in RAM or a mapped file: its buffers never
+    move; a file's pages are released after every call that touches them)."""
 
     def __init__(self, layer) -> None:
         store, archive = layer.store, layer.archive
         super().__init__(store)
         self.archive = archive
         self.recall_index = layer.recall_index
-        assert archive.region is None and archive.keys.dtype == torch.float32
+        assert archive.keys.dtype == torch.float32
         slots_held = (layer.recall_keys, layer.recall_values, layer.recall_index)
         tensors = (archive.token_index, archive.keys, archive.values, *slots_held)
         assert all(tensor.is_contiguous() for tensor in tensors)
@@ -51,6 +52,7 @@ class RecallCStep(CStep):
             self.summary_pointer,
         )  # fmt: skip
         archive.tokens += 1
+        archive.release()  # a file archive's pages written through the mapping leave the process
 
     def choose(self, bound: torch.Tensor) -> tuple[int, int]:
         """Pass 1 of a one-token step from the page bounds on: `PageArchive.choose_one` and the read into the
@@ -63,6 +65,7 @@ class RecallCStep(CStep):
             archive.capacity, archive.page_size, self.archive_pointers, self.recall, self.recall_pointers,
             self.choose_scratch, self.counts, self.totals,
         )  # fmt: skip
+        archive.release()
         return self.totals[0], hits
 
     @property

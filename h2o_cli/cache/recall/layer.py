@@ -274,13 +274,12 @@ class RecallLayer(H2OLayer):
     @functools.cached_property
     def _c_buffers(self) -> RecallCStep | None:
         """The C calls' fixed arguments when they can run this layer (h2o_cli.cache.recall.c_step): a
-        `kernel_victim` policy, float32 store and a float32 archive in RAM on the CPU, `--kernels auto` or
+        `kernel_victim` policy, float32 store and a float32 archive (in RAM or a file) on the CPU, `--kernels auto` or
         `native` with a C compiler; else None (the torch step)."""
         store, archive = self.store, self.archive
         if (
             self.policy.kernel_victim
             and store.keys.dtype == store.compute_dtype == torch.float32
-            and archive.region is None
             and archive.keys.dtype == archive.dtype == torch.float32
             and use_native(store.keys.device, self.settings.kernels)
         ):

@@ -11,7 +11,7 @@
   Python counts alone) the query's rank `|S| + r - 1` needs no read-back from the tensors;
 - attention over S and R is one softmax over both (`h2o_cli.cache.step.step_attention` with R).
 
-On the CPU with a float32 archive in RAM and a full S, `RecallLayer._c_step` runs the same step as C calls
+On the CPU with a float32 archive (in RAM or a file) and a full S, `RecallLayer._c_step` runs the same step as C calls
 (h2o_kernels/archive.c and step.c) with the page bounds still from torch; the torch step stays the reference the
 tests compare it with (tests/test_native_recall.py).
 """
