@@ -363,7 +363,8 @@ class PageArchive:
         not in S. Pages with a candidate are ranked by the max over the m queries of `page_bound` (ties: the
         older page first); their candidates are taken in that order, oldest first inside a page. `chunk`: the
         chunk's tokens (m / group), which `bounds` weighs with `chunk_weight` when scores are carried;
-        `question`: the queries are a question's (`bounds` scores every page for it). Returns archive slots [n_kv_heads, slots] and which of them hold a chosen token [n_kv_heads, slots].
+        `question`: the queries are a question's (`bounds` scores every page for it). Returns archive slots
+        [n_kv_heads, slots] and which of them hold a chosen token [n_kv_heads, slots].
         """
         n_kv, device = self.n_kv_heads, self.token_index.device
         archived = (self.token_index != NOTHING) & (self.token_index < before)
