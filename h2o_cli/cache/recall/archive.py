@@ -496,15 +496,15 @@ class PageArchive:
         if question or not self.shortlist or pages <= self.shortlist:
             scores = self.attention_mass(query, pages)
         else:
-            if step:  # ties: the older page, as the choice's order
-                key = order_key(last, page_start, page_start != NOTHING)
-                picked = torch.topk(key, self.shortlist, dim=1, sorted=False).indices
+            keys = None
+            if step:  # the carried scores' best (ties: the older page), in one order: their keys are kept
+                key = order_key(
+                    last, page_start, page_start != NOTHING
+                )  # between steps (not in fixed shapes)
+                picked = torch.topk(key, self.shortlist, dim=1, sorted=False).indices.sort(dim=1).values
+                keys = None if fixed else self.held_page_keys(picked)
             else:  # the summaries pick the `shortlist` pages (sections first)
                 picked = self.shortlisted(query, pages, page_start, fixed)  # [n_kv, shortlist]
-            keys = None
-            if step:  # the answer's pages in one order, their keys kept between steps (not in fixed shapes)
-                picked = picked.sort(dim=1).values
-                keys = None if fixed else self.held_page_keys(picked)
             scores = torch.zeros(self.n_kv_heads, pages, device=query.device)
             scores.scatter_(1, picked, self.attention_mass(query, pages, picked, keys=keys))
         if self.carry:
@@ -653,12 +653,7 @@ class PageArchive:
         read again when the pages change, and otherwise only those of the pages written since.
         picked: [n_kv_heads, k] ring pages. Returns [n_kv_heads, k * page_size, head_dim] float32."""
         held = self._held_keys
-        if (
-            held is None
-            or held[2] > self.tokens
-            or held[0].shape != picked.shape
-            or not torch.equal(held[0], picked)
-        ):
+        if held is None or held[2] > self.tokens or not torch.equal(held[0], picked):
             keys = self.page_keys(picked)
         else:
             keys, since = held[1], held[2]

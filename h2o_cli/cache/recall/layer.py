@@ -19,17 +19,19 @@ from h2o_cli.cache.step import step_attention
 from h2o_cli.errors import UsageError
 
 
-def choosing_tokens(chunk: int, asks: int, limit: int, device: torch.device) -> tuple[int, torch.Tensor]:
+def choosing_tokens(
+    chunk: int, asks: int, limit: int, device: torch.device
+) -> tuple[int, torch.Tensor, bool]:
     """Which of a chunk's `chunk` tokens choose what it recalls, and how many tokens their choice weighs: a
     question of `asks` >= 2 tokens ending the chunk (`H2OCache.asking`), all of its tokens, weighing `asks`;
     else at most `limit` (0: every one) of the chunk's tokens, evenly spaced and its last among them (every
     ceil(chunk / limit)-th, counted back from the last), weighing `chunk`. Returns (weight, the tokens' offsets
-    in the chunk [picked], ascending)."""
+    in the chunk [picked], ascending, whether they are a question's)."""
     if 1 < asks <= chunk:
-        return asks, torch.arange(chunk - asks, chunk, device=device)
+        return asks, torch.arange(chunk - asks, chunk, device=device), True
     if not limit or chunk <= limit:
-        return chunk, torch.arange(chunk, device=device)
-    return chunk, torch.arange(chunk - 1, -1, -chunk // limit, device=device).flip(0)
+        return chunk, torch.arange(chunk, device=device), False
+    return chunk, torch.arange(chunk - 1, -1, -chunk // limit, device=device).flip(0), False
 
 
 class RecallLayer(H2OLayer):
@@ -113,12 +115,12 @@ class RecallLayer(H2OLayer):
         slots, hits = self.recall_index.shape[1], 0
         if slots:  # pass 1: the chunk's queries choose archived tokens, read back into the recall slots
             # A question ending the chunk (H2OCache.asking) chooses with its own queries alone; a chunk of
-            # text with at most `choice_tokens` of its tokens' (evenly spaced, its last among them).
-            weighed, picks = choosing_tokens(chunk, self.asks, self.policy.choice_tokens, query.device)
+            # text with at most `choice_tokens` of its tokens' (evenly spaced, its last among them). A question
+            # scores every archived page.
+            weighed, picks, asked = choosing_tokens(chunk, self.asks, self.policy.choice_tokens, query.device)
             grouped = self._page_query(query.index_select(1, picks), chunk).reshape(
                 n_kv, -1, store.head_dim
             )  # [n_kv, group * picked, d]
-            asked = 1 < self.asks <= chunk  # a question scores every archived page
             chosen, valid = self.archive.choose(
                 grouped, store.token_index[:, :active], first, slots, weighed, question=asked
             )
