@@ -161,6 +161,64 @@ def test_c_recall_step_with_partly_empty_recall_slots(positions):
 
 
 @needs_compiler
+@pytest.mark.parametrize("page_size", [16, 4], ids=["page-16", "page-4"])
+def test_c_step_scores_are_the_torch_step_bounds(page_size):
+    """`RecallCStep.bounds` on steps that score the carried shortlist (archive.c's `archive_step_scores`, its
+    held keys read only where pages enter the shortlist or were written since) against
+    `PageArchive.step_bounds` on a twin archive: the same scores to float rounding and the same best pages,
+    step after step, while the ring wraps, chunks rescore every page (so pages still being written are held and
+    must be read again), after a rewind and after a reset."""
+    n_kv, group, capacity = 3, 3, 7 * page_size  # 7 ring pages, 5 scored: pages being written are among them
+    torch_archive, c_archive = (
+        PageArchive(
+            n_kv,
+            HEAD_DIM,
+            capacity,
+            page_size,
+            torch.float32,
+            torch.device("cpu"),
+            attention=True,
+            shortlist=5,
+            carry=0.9,
+        )  # fmt: skip
+        for _ in range(2)
+    )
+    buffers = RecallCStep.__new__(RecallCStep)  # the archive's side of the C buffers only
+    buffers.archive, buffers._scores = c_archive, None
+    buffers.archive_pointers = tuple(
+        t.data_ptr() for t in (c_archive.token_index, c_archive.keys, c_archive.values)
+    )
+    torch.manual_seed(5)
+    scored = 0
+    for step in range(6 * capacity):
+        if step == capacity:  # a scorer going back: both forget the newest tokens
+            for archive in (torch_archive, c_archive):
+                archive.rewind(archive.tokens - 3 * page_size // 2)
+        if step == 3 * capacity:  # a new text, read past where the old one stopped: nothing held is valid
+            length = c_archive.tokens + page_size // 2
+            for archive in (torch_archive, c_archive):
+                archive.reset()
+            key, value = torch.randn(2, n_kv, length, HEAD_DIM)
+            for archive in (torch_archive, c_archive):
+                archive.write(key, value)
+        key, value = torch.randn(2, n_kv, 1 if step else 3 * page_size, HEAD_DIM)
+        for archive in (torch_archive, c_archive):
+            archive.write(key, value)
+        if step % 8 == 0:  # a chunk scores every page afresh: the page being written enters the shortlist
+            chunk = torch.randn(n_kv, 4 * group, HEAD_DIM) * 2
+            for archive in (torch_archive, c_archive):
+                archive.bounds(chunk, archive.span // page_size, chunk=4)
+        query = torch.randn(n_kv, group, HEAD_DIM) * 2
+        assert c_archive.steps_score_carried_shortlist() == torch_archive.steps_score_carried_shortlist()
+        want, got = torch_archive.step_bounds(query), buffers.bounds(query)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        best = min(4, want.shape[1])
+        assert torch.equal(got.topk(best).indices, want.topk(best).indices), step
+        scored += c_archive.steps_score_carried_shortlist()
+    assert scored > 4 * capacity and c_archive.tokens > 4 * capacity  # the C scores ran, the ring wrapped
+
+
+@needs_compiler
 def test_c_recall_step_breaks_bound_ties_as_the_torch_step():
     """Pages of one token, most of them zero keys: those pages' bounds are all 0, ranked oldest first."""
     torch_layer, c_layer, _ = run_both(120, tie_keys=True, page_size=1, archive_max=48)

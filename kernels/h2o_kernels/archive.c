@@ -4,9 +4,11 @@
  * `archive_token` is `PageArchive.write` of one token (h2o_cli/cache/recall/archive.py), bit for bit.
  * `archive_choose` is `PageArchive.choose_one` from the page bounds on and the read-back into the recall slots
  * (`RecallLayer._read_back`): the candidates (archived tokens not in S), the pages that hold one ranked by
- * bound then age, the first `recall` candidates in reading order copied into the recall slots, and the hits.
+ * bound then age, the first `recall` candidates in reading order put into the recall slots, and the hits. A hit's
+ * K/V move inside the slots and only the others are read from the archive, so a step touches just the archive
+ * pages that are new to the slots (a file archive's pages fault in, and are released, only for those).
  * Its result is the torch path's exactly: the bounds come from torch (`best_page_bound`) and the rest is
- * integer work. float32 archive in RAM only; the cache side (h2o_cli/cache/recall/c_step.py) checks that.
+ * integer work. float32 archive (in RAM or a mapped file); the cache side (h2o_cli/cache/recall/c_step.py) checks that.
  */
 #include "step_common.h"
 
@@ -87,6 +89,7 @@ int64_t archive_choose(
     int64_t *restrict previous,  /* [capacity] scratch: -1 everywhere between calls */
     Pair *restrict pages,        /* [used] scratch */
     int64_t *restrict chosen,    /* [recall] scratch */
+    float *restrict moved,       /* [2, recall, head_dim] scratch */
     int64_t *restrict counts,    /* [n_kv] */
     int64_t *restrict totals)    /* [2]: recall slots filled over all heads, and the most of one head */
 {
@@ -114,34 +117,184 @@ int64_t archive_choose(
         if (top < ranked) select_top(pages, ranked, top);
         sort_desc(pages, top);
         int64_t *held = recall_index + g * recall;
+        float *restrict head_keys = recall_keys + g * recall * head_dim;
+        float *restrict head_values = recall_values + g * recall * head_dim;
+        /* previous[ring slot] = the recall slot that holds its token (-1: none) */
         for (int64_t i = 0; i < recall; i++)
-            if (held[i] >= 0) previous[held[i] % capacity] = held[i];
+            if (held[i] >= 0) previous[held[i] % capacity] = i;
         int64_t count = 0;
         for (int64_t rank = 0; rank < top && count < recall; rank++)
             for (int64_t o = 0; o < page_size && count < recall; o++) {
                 const int64_t s = pages[rank].item * page_size + o;
                 if (!candidate[s]) continue;
-                hits += previous[s] == archive_index[s];
+                /* a hit: the recall slot's K/V are this token's (the archive's own numbers); else read them */
+                const int64_t from = previous[s];
+                const int64_t size = head_dim * (int64_t)sizeof(float);
+                float *restrict k = moved + count * head_dim, *restrict v = moved + (recall + count) * head_dim;
+                if (from >= 0 && held[from] == archive_index[s]) {
+                    hits++;
+                    __builtin_memcpy(k, head_keys + from * head_dim, size);
+                    __builtin_memcpy(v, head_values + from * head_dim, size);
+                } else {
+                    __builtin_memcpy(k, archive_keys + (g * capacity + s) * head_dim, size);
+                    __builtin_memcpy(v, archive_values + (g * capacity + s) * head_dim, size);
+                }
                 chosen[count++] = s;
             }
         for (int64_t i = 0; i < recall; i++)
             if (held[i] >= 0) previous[held[i] % capacity] = -1;
-        for (int64_t i = 0; i < recall; i++) {
-            float *restrict k = recall_keys + (g * recall + i) * head_dim;
-            float *restrict v = recall_values + (g * recall + i) * head_dim;
-            if (i < count) {
-                const int64_t row = g * capacity + chosen[i];
-                __builtin_memcpy(k, archive_keys + row * head_dim, head_dim * sizeof(float));
-                __builtin_memcpy(v, archive_values + row * head_dim, head_dim * sizeof(float));
-                held[i] = archive_index[chosen[i]];
-            } else {
-                for (int64_t d = 0; d < head_dim; d++) k[d] = v[d] = 0.0f;
-                held[i] = -1;
-            }
-        }
+        __builtin_memcpy(head_keys, moved, count * head_dim * sizeof(float));
+        __builtin_memcpy(head_values, moved + recall * head_dim, count * head_dim * sizeof(float));
+        for (int64_t i = count * head_dim; i < recall * head_dim; i++) head_keys[i] = head_values[i] = 0.0f;
+        for (int64_t i = 0; i < recall; i++) held[i] = i < count ? archive_index[chosen[i]] : -1;
         counts[g] = count;
         totals[0] += count;
         if (count > totals[1]) totals[1] = count;
     }
     return hits;
+}
+
+typedef float lanes8 __attribute__((vector_size(32)));
+
+/* Logits of `nq` (1-4) queries over one held page of 16 tokens, kept transposed ([head_dim, 16]: a channel's 16
+ * values side by side), so each channel is one multiply-add per query over the page's tokens in two 8-lane
+ * vectors. rows: the queries' logit rows (stride `width`). `nq` is a constant where it is inlined. */
+static inline __attribute__((always_inline)) void page_logits16(
+    int nq, const float *restrict page, const float *restrict queries, int64_t head_dim, float *restrict rows,
+    int64_t width)
+{
+    lanes8 low[4] = {{0}}, high[4] = {{0}};
+    for (int64_t d = 0; d < head_dim; d++) {
+        lanes8 a, b;
+        __builtin_memcpy(&a, page + d * 16, sizeof a);
+        __builtin_memcpy(&b, page + d * 16 + 8, sizeof b);
+        for (int i = 0; i < nq; i++) {
+            low[i] += queries[i * head_dim + d] * a;
+            high[i] += queries[i * head_dim + d] * b;
+        }
+    }
+    for (int i = 0; i < nq; i++) {
+        __builtin_memcpy(rows + i * width, &low[i], sizeof low[i]);
+        __builtin_memcpy(rows + i * width + 8, &high[i], sizeof high[i]);
+    }
+}
+
+/* The page scores a one-token step ranks by when scores are carried and a shortlist is scored
+ * (`PageArchive.bounds` on a one-token step with `attention`, `carry` and `shortlist` below the pages written):
+ * per KV head, `last` = the carried score of each written ring page that still holds the page it was scored on
+ * (else 0); the `shortlist` pages `order_key(last)` ranks best; the attention mass of the `group` queries over
+ * those pages' keys (each query's softmax over all their tokens, `scale` times q·k, the mean over the queries);
+ * a page's score = its mass (0 outside the shortlist) + `carry` * `last`, written to `bound` and carried.
+ *
+ * The shortlist's keys are held between calls in `held_keys`, one page per column in no particular order (the
+ * mass does not depend on it; a page of 16 tokens is held transposed, [head_dim, 16]): a column is read from the archive when its page enters the shortlist or was
+ * written since the keys were last brought up to date (`*held_at`, archive tokens then; -1: nothing held), so a
+ * step reads just the pages that changed. Differs from torch only in float rounding (the sums' order). */
+void archive_step_scores(
+    int64_t n_kv, int64_t group, int64_t head_dim, int64_t capacity, int64_t page_size,
+    int64_t used, int64_t shortlist, float carry, float scale, int64_t tokens,
+    const float *restrict query,                                        /* [n_kv, group, head_dim] unscaled */
+    const int64_t *restrict archive_index, const float *restrict archive_keys,
+    float *restrict carried, int64_t *restrict carried_start,           /* [n_kv, ring pages], [ring pages] */
+    int64_t *restrict held_pages,   /* [n_kv, shortlist]: the ring page whose keys each column holds, -1 = none */
+    int64_t *restrict held_column,  /* [n_kv, ring pages]: the column holding a page's keys, -1 = none */
+    int64_t *restrict held_at,      /* [1] */
+    float *restrict held_keys,      /* [n_kv, shortlist * page_size, head_dim] */
+    Pair *restrict ranked,          /* [used] scratch */
+    uint8_t *restrict wanted,       /* [ring pages] scratch, 0 between calls */
+    float *restrict logits,         /* [group, shortlist * page_size] scratch */
+    float *restrict scaled,         /* [group * head_dim + shortlist] scratch */
+    float *restrict bound)          /* [n_kv, used] out */
+{
+    const int64_t ring = capacity / page_size, width = shortlist * page_size, page_floats = page_size * head_dim;
+    /* the pages written since the held keys were brought up to date (all of them after a reset or a wrap) */
+    const int64_t since = *held_at;
+    const int fresh = since < 0 || since > tokens || tokens - since >= capacity;
+    const int64_t first = fresh ? 0 : since / page_size, last_written = tokens > 0 ? (tokens - 1) / page_size : -1;
+    for (int64_t g = 0; g < n_kv; g++) {
+        int64_t *restrict pages_of = held_pages + g * shortlist, *restrict column_of = held_column + g * ring;
+        if (fresh) {
+            for (int64_t c = 0; c < shortlist; c++) pages_of[c] = -1;
+            for (int64_t p = 0; p < ring; p++) column_of[p] = -1;
+        } else {
+            for (int64_t t = first; t <= last_written; t++) { /* stale: read again if still wanted */
+                const int64_t p = t % ring, c = column_of[p];
+                if (c >= 0) pages_of[c] = column_of[p] = -1;
+            }
+        }
+        float *restrict out = bound + g * used;
+        for (int64_t p = 0; p < used; p++) {
+            const int64_t start = archive_index[p * page_size];
+            const float last = start >= 0 && carried_start[p] == start ? carried[g * ring + p] : 0.0f;
+            out[p] = last;
+            ranked[p] = (Pair){start >= 0 ? order_key(last, start) : INT64_MIN, p};
+        }
+        select_top(ranked, used, shortlist);
+        for (int64_t i = 0; i < shortlist; i++) wanted[ranked[i].item] = 1;
+        for (int64_t c = 0; c < shortlist; c++)
+            if (pages_of[c] >= 0 && !wanted[pages_of[c]]) column_of[pages_of[c]] = -1, pages_of[c] = -1;
+        int64_t free_column = 0;
+        for (int64_t i = 0; i < shortlist; i++) {
+            const int64_t p = ranked[i].item;
+            wanted[p] = 0;
+            if (column_of[p] >= 0) continue;
+            while (pages_of[free_column] >= 0) free_column++;
+            pages_of[free_column] = p, column_of[p] = free_column;
+            float *restrict to = held_keys + (g * shortlist + free_column) * page_floats;
+            const float *restrict from = archive_keys + (g * capacity + p * page_size) * head_dim;
+            if (page_size == 16) /* transposed, for page_logits16 */
+                for (int64_t o = 0; o < 16; o++)
+                    for (int64_t d = 0; d < head_dim; d++) to[d * 16 + o] = from[o * head_dim + d];
+            else
+                __builtin_memcpy(to, from, page_floats * sizeof(float));
+        }
+        /* the mass: logits [group, width] (an empty ring slot: -inf), one softmax per query, summed per column */
+        for (int64_t i = 0; i < group * head_dim; i++) scaled[i] = query[g * group * head_dim + i] * scale;
+        for (int64_t c = 0; c < shortlist; c++) {
+            const int64_t p = pages_of[c];
+            const float *restrict keys = held_keys + (g * shortlist + c) * page_floats;
+            float *restrict rows = logits + c * page_size;
+            if (page_size == 16) {
+                for (int64_t i = 0; i < group; i += 4) {
+                    const float *restrict queries = scaled + i * head_dim;
+                    switch (group - i < 4 ? group - i : 4) {
+                        case 4: page_logits16(4, keys, queries, head_dim, rows + i * width, width); break;
+                        case 3: page_logits16(3, keys, queries, head_dim, rows + i * width, width); break;
+                        case 2: page_logits16(2, keys, queries, head_dim, rows + i * width, width); break;
+                        default: page_logits16(1, keys, queries, head_dim, rows + i * width, width);
+                    }
+                }
+            } else {
+                for (int64_t o = 0; o < page_size; o++)
+                    for (int64_t i = 0; i < group; i++)
+                        rows[i * width + o] = dot(scaled + i * head_dim, keys + o * head_dim, head_dim);
+            }
+            for (int64_t o = 0; o < page_size; o++)
+                if (archive_index[p * page_size + o] < 0)
+                    for (int64_t i = 0; i < group; i++) rows[i * width + o] = -INFINITY;
+        }
+        float *restrict column_mass = scaled + group * head_dim;
+        for (int64_t c = 0; c < shortlist; c++) column_mass[c] = 0.0f;
+        for (int64_t i = 0; i < group; i++) {
+            float *restrict row = logits + i * width;
+            float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+            for (int64_t t = 0; t < width; t++) top = row[t] > top ? row[t] : top;
+            if (top == -INFINITY) continue; /* nothing written in the shortlist: no mass */
+#pragma omp simd
+            for (int64_t t = 0; t < width; t++) row[t] = exp_nonpositive(row[t] - top);
+            const float total = sum(row, width);
+            for (int64_t c = 0; c < shortlist; c++) column_mass[c] += sum(row + c * page_size, page_size) / total;
+        }
+        for (int64_t c = 0; c < shortlist; c++) {
+            const int64_t p = pages_of[c];
+            out[p] = column_mass[c] / (float)group + carry * out[p];
+        }
+        for (int64_t p = 0; p < used; p++) {
+            if (column_of[p] < 0) out[p] = carry * out[p];
+            carried[g * ring + p] = out[p];
+        }
+    }
+    for (int64_t p = 0; p < used; p++) carried_start[p] = archive_index[p * page_size];
+    *held_at = tokens;
 }

@@ -37,8 +37,9 @@ _INT, _PTR, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # step.c's `cache_step`: sizes, the call's inputs, the store's 8 buffers, the step's scalars, R's, the outputs.
 STEP_ARGTYPES = [_INT] * 5 + [_PTR] * 12 + [_INT] * 4 + [_FLOAT] + [_INT] + [_PTR] * 5 + [_INT] + [_PTR] * 3
 # archive.c: `archive_choose` and `archive_token`.
-CHOOSE_ARGTYPES = [_INT] * 4 + [_PTR] * 2 + [_INT] * 4 + [_PTR] * 4 + [_INT] + [_PTR] * 9
+CHOOSE_ARGTYPES = [_INT] * 4 + [_PTR] * 2 + [_INT] * 4 + [_PTR] * 4 + [_INT] + [_PTR] * 10
 ARCHIVE_ARGTYPES = [_INT] * 6 + [_PTR] * 6
+SCORES_ARGTYPES = [_INT] * 7 + [ctypes.c_float] * 2 + [_INT] + [_PTR] * 14
 NO_RECALL = (0, None, None, None, None, None)  # `step`'s recall arguments for R = ∅
 
 
@@ -106,6 +107,8 @@ def library() -> ctypes.CDLL:
     lib.archive_choose.restype = _INT
     lib.archive_token.argtypes = ARCHIVE_ARGTYPES
     lib.archive_token.restype = None
+    lib.archive_step_scores.argtypes = SCORES_ARGTYPES
+    lib.archive_step_scores.restype = None
     return lib
 
 
@@ -221,12 +224,43 @@ def archive_choose(
     addresses of the store's token_index (int64) and valid (bool) [n_kv_heads, slots], entries below
     `active`; archive: as `archive_token`'s; recall_slots: the addresses of the `recall` slots' keys, values
     [n_kv_heads, recall, head_dim] (float32) and token indices [n_kv_heads, recall] (int64); scratch: the
-    addresses of [capacity] uint8, [capacity] int64 (-1 everywhere between calls), [pages, 2] int64 and
-    [max(recall, 1)] int64 buffers. Fills counts [n_kv_heads] int64 (each head's recalled tokens) and totals
+    addresses of [capacity] uint8, [capacity] int64 (-1 everywhere between calls), [pages, 2] int64,
+    [max(recall, 1)] int64 and [2, max(recall, 1), head_dim] float32 buffers. Fills counts [n_kv_heads] int64 (each head's recalled tokens) and totals
     (a ctypes int64[2]: their sum, and the most of one head). Returns the hits summed over KV heads."""
     n_kv, used = bound.shape
     bound = bound.contiguous()
     return library().archive_choose(
         n_kv, head_dim, slots, active, *store, new_token, capacity, page_size, used,
         *archive, bound.data_ptr(), recall, *recall_slots, *scratch, counts.data_ptr(), totals,
+    )  # fmt: skip
+
+
+def archive_step_scores(
+    query: torch.Tensor,
+    capacity: int,
+    page_size: int,
+    used: int,
+    shortlist: int,
+    carry: float,
+    scale: float,
+    tokens: int,
+    archive: tuple[int, int],
+    carried: tuple[int, int],
+    held: tuple[int, ...],
+    scratch: tuple[int, ...],
+    bound: torch.Tensor,
+) -> None:
+    """A one-token step's page scores with carried scores and a shortlist (archive.c's `archive_step_scores`,
+    which states the contract). query: [n_kv_heads, group, head_dim] float32, unscaled; archive: the addresses
+    of the archive's token index [capacity] (int64) and keys [n_kv_heads, capacity, head_dim] (float32);
+    carried: of its carried scores [n_kv_heads, ring pages] (float32) and their pages' starts [ring pages]
+    (int64); held: of the held pages [n_kv_heads, shortlist], the held columns [n_kv_heads, ring pages], the
+    tokens then [1] (int64) and the held keys [n_kv_heads, shortlist * page_size, head_dim] (float32); scratch:
+    of [used, 2] int64, [ring pages] uint8 (0 between calls), [group, shortlist * page_size] and
+    [group * head_dim + shortlist] float32 buffers. Writes bound [n_kv_heads, used] float32."""
+    n_kv, group, head_dim = query.shape
+    query = query.contiguous()
+    library().archive_step_scores(
+        n_kv, group, head_dim, capacity, page_size, used, shortlist, carry, scale, tokens,
+        query.data_ptr(), *archive, *carried, *held, *scratch, bound.data_ptr(),
     )  # fmt: skip

@@ -145,6 +145,7 @@ class PageArchive:
         )
         self._sections_at = None  # `tokens` when the section summaries were last refreshed (None: never)
         self._held_keys = None  # (pages, their keys, `tokens` then): `held_page_keys`' last result
+        self.epoch = 0  # one more at every reset or rewind: what a step kept of the archive (C step) is void
 
     @staticmethod
     def stored_bytes(
@@ -329,12 +330,14 @@ class PageArchive:
         self.carried_start.fill_(NOTHING)
         self.tokens = self._floor = 0
         self._sections_at = self._held_keys = None
+        self.epoch += 1
 
     def rewind(self, tokens: int) -> None:
         """Forget the tokens from index `tokens` on (a scorer going back to a snapshot). Pages the ring dropped
         for them do not come back."""
         self.carried_start.fill_(NOTHING)  # the scores carried so far are forgotten
         self._sections_at = self._held_keys = None
+        self.epoch += 1
         newer = self.token_index >= tokens
         touched = torch.unique(newer.nonzero().flatten() // self.page_size)
         self.token_index[newer] = NOTHING
@@ -470,6 +473,12 @@ class PageArchive:
         page_start = self.token_index.view(self.pages, size)[:, 0]
         key = order_key(bound, page_start, has_candidate)
         return self._first_candidates(key, candidate, min(slots, self.pages), slots)
+
+    def steps_score_carried_shortlist(self) -> bool:
+        """Whether a one-token step's `step_bounds` scores the `shortlist` pages its carried scores rank best (the
+        case archive.c's `archive_step_scores` computes): attention mass, carried scores, and more pages
+        written than the shortlist."""
+        return self.attention and bool(self.carry) and 0 < self.shortlist < self.span // self.page_size
 
     def step_bounds(self, query: torch.Tensor) -> torch.Tensor:
         """The page bounds `choose_one` ranks by, for the ring pages written so far: query [n_kv_heads, group,

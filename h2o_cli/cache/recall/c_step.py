@@ -35,13 +35,55 @@ class RecallCStep(CStep):
         self.previous = torch.full((archive.capacity,), -1, dtype=torch.int64)  # -1 between calls
         self.pages = torch.empty(archive.pages, 2, dtype=torch.int64)
         self.chosen = torch.empty(max(recall, 1), dtype=torch.int64)
+        self.moved = torch.empty(2, max(recall, 1), store.head_dim, dtype=torch.float32)  # the slots' new K/V
         self.choose_scratch = tuple(
-            tensor.data_ptr() for tensor in (self.candidate, self.previous, self.pages, self.chosen)
+            tensor.data_ptr()
+            for tensor in (self.candidate, self.previous, self.pages, self.chosen, self.moved)
         )
         self.counts = torch.zeros(store.n_kv_heads, dtype=torch.int64)
         self.totals = (ctypes.c_int64 * 2)()  # read without a tensor op: recalled, the most of one head
         self.order = torch.empty(2 * store.slots + 3 * recall, dtype=torch.int64)
         self.recall_arguments = (recall, *self.recall_pointers, self.counts.data_ptr(), self.order.data_ptr())
+        self._scores = None  # `scores`' held keys and scratch, made on its first call
+
+    def bounds(self, query: torch.Tensor) -> torch.Tensor:
+        """`PageArchive.step_bounds(query)`: in C when a step scores the shortlist its carried scores rank best
+        (`scores`), else by torch."""
+        if self.archive.steps_score_carried_shortlist():
+            return self.scores(query)
+        return self.archive.step_bounds(query)
+
+    def scores(self, query: torch.Tensor) -> torch.Tensor:
+        """`PageArchive.step_bounds` on a step that scores the carried shortlist, in one C call (archive.c's
+        `archive_step_scores`: the same pages and scores to float rounding); the shortlist's keys are held here
+        between steps and only pages new to it, or written since, are read. query: [n_kv_heads, group,
+        head_dim] float32, unrotated. Returns [n_kv_heads, used pages] float32."""
+        archive, (n_kv, group, head_dim) = self.archive, query.shape
+        shortlist, size, ring = archive.shortlist, archive.page_size, archive.pages
+        if self._scores is None or self._scores[0] != archive.epoch:
+            held = (
+                torch.full((n_kv, shortlist), -1, dtype=torch.int64),  # each column's ring page
+                torch.full((n_kv, ring), -1, dtype=torch.int64),  # each ring page's column
+                torch.full((1,), -1, dtype=torch.int64),  # archive tokens when brought up to date
+                torch.empty(n_kv, shortlist * size, head_dim),  # the keys
+            )
+            scratch = (
+                torch.empty(ring, 2, dtype=torch.int64),
+                torch.zeros(ring, dtype=torch.uint8),
+                torch.empty(group, shortlist * size),
+                torch.empty(group * head_dim + shortlist),
+            )
+            self._scores = (archive.epoch, (held, scratch), tuple(t.data_ptr() for t in held),
+                            tuple(t.data_ptr() for t in scratch))  # fmt: skip
+        used = archive.span // size
+        bound = torch.empty(n_kv, used)
+        native.archive_step_scores(
+            query, archive.capacity, size, used, shortlist, archive.carry, head_dim**-0.5, archive.tokens,
+            self.archive_pointers[:2], (archive.carried.data_ptr(), archive.carried_start.data_ptr()),
+            *self._scores[2:], bound,
+        )  # fmt: skip
+        archive.release()
+        return bound
 
     def archive_token(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """`PageArchive.write` of one token: key, value [n_kv_heads, 1, head_dim] unrotated."""
