@@ -4,7 +4,8 @@ One `PageArchive` per size, filled with random keys (the choice's cost does not 
 embedded model's shape (3 KV heads of 64, 3 query heads each) and the default choice (attention mass inside a
 shortlist of 512 pages of 16, blocks of 4, carried scores). Per size: the median time of `step_bounds` (what a
 one-token step ranks pages by: the mass over the 512 pages its carried scores rank best, their keys kept from
-the step before); what a chunk's choice takes in its two parts, picking the shortlist (sections of 256 tokens,
+the step before), by torch and, where a C compiler is found, as the C step computes it (`StepScores`: one
+call, the shortlist's keys held there); what a chunk's choice takes in its two parts, picking the shortlist (sections of 256 tokens,
 then the blocks of the best sections: `PageArchive.shortlisted`) and the attention mass over those pages'
 keys (read from the archive); what bounding every block would cost (the flat bound, linear in the archive);
 and a question's choice, once per question: the mass of `--question` tokens' queries over every page. Per
@@ -22,8 +23,10 @@ import statistics
 import time
 
 import torch
+from h2o_kernels import native
 
 from h2o_cli.cache.recall.archive import PageArchive
+from h2o_cli.cache.recall.c_step import StepScores
 
 LAYERS, N_KV, GROUP, HEAD_DIM = 30, 3, 3, 64
 
@@ -52,8 +55,8 @@ def main() -> None:
     print(f"{platform.machine()}, {platform.processor() or 'cpu'}, torch threads 1, load average "
           f"{os.getloadavg()[0]:.1f} at the start; medians of {args.repeat} steps, one layer\n")  # fmt: skip
     print("| archive tokens | pages | every block bounded (ms) | shortlist picked (ms) | shortlist mass (ms) "
-          "| step choice (ms) | × 30 layers (ms) | question, every page (ms) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "| step choice, torch (ms) | step choice, C (ms) | C × 30 layers (ms) | question, every page (ms) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for tokens in args.tokens:
         archive = PageArchive(N_KV, HEAD_DIM, tokens, 16, torch.float32, torch.device("cpu"), attention=True,
                               shortlist=args.shortlist, carry=0.9)  # fmt: skip
@@ -69,11 +72,15 @@ def main() -> None:
             pick, picked = 0.0, torch.arange(pages).expand(N_KV, -1)
         mass = median_ms(lambda: archive.attention_mass(query, pages, picked), args.repeat)  # noqa: B023
         step = median_ms(lambda: archive.step_bounds(query), args.repeat)  # noqa: B023
+        c_step = float("nan")
+        if native.available():
+            scores = StepScores(archive)
+            c_step = median_ms(lambda: scores.bounds(query), args.repeat)  # noqa: B023
         asked = torch.randn(N_KV, GROUP * args.question, HEAD_DIM)
         question = median_ms(lambda: archive.attention_mass(asked, pages), max(3, args.repeat // 5))  # noqa: B023
         print(
-            f"| {tokens:,} | {pages:,} | {summary:.2f} | {pick:.2f} | {mass:.2f} | {step:.2f} | {step * LAYERS:.0f} "
-            f"| {question:.1f} |"
+            f"| {tokens:,} | {pages:,} | {summary:.2f} | {pick:.2f} | {mass:.2f} | {step:.2f} | {c_step:.2f} "
+            f"| {c_step * LAYERS:.0f} | {question:.1f} |"
         )
 
 

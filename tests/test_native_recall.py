@@ -16,7 +16,7 @@ from h2o_cli.cache import H2OCache, RecallLayer
 from h2o_cli.cache.positions import Rope
 from h2o_cli.cache.recall.archive import PageArchive
 from h2o_cli.cache.recall.archive_file import ArchiveFile
-from h2o_cli.cache.recall.c_step import RecallCStep
+from h2o_cli.cache.recall.c_step import RecallCStep, StepScores
 from h2o_cli.cache.store import LayerStore
 from h2o_cli.config import CacheSettings
 
@@ -163,7 +163,7 @@ def test_c_recall_step_with_partly_empty_recall_slots(positions):
 @needs_compiler
 @pytest.mark.parametrize("page_size", [16, 4], ids=["page-16", "page-4"])
 def test_c_step_scores_are_the_torch_step_bounds(page_size):
-    """`RecallCStep.bounds` on steps that score the carried shortlist (archive.c's `archive_step_scores`, its
+    """`StepScores.bounds` on steps that score the carried shortlist (archive.c's `archive_step_scores`, its
     held keys read only where pages enter the shortlist or were written since) against
     `PageArchive.step_bounds` on a twin archive: the same scores to float rounding and the same best pages,
     step after step, while the ring wraps, chunks rescore every page (so pages still being written are held and
@@ -183,11 +183,7 @@ def test_c_step_scores_are_the_torch_step_bounds(page_size):
         )  # fmt: skip
         for _ in range(2)
     )
-    buffers = RecallCStep.__new__(RecallCStep)  # the archive's side of the C buffers only
-    buffers.archive, buffers._scores = c_archive, None
-    buffers.archive_pointers = tuple(
-        t.data_ptr() for t in (c_archive.token_index, c_archive.keys, c_archive.values)
-    )
+    scores = StepScores(c_archive)
     torch.manual_seed(5)
     scored = 0
     for step in range(6 * capacity):
@@ -210,7 +206,7 @@ def test_c_step_scores_are_the_torch_step_bounds(page_size):
                 archive.bounds(chunk, archive.span // page_size, chunk=4)
         query = torch.randn(n_kv, group, HEAD_DIM) * 2
         assert c_archive.steps_score_carried_shortlist() == torch_archive.steps_score_carried_shortlist()
-        want, got = torch_archive.step_bounds(query), buffers.bounds(query)
+        want, got = torch_archive.step_bounds(query), scores.bounds(query)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
         best = min(4, want.shape[1])
         assert torch.equal(got.topk(best).indices, want.topk(best).indices), step

@@ -44,46 +44,11 @@ class RecallCStep(CStep):
         self.totals = (ctypes.c_int64 * 2)()  # read without a tensor op: recalled, the most of one head
         self.order = torch.empty(2 * store.slots + 3 * recall, dtype=torch.int64)
         self.recall_arguments = (recall, *self.recall_pointers, self.counts.data_ptr(), self.order.data_ptr())
-        self._scores = None  # `scores`' held keys and scratch, made on its first call
+        self.scores = StepScores(archive)
 
     def bounds(self, query: torch.Tensor) -> torch.Tensor:
-        """`PageArchive.step_bounds(query)`: in C when a step scores the shortlist its carried scores rank best
-        (`scores`), else by torch."""
-        if self.archive.steps_score_carried_shortlist():
-            return self.scores(query)
-        return self.archive.step_bounds(query)
-
-    def scores(self, query: torch.Tensor) -> torch.Tensor:
-        """`PageArchive.step_bounds` on a step that scores the carried shortlist, in one C call (archive.c's
-        `archive_step_scores`: the same pages and scores to float rounding); the shortlist's keys are held here
-        between steps and only pages new to it, or written since, are read. query: [n_kv_heads, group,
-        head_dim] float32, unrotated. Returns [n_kv_heads, used pages] float32."""
-        archive, (n_kv, group, head_dim) = self.archive, query.shape
-        shortlist, size, ring = archive.shortlist, archive.page_size, archive.pages
-        if self._scores is None or self._scores[0] != archive.epoch:
-            held = (
-                torch.full((n_kv, shortlist), -1, dtype=torch.int64),  # each column's ring page
-                torch.full((n_kv, ring), -1, dtype=torch.int64),  # each ring page's column
-                torch.full((1,), -1, dtype=torch.int64),  # archive tokens when brought up to date
-                torch.empty(n_kv, shortlist * size, head_dim),  # the keys
-            )
-            scratch = (
-                torch.empty(ring, 2, dtype=torch.int64),
-                torch.zeros(ring, dtype=torch.uint8),
-                torch.empty(group, shortlist * size),
-                torch.empty(group * head_dim + shortlist),
-            )
-            self._scores = (archive.epoch, (held, scratch), tuple(t.data_ptr() for t in held),
-                            tuple(t.data_ptr() for t in scratch))  # fmt: skip
-        used = archive.span // size
-        bound = torch.empty(n_kv, used)
-        native.archive_step_scores(
-            query, archive.capacity, size, used, shortlist, archive.carry, head_dim**-0.5, archive.tokens,
-            self.archive_pointers[:2], (archive.carried.data_ptr(), archive.carried_start.data_ptr()),
-            *self._scores[2:], bound,
-        )  # fmt: skip
-        archive.release()
-        return bound
+        """`PageArchive.step_bounds(query)`, in C where `StepScores` computes it."""
+        return self.scores.bounds(query)
 
     def archive_token(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """`PageArchive.write` of one token: key, value [n_kv_heads, 1, head_dim] unrotated."""
@@ -119,3 +84,47 @@ class RecallCStep(CStep):
         """`CStep.run` over S and the recall slots (`entries`: the query's position + 1 with rolling
         positions)."""
         return super().run(query, key, value, table, rolling, limit, decay, self.recall_arguments, entries)
+
+
+class StepScores:
+    """A one-token step's page scores on a float32 CPU archive (in RAM or a mapped file): `PageArchive.step_bounds`,
+    in one C call (archive.c's `archive_step_scores`) when the step scores the shortlist its carried scores rank
+    best (`PageArchive.steps_score_carried_shortlist`), else by torch. The C call returns the same pages and
+    scores to float rounding; the shortlist's keys are held here between steps, one page per column, and only
+    pages new to the shortlist or written since are read. Held keys and scratch are made on the first C call
+    and again after the archive is reset or rewound."""
+
+    def __init__(self, archive) -> None:
+        assert archive.keys.dtype == torch.float32 and archive.keys.is_contiguous()
+        self.archive = archive
+        self.archive_pointers = (archive.token_index.data_ptr(), archive.keys.data_ptr())
+        self.carried_pointers = (archive.carried.data_ptr(), archive.carried_start.data_ptr())
+        self._held = None  # (archive epoch, the tensors, their addresses)
+
+    def bounds(self, query: torch.Tensor) -> torch.Tensor:
+        """query: [n_kv_heads, group, head_dim] float32, unrotated. Returns [n_kv_heads, used pages] float32."""
+        archive, (n_kv, group, head_dim) = self.archive, query.shape
+        if not archive.steps_score_carried_shortlist():
+            return archive.step_bounds(query)
+        shortlist, size, ring = archive.shortlist, archive.page_size, archive.pages
+        if self._held is None or self._held[0] != archive.epoch:
+            tensors = (
+                torch.full((n_kv, shortlist), -1, dtype=torch.int64),  # each column's ring page
+                torch.full((n_kv, ring), -1, dtype=torch.int64),  # each ring page's column
+                torch.full((1,), -1, dtype=torch.int64),  # archive tokens when brought up to date
+                torch.empty(n_kv, shortlist * size, head_dim),  # the keys
+                torch.empty(ring, 2, dtype=torch.int64),  # scratch: the ranking
+                torch.zeros(ring, dtype=torch.uint8),  # the shortlist's pages (0 between calls)
+                torch.empty(group, shortlist * size),  # the logits
+                torch.empty(group * head_dim + shortlist),  # the scaled queries, each column's mass
+            )
+            self._held = (archive.epoch, tensors, tuple(tensor.data_ptr() for tensor in tensors))
+        used = archive.span // size
+        bound = torch.empty(n_kv, used)
+        pointers = self._held[2]
+        native.archive_step_scores(
+            query, archive.capacity, size, used, shortlist, archive.carry, head_dim**-0.5, archive.tokens,
+            self.archive_pointers, self.carried_pointers, pointers[:4], pointers[4:], bound,
+        )  # fmt: skip
+        archive.release()
+        return bound
