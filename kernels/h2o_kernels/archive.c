@@ -180,7 +180,8 @@ static inline __attribute__((always_inline)) void page_logits16(
 }
 
 /* The page scores a one-token step ranks by when scores are carried and a shortlist is scored
- * (`PageArchive.bounds` on a one-token step with `attention`, `carry` and `shortlist` below the pages written):
+ * (`PageArchive.bounds` on a one-token step with `attention`, `carry` and a `shortlist`; with no more pages
+ * written than it, every written page is scored):
  * per KV head, `last` = the carried score of each written ring page that still holds the page it was scored on
  * (else 0); the `shortlist` pages `order_key(last)` ranks best; the attention mass of the `group` queries over
  * those pages' keys (each query's softmax over all their tokens, `scale` times q·k, the mean over the queries);
@@ -229,12 +230,13 @@ void archive_step_scores(
             out[p] = last;
             ranked[p] = (Pair){start >= 0 ? order_key(last, start) : INT64_MIN, p};
         }
-        select_top(ranked, used, shortlist);
-        for (int64_t i = 0; i < shortlist; i++) wanted[ranked[i].item] = 1;
+        const int64_t scored = shortlist < used ? shortlist : used;
+        if (scored < used) select_top(ranked, used, scored);
+        for (int64_t i = 0; i < scored; i++) wanted[ranked[i].item] = 1;
         for (int64_t c = 0; c < shortlist; c++)
             if (pages_of[c] >= 0 && !wanted[pages_of[c]]) column_of[pages_of[c]] = -1, pages_of[c] = -1;
         int64_t free_column = 0;
-        for (int64_t i = 0; i < shortlist; i++) {
+        for (int64_t i = 0; i < scored; i++) {
             const int64_t p = ranked[i].item;
             wanted[p] = 0;
             if (column_of[p] >= 0) continue;
@@ -254,6 +256,11 @@ void archive_step_scores(
             const int64_t p = pages_of[c];
             const float *restrict keys = held_keys + (g * shortlist + c) * page_floats;
             float *restrict rows = logits + c * page_size;
+            if (p < 0) { /* a column left empty (fewer pages written than the shortlist): no mass */
+                for (int64_t i = 0; i < group; i++)
+                    for (int64_t o = 0; o < page_size; o++) rows[i * width + o] = -INFINITY;
+                continue;
+            }
             if (page_size == 16) {
                 for (int64_t i = 0; i < group; i += 4) {
                     const float *restrict queries = scaled + i * head_dim;
@@ -288,7 +295,7 @@ void archive_step_scores(
         }
         for (int64_t c = 0; c < shortlist; c++) {
             const int64_t p = pages_of[c];
-            out[p] = column_mass[c] / (float)group + carry * out[p];
+            if (p >= 0) out[p] = column_mass[c] / (float)group + carry * out[p];
         }
         for (int64_t p = 0; p < used; p++) {
             if (column_of[p] < 0) out[p] = carry * out[p];

@@ -475,10 +475,10 @@ class PageArchive:
         return self._first_candidates(key, candidate, min(slots, self.pages), slots)
 
     def steps_score_carried_shortlist(self) -> bool:
-        """Whether a one-token step's `step_bounds` scores the `shortlist` pages its carried scores rank best (the
-        case archive.c's `archive_step_scores` computes): attention mass, carried scores, and more pages
-        written than the shortlist."""
-        return self.attention and bool(self.carry) and 0 < self.shortlist < self.span // self.page_size
+        """Whether a one-token step's `step_bounds` scores the `shortlist` pages its carried scores rank best, or
+        every written page when there are no more (the case archive.c's `archive_step_scores` computes):
+        attention mass, carried scores, a shortlist, and a page written."""
+        return self.attention and bool(self.carry) and self.shortlist > 0 and self.span > 0
 
     def step_bounds(self, query: torch.Tensor) -> torch.Tensor:
         """The page bounds `choose_one` ranks by, for the ring pages written so far: query [n_kv_heads, group,

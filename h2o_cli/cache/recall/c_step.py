@@ -89,7 +89,7 @@ class RecallCStep(CStep):
 class StepScores:
     """A one-token step's page scores on a float32 CPU archive (in RAM or a mapped file): `PageArchive.step_bounds`,
     in one C call (archive.c's `archive_step_scores`) when the step scores the shortlist its carried scores rank
-    best (`PageArchive.steps_score_carried_shortlist`), else by torch. The C call returns the same pages and
+    best, or every page while there are no more (`PageArchive.steps_score_carried_shortlist`), else by torch. The C call returns the same pages and
     scores to float rounding; the shortlist's keys are held here between steps, one page per column, and only
     pages new to the shortlist or written since are read. Held keys and scratch are made on the first C call
     and again after the archive is reset or rewound."""
