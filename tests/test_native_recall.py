@@ -163,8 +163,8 @@ def test_c_recall_step_with_partly_empty_recall_slots(positions):
 @needs_compiler
 @pytest.mark.parametrize("page_size", [16, 4], ids=["page-16", "page-4"])
 def test_c_step_scores_are_the_torch_step_bounds(page_size):
-    """`StepScores.bounds` on steps that score the carried shortlist (or every page, while fewer) (archive.c's `archive_step_scores`, its
-    held keys read only where pages enter the shortlist or were written since) against
+    """`StepScores.bounds` on steps that score the carried shortlist, or every page while fewer (archive.c's
+    `archive_step_scores`, its held keys read only where pages enter the shortlist or were written since) against
     `PageArchive.step_bounds` on a twin archive: the same scores to float rounding and the same best pages,
     step after step, while the ring wraps, chunks rescore every page (so pages still being written are held and
     must be read again), after a rewind and after a reset."""

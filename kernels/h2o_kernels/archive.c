@@ -188,9 +188,9 @@ static inline __attribute__((always_inline)) void page_logits16(
  * a page's score = its mass (0 outside the shortlist) + `carry` * `last`, written to `bound` and carried.
  *
  * The shortlist's keys are held between calls in `held_keys`, one page per column in no particular order (the
- * mass does not depend on it; a page of 16 tokens is held transposed, [head_dim, 16]): a column is read from the archive when its page enters the shortlist or was
- * written since the keys were last brought up to date (`*held_at`, archive tokens then; -1: nothing held), so a
- * step reads just the pages that changed. Differs from torch only in float rounding (the sums' order). */
+ * mass does not depend on it; a page of 16 tokens is held transposed, [head_dim, 16]): a column is read from
+ * the archive when its page enters the shortlist or was written since the keys were last brought up to date
+ * (`*held_at`, archive tokens then; -1: nothing held), so a step reads just the pages that changed. Differs from torch only in float rounding (the sums' order). */
 void archive_step_scores(
     int64_t n_kv, int64_t group, int64_t head_dim, int64_t capacity, int64_t page_size,
     int64_t used, int64_t shortlist, float carry, float scale, int64_t tokens,

@@ -44,11 +44,7 @@ class RecallCStep(CStep):
         self.totals = (ctypes.c_int64 * 2)()  # read without a tensor op: recalled, the most of one head
         self.order = torch.empty(2 * store.slots + 3 * recall, dtype=torch.int64)
         self.recall_arguments = (recall, *self.recall_pointers, self.counts.data_ptr(), self.order.data_ptr())
-        self.scores = StepScores(archive)
-
-    def bounds(self, query: torch.Tensor) -> torch.Tensor:
-        """`PageArchive.step_bounds(query)`, in C where `StepScores` computes it."""
-        return self.scores.bounds(query)
+        self.scores = StepScores(archive)  # `PageArchive.step_bounds`, in C where it can
 
     def archive_token(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """`PageArchive.write` of one token: key, value [n_kv_heads, 1, head_dim] unrotated."""
@@ -89,10 +85,10 @@ class RecallCStep(CStep):
 class StepScores:
     """A one-token step's page scores on a float32 CPU archive (in RAM or a mapped file): `PageArchive.step_bounds`,
     in one C call (archive.c's `archive_step_scores`) when the step scores the shortlist its carried scores rank
-    best, or every page while there are no more (`PageArchive.steps_score_carried_shortlist`), else by torch. The C call returns the same pages and
-    scores to float rounding; the shortlist's keys are held here between steps, one page per column, and only
-    pages new to the shortlist or written since are read. Held keys and scratch are made on the first C call
-    and again after the archive is reset or rewound."""
+    best, or every page while there are no more (`PageArchive.steps_score_carried_shortlist`), else by torch.
+    The C call returns the same pages and scores to float rounding; the shortlist's keys are held here between
+    steps, one page per column, and only pages new to the shortlist or written since are read. Held keys and
+    scratch are made on the first C call and again after the archive is reset or rewound."""
 
     def __init__(self, archive) -> None:
         assert archive.keys.dtype == torch.float32 and archive.keys.is_contiguous()

@@ -289,15 +289,15 @@ class RecallLayer(H2OLayer):
         return None
 
     def _c_step(self, call: Call, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """`_torch_step` as C calls for a full S: the page bounds (`RecallCStep.bounds`: by torch, or in C when
-        a step scores its carried shortlist), then `RecallCStep.choose` (the rest of `choose_one` and the read into the recall slots), the query map
-        for the position that leaves, and `RecallCStep.run` (write, attention over S ∪ R, S's scores,
+        """`_torch_step` as C calls for a full S: the page bounds (`StepScores.bounds`: in C when a step scores
+        with carried scores, else by torch), then `RecallCStep.choose` (the rest of `choose_one` and the read
+        into the recall slots), the query map for the position that leaves, and `RecallCStep.run` (write, attention over S ∪ R, S's scores,
         eviction). The same recalled tokens as the torch step, the rest to float rounding."""
         store, policy = self.store, self.policy
         buffers = self._c_buffers
         most = 0  # recall slots of the fullest head
         if self.recall_index.shape[1]:
-            bounds = buffers.bounds(self._step_page_query(query, call.cos, call.sin))
+            bounds = buffers.scores.bounds(self._step_page_query(query, call.cos, call.sin))
             recalled, hits = buffers.choose(bounds)
             most = buffers.most
             self.counts.add(recalled, hits)
