@@ -73,7 +73,10 @@ void archive_token(
 }
 
 /* Returns the hits summed over heads (chosen tokens that the recall slots held before); counts[g] is how many
- * recall slots of head g now hold a token (they come first; the rest are zero with index -1). */
+ * recall slots of head g now hold a token (they come first; the rest are zero with index -1).
+ * The archived tokens per page are counted once for all heads; a head then marks its resident tokens (and the
+ * step's own) and ranks the pages holding more archived tokens than marked ones, so past that count a head's
+ * work grows with its pages, S and the recall slots, not with the archive's tokens. */
 int64_t archive_choose(
     int64_t n_kv, int64_t head_dim, int64_t slots, int64_t active,
     const int64_t *restrict token_index, const uint8_t *restrict valid, /* S: [n_kv, slots] */
@@ -85,33 +88,42 @@ int64_t archive_choose(
     int64_t recall,
     float *restrict recall_keys, float *restrict recall_values, /* [n_kv, recall, head_dim] */
     int64_t *restrict recall_index,                              /* [n_kv, recall], -1 = empty */
-    uint8_t *restrict candidate, /* [capacity] scratch */
+    uint8_t *restrict blocked,   /* [capacity] scratch: 0 everywhere between calls */
     int64_t *restrict previous,  /* [capacity] scratch: -1 everywhere between calls */
     Pair *restrict pages,        /* [used] scratch */
     int64_t *restrict chosen,    /* [recall] scratch */
     float *restrict moved,       /* [2, recall, head_dim] scratch */
+    int64_t *restrict per_page,  /* [2, capacity / page_size] scratch: the second half 0 between calls */
     int64_t *restrict counts,    /* [n_kv] */
     int64_t *restrict totals)    /* [2]: recall slots filled over all heads, and the most of one head */
 {
-    const int64_t span = used * page_size;
+    const int64_t span = used * page_size, own = new_token % capacity;
+    int64_t *restrict archived = per_page, *restrict marked = per_page + capacity / page_size;
     int64_t hits = 0;
     totals[0] = totals[1] = 0;
+    for (int64_t p = 0; p < used; p++) {
+        int64_t n = 0;
+        for (int64_t o = 0; o < page_size; o++) n += archive_index[p * page_size + o] >= 0;
+        archived[p] = n;
+    }
     for (int64_t g = 0; g < n_kv; g++) {
-        /* candidates: written ring slots whose token is neither in S nor the step's own */
-        for (int64_t s = 0; s < span; s++) candidate[s] = archive_index[s] >= 0;
-        const int64_t own = new_token % capacity;
-        if (own < span && archive_index[own] == new_token) candidate[own] = 0;
+        /* blocked: archived ring slots whose token is in S or the step's own; the rest are candidates */
+        if (own < span && archive_index[own] == new_token) {
+            blocked[own] = 1;
+            marked[own / page_size]++;
+        }
         for (int64_t s = 0; s < active; s++) {
             if (!valid[g * slots + s]) continue;
             const int64_t t = token_index[g * slots + s], at = t % capacity;
-            if (at < span && archive_index[at] == t) candidate[at] = 0;
+            if (at < span && archive_index[at] == t && !blocked[at]) {
+                blocked[at] = 1;
+                marked[at / page_size]++;
+            }
         }
         int64_t ranked = 0;
-        for (int64_t p = 0; p < used; p++) {
-            uint8_t any = 0;
-            for (int64_t o = 0; o < page_size; o++) any |= candidate[p * page_size + o];
-            if (any) pages[ranked++] = (Pair){order_key(bound[g * used + p], archive_index[p * page_size]), p};
-        }
+        for (int64_t p = 0; p < used; p++)
+            if (archived[p] > marked[p])
+                pages[ranked++] = (Pair){order_key(bound[g * used + p], archive_index[p * page_size]), p};
         /* every such page holds a candidate: the first `recall` pages in rank order hold all we take */
         const int64_t top = ranked < recall ? ranked : recall;
         if (top < ranked) select_top(pages, ranked, top);
@@ -126,7 +138,7 @@ int64_t archive_choose(
         for (int64_t rank = 0; rank < top && count < recall; rank++)
             for (int64_t o = 0; o < page_size && count < recall; o++) {
                 const int64_t s = pages[rank].item * page_size + o;
-                if (!candidate[s]) continue;
+                if (archive_index[s] < 0 || blocked[s]) continue;
                 /* a hit: the recall slot's K/V are this token's (the archive's own numbers); else read them */
                 const int64_t from = previous[s];
                 const int64_t size = head_dim * (int64_t)sizeof(float);
@@ -143,6 +155,19 @@ int64_t archive_choose(
             }
         for (int64_t i = 0; i < recall; i++)
             if (held[i] >= 0) previous[held[i] % capacity] = -1;
+        /* unmark (the same slots as marked above: S and the archive are unchanged since) */
+        if (own < span && blocked[own]) {
+            blocked[own] = 0;
+            marked[own / page_size] = 0;
+        }
+        for (int64_t s = 0; s < active; s++) {
+            if (!valid[g * slots + s]) continue;
+            const int64_t at = token_index[g * slots + s] % capacity;
+            if (at < span && blocked[at]) {
+                blocked[at] = 0;
+                marked[at / page_size] = 0;
+            }
+        }
         __builtin_memcpy(head_keys, moved, count * head_dim * sizeof(float));
         __builtin_memcpy(head_values, moved + recall * head_dim, count * head_dim * sizeof(float));
         for (int64_t i = count * head_dim; i < recall * head_dim; i++) head_keys[i] = head_values[i] = 0.0f;

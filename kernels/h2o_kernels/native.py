@@ -40,7 +40,7 @@ _INT, _PTR, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # step.c's `cache_step`: sizes, the call's inputs, the store's 8 buffers, the step's scalars, R's, the outputs.
 STEP_ARGTYPES = [_INT] * 5 + [_PTR] * 12 + [_INT] * 4 + [_FLOAT] + [_INT] + [_PTR] * 5 + [_INT] + [_PTR] * 3
 # archive.c: `archive_choose` and `archive_token`.
-CHOOSE_ARGTYPES = [_INT] * 4 + [_PTR] * 2 + [_INT] * 4 + [_PTR] * 4 + [_INT] + [_PTR] * 10
+CHOOSE_ARGTYPES = [_INT] * 4 + [_PTR] * 2 + [_INT] * 4 + [_PTR] * 4 + [_INT] + [_PTR] * 11
 ARCHIVE_ARGTYPES = [_INT] * 6 + [_PTR] * 6
 SCORES_ARGTYPES = [_INT] * 7 + [ctypes.c_float] * 2 + [_INT] + [_PTR] * 14
 NO_RECALL = (0, None, None, None, None, None)  # `step`'s recall arguments for R = ∅
@@ -227,8 +227,9 @@ def archive_choose(
     addresses of the store's token_index (int64) and valid (bool) [n_kv_heads, slots], entries below
     `active`; archive: as `archive_token`'s; recall_slots: the addresses of the `recall` slots' keys, values
     [n_kv_heads, recall, head_dim] (float32) and token indices [n_kv_heads, recall] (int64); scratch: the
-    addresses of [capacity] uint8, [capacity] int64 (-1 everywhere between calls), [pages, 2] int64,
-    [max(recall, 1)] int64 and [2, max(recall, 1), head_dim] float32 buffers. Fills counts [n_kv_heads] int64 (each head's recalled tokens) and totals
+    addresses of [capacity] uint8 (0 everywhere between calls), [capacity] int64 (-1 everywhere between
+    calls), [pages, 2] int64, [max(recall, 1)] int64, [2, max(recall, 1), head_dim] float32 and [2, pages]
+    int64 (its second row 0 between calls) buffers. Fills counts [n_kv_heads] int64 (each head's recalled tokens) and totals
     (a ctypes int64[2]: their sum, and the most of one head). Returns the hits summed over KV heads."""
     n_kv, used = bound.shape
     bound = bound.contiguous()

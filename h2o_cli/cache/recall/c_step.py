@@ -31,14 +31,15 @@ class RecallCStep(CStep):
         self.summary_pointer = archive.summary.data_ptr()
         self.store_index_pointers = (store.token_index.data_ptr(), store.valid.data_ptr())
         self.recall = recall = layer.recall_index.shape[1]
-        self.candidate = torch.empty(archive.capacity, dtype=torch.uint8)
+        self.blocked = torch.zeros(archive.capacity, dtype=torch.uint8)  # 0 between calls
         self.previous = torch.full((archive.capacity,), -1, dtype=torch.int64)  # -1 between calls
         self.pages = torch.empty(archive.pages, 2, dtype=torch.int64)
         self.chosen = torch.empty(max(recall, 1), dtype=torch.int64)
         self.moved = torch.empty(2, max(recall, 1), store.head_dim, dtype=torch.float32)  # the slots' new K/V
+        self.per_page = torch.zeros(2, archive.pages, dtype=torch.int64)  # archived, marked (0 between calls)
         self.choose_scratch = tuple(
             tensor.data_ptr()
-            for tensor in (self.candidate, self.previous, self.pages, self.chosen, self.moved)
+            for tensor in (self.blocked, self.previous, self.pages, self.chosen, self.moved, self.per_page)
         )
         self.counts = torch.zeros(store.n_kv_heads, dtype=torch.int64)
         self.totals = (ctypes.c_int64 * 2)()  # read without a tensor op: recalled, the most of one head
