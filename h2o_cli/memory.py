@@ -141,6 +141,22 @@ def archive_split(
     return (ram + disk, 0) if storage == "ram" else (ram, disk)
 
 
+def choice_bytes(shape: ModelShape, capacity: int, page_size: int, shortlist: int) -> int:
+    """Bytes in RAM that `recall`'s page choice (attention scores, carried) keeps beside the archive, every
+    layer: the keys of the `shortlist` pages an answer step scores (float32, per KV head), each ring page's
+    carried score (per KV head) and first token index, the summaries of its sections of 256 tokens (as
+    h2o_cli.cache.recall.archive's, repeated here: this module is a leaf) and the C step's scratch per ring
+    slot and page. Scratch sized by S and the recall slots is left out. Constant past `shortlist` pages,
+    whatever the text's length."""
+    pages, n_kv = capacity // page_size, shape.n_kv_heads
+    sections = -(-pages // max(1, 256 // page_size))
+    held = n_kv * shortlist * (page_size * shape.head_dim * 4 + 8)  # the keys, and each column's page
+    carried = pages * (n_kv * 4 + 8)
+    summaries = n_kv * sections * 2 * shape.head_dim * 4
+    scratch = 9 * capacity + pages * (49 + 8 * n_kv)
+    return shape.n_layers * (held + carried + summaries + scratch)
+
+
 def full_head_bytes(shape: ModelShape, context: int, kv_bits: int | None, dtype_bytes: int) -> int:
     """Bytes of a dense cache of `context` tokens for one KV head."""
     return context * token_kv_bytes(shape, kv_bits, dtype_bytes)
@@ -184,11 +200,13 @@ def memory_table(
     block_size: int = 4,
     archive_bits: int | None = None,
     archive_storage: str = "ram",
+    shortlist: int = 512,
 ) -> dict:
     """Weights, KV cache (full vs H2O, per head and total) and activation peaks for each context length;
     the `recall` archive per token and at `archive_max` tokens (pages of `page_size`, summaries per `block_size`
     tokens), stored as `archive_bits`
-    in `archive_storage` (ram or disk), split into RAM and disk bytes, and per token for every `--archive-bits`."""
+    in `archive_storage` (ram or disk), split into RAM and disk bytes, and per token for every `--archive-bits`;
+    what its page choice keeps in RAM beside it (`choice_bytes`, a `shortlist` of pages)."""
     weights = weight_bytes(shape, quant, dtype_bytes)
     heads = shape.n_layers * shape.n_kv_heads
     slots = budget + chunk
@@ -242,5 +260,6 @@ def memory_table(
         "recall_archive_bytes": archive_bytes(shape, archive_max, block_size, dtype_bytes, archive_bits),
         "recall_archive_ram_bytes": split[0],
         "recall_archive_disk_bytes": split[1],
+        "recall_choice_bytes": choice_bytes(shape, archive_max, page_size, shortlist),
         "rows": rows,
     }

@@ -458,3 +458,29 @@ def test_a_terminated_stream_removes_its_archive_file(tmp_path):
     _, err = run.communicate(timeout=60)
     assert run.returncode == 143, err.decode()
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
+def test_the_page_choice_reports_the_keys_it_holds(tiny_pair, kernels):
+    """`choice_bytes` counts the shortlist's keys that answer steps hold (torch or C step), and `h2o memory`'s
+    prediction of it counts them and all but the C step's scratch sized by S and the recall slots."""
+    _, model = tiny_pair
+    shortlist, page, capacity = 12, 4, 128
+    settings = CacheSettings(
+        budget=24, policy="recall", chunk=1, page_size=page, archive_max=capacity, shortlist=shortlist,
+        kernels=kernels,
+    )  # fmt: skip
+    cache = H2OCache(model, settings)
+    ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(3))
+    before = cache.archive_summary()["choice_bytes"]
+    with torch.no_grad():
+        for step in range(100):
+            model(ids[:, step : step + 1], cache=cache)
+    after = cache.archive_summary()["choice_bytes"]
+    shape = cache.shape
+    held = len(cache.layers) * shape.n_kv_heads * shortlist * page * shape.head_dim * 4  # float32 keys
+    assert after - before >= held
+    predicted = memory.choice_bytes(shape, capacity, page, shortlist)
+    assert before + held <= predicted
+    if cache.layers[0].__dict__.get("_c_buffers") is not None:  # the C step ran: its scratch is counted too
+        assert predicted <= after

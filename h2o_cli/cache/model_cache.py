@@ -322,7 +322,8 @@ class H2OCache(Cache):
         `archive_bytes` (all layers, preallocated) = `archive_ram_bytes` (token index, summaries, and the K/V of
         a RAM archive) + `archive_disk_bytes` (the K/V of a file archive); `archive_token_bytes` per token;
         `archive_tokens` (tokens held), `archive_reach` = `archive_oldest` (the oldest token still recallable);
-        `recall_slots` and their bytes; `recalled_per_step` (tokens per KV head, mean over layers and steps),
+        `recall_slots` and their bytes; `choice_bytes` (what the page choice keeps in RAM beside them: carried
+        scores, section summaries, the shortlist's held keys, scratch); `recalled_per_step` (tokens per KV head, mean over layers and steps),
         of which `recall_hits` were already in the recall slots and `archive_reads_per_step` were read."""
         layers = [layer for layer in self.layers if isinstance(layer, RecallLayer)]
         if not layers:
@@ -351,6 +352,7 @@ class H2OCache(Cache):
                 for layer in layers
                 for tensor in (layer.recall_keys, layer.recall_values, layer.recall_index)
             ),
+            "choice_bytes": sum(layer.choice_bytes() for layer in layers),
             "recalled_per_step": recalled,
             "recall_hits": hits,
             "archive_reads_per_step": recalled - hits,

@@ -174,6 +174,14 @@ class PageArchive:
         kept = [self.token_index, self.summary] + ([] if self.region else self._stored())
         return sum(tensor.nbytes for tensor in kept)
 
+    def choice_bytes(self) -> int:
+        """Bytes the page choice keeps beside the archive, in RAM: the carried scores, the section summaries
+        and the shortlist's keys `held_page_keys` holds (the C step's are `StepScores.nbytes`)."""
+        kept = [self.carried, self.carried_start, self.section_summary]
+        if self._held_keys is not None:
+            kept.append(self._held_keys[1])
+        return sum(tensor.nbytes for tensor in kept)
+
     def token_bytes(self) -> int:
         """Archive bytes per token (K and V of every KV head, and their scales when int8)."""
         return sum(tensor.nbytes for tensor in self._stored()) // self.capacity

@@ -47,6 +47,12 @@ class RecallCStep(CStep):
         self.recall_arguments = (recall, *self.recall_pointers, self.counts.data_ptr(), self.order.data_ptr())
         self.scores = StepScores(archive)  # `PageArchive.step_bounds`, in C where it can
 
+    def nbytes(self) -> int:
+        """Bytes of these buffers and scratch (the store's step scratch, the choice's, `StepScores.nbytes`)."""
+        buffers = (self.scratch, self.victims, self.blocked, self.previous, self.pages, self.chosen, self.moved,
+                   self.per_page, self.counts, self.order)  # fmt: skip
+        return sum(tensor.nbytes for tensor in buffers) + self.scores.nbytes()
+
     def archive_token(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """`PageArchive.write` of one token: key, value [n_kv_heads, 1, head_dim] unrotated."""
         archive = self.archive
@@ -97,6 +103,11 @@ class StepScores:
         self.archive_pointers = (archive.token_index.data_ptr(), archive.keys.data_ptr())
         self.carried_pointers = (archive.carried.data_ptr(), archive.carried_start.data_ptr())
         self._held = None  # (archive epoch, the tensors, their addresses)
+
+    def nbytes(self) -> int:
+        """Bytes held: the shortlist's keys (n_kv_heads x shortlist x page_size x head_dim float32) and scratch;
+        0 before the first C call."""
+        return 0 if self._held is None else sum(tensor.nbytes for tensor in self._held[1])
 
     def bounds(self, query: torch.Tensor) -> torch.Tensor:
         """query: [n_kv_heads, group, head_dim] float32, unrotated. Returns [n_kv_heads, used pages] float32."""

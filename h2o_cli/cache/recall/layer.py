@@ -95,6 +95,12 @@ class RecallLayer(H2OLayer):
     def steps(self) -> int:
         return self.counts.steps
 
+    def choice_bytes(self) -> int:
+        """Bytes in RAM the page choice keeps beside the archive and the recall slots (the carried scores, the
+        section summaries, the shortlist's held keys, the C step's scratch)."""
+        built = self.__dict__.get("_c_buffers")  # the C step's buffers, once a step has made them
+        return self.archive.choice_bytes() + (built.nbytes() if built is not None else 0)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs=None, **extra):
         """As `H2OLayer.update`, and archive the call's unrotated K/V (write-through, before any eviction)."""
         result = super().update(key_states, value_states, *args, kwargs=kwargs, **extra)
