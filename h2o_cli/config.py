@@ -91,6 +91,9 @@ class CacheSettings:
     page_size: int = 16  # recall: tokens per archive page (what a recall reads back whole)
     block_size: int | None = None  # recall: tokens per key summary inside a page (None: 4, or the page)
     shortlist: int = 512  # recall, --page-score attention: pages a chunk (by summaries) or a step (by carried score) scores
+    step_shortlist: int = (
+        0  # recall, --page-carry: pages an answer step scores (its carried best; 0: --shortlist)
+    )
     page_carry: float = 0.9  # recall, --page-score attention: share of a page's last score added to the next
     chunk_weight: float = (
         8.0  # recall, --page-carry: one-token steps a chunk of c > 1 tokens weighs (at most c)
@@ -143,6 +146,7 @@ class CacheSettings:
             self.page_carry,
             self.chunk_weight,
             self.choice_tokens,
+            self.step_shortlist,
         )
         if self.is_resolved:
             make_policy(self)  # the policy checks its own parameters (budget, split, sinks, ...)

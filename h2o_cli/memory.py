@@ -206,7 +206,7 @@ def memory_table(
     the `recall` archive per token and at `archive_max` tokens (pages of `page_size`, summaries per `block_size`
     tokens), stored as `archive_bits`
     in `archive_storage` (ram or disk), split into RAM and disk bytes, and per token for every `--archive-bits`;
-    what its page choice keeps in RAM beside it (`choice_bytes`, a `shortlist` of pages)."""
+    what its page choice keeps in RAM beside it (`choice_bytes`: answer steps score a `shortlist` of pages)."""
     weights = weight_bytes(shape, quant, dtype_bytes)
     heads = shape.n_layers * shape.n_kv_heads
     slots = budget + chunk

@@ -117,7 +117,7 @@ def naive_recall(
     distances from the recent slots of S up to the most E_q entries (rolling) or the tokens seen (original).
     The attention score ranks a page by the softmax mass the queries put on its keys (their mean), over every archived key
     (with a shortlist: over the keys of the pages whose summary bound is highest, or on a one-token step with
-    `page_carry` of those whose last score is; the others score 0; a `question` scores every page), plus
+    `page_carry` of the `step_shortlist` (0: `shortlist`) whose last score is; the others score 0; a `question` scores every page), plus
     `page_carry` times the page's score at the head's last choice when the chunk is one token; a chunk of c > 1
     tokens starts afresh, its mass times min(c, `chunk_weight`).
     """
@@ -145,9 +145,12 @@ def naive_recall(
         scored = list(written)
         shortlist = getattr(settings, "shortlist", 0)
         carry = getattr(settings, "page_carry", 0.0)
+        stepping = bool(carry) and chunk == 1
+        if stepping and shortlist:  # a step's own shortlist (0: the chunks')
+            shortlist = getattr(settings, "step_shortlist", 0) or shortlist
         if question or not shortlist or len(scored) <= shortlist:
             pass  # a question scores every page
-        elif carry and chunk == 1:  # a step: the pages its last scores rank best (ties: the older)
+        elif stepping:  # a step: the pages its last scores rank best (ties: the older)
             scored = sorted(scored, key=lambda page: (-head.carried.get(page, 0.0), page))[:shortlist]
         else:  # the pages the summaries bound best (ties: the older)
             scored = sorted(scored, key=lambda page: (-bound(page), page))[:shortlist]

@@ -81,7 +81,13 @@ def test_fixed_recall_step_matches_the_naive_simulation(positions, page_score, r
 
 @pytest.mark.parametrize("chunks", [[1] * 40, [9, 9, 5] + [1] * 30], ids=["decode", "after-chunks"])
 @pytest.mark.parametrize(
-    "score", [{}, {"page_score": "attention", "shortlist": 3, "page_carry": 0.9}], ids=["bound", "attention"]
+    "score",
+    [
+        {},
+        {"page_score": "attention", "shortlist": 3, "page_carry": 0.9},
+        {"page_score": "attention", "shortlist": 5, "step_shortlist": 2, "page_carry": 0.9},
+    ],
+    ids=["bound", "attention", "step-shortlist"],
 )
 def test_fixed_recall_step_with_blocks_matches_the_naive_simulation(chunks, score):
     """Pages of 6 ranked by their best block of 2 (or by attention mass inside the 3 pages bounded best), from

@@ -122,9 +122,20 @@ def run_both(steps: int, chunks=(6, 5), tie_keys: bool = False, c_file: Path | N
         {"budget": 40, "archive_max": 64, "page_size": 1},
         {"budget": 40, "archive_max": 64, "page_size": 8, "block_size": 2},
         {"page_score": "attention", "page_size": 8, "block_size": 2, "shortlist": 3, "page_carry": 0.9},
+        {"page_score": "attention", "page_size": 4, "shortlist": 6, "step_shortlist": 2, "page_carry": 0.9},
         {"score_decay": 0.95},
     ],
-    ids=["rolling", "original", "mostly-heavy", "page-3", "page-1", "page-8-blocks-2", "attention", "decay"],
+    ids=[
+        "rolling",
+        "original",
+        "mostly-heavy",
+        "page-3",
+        "page-1",
+        "page-8-blocks-2",
+        "attention",
+        "step-shortlist",
+        "decay",
+    ],  # fmt: skip
 )
 def test_c_recall_step_equals_the_torch_step(options):
     """150 steps: the archive of 64 tokens wraps many times (its oldest pages dropped), and the early steps
@@ -161,8 +172,10 @@ def test_c_recall_step_with_partly_empty_recall_slots(positions):
 
 
 @needs_compiler
-@pytest.mark.parametrize("page_size", [16, 4], ids=["page-16", "page-4"])
-def test_c_step_scores_are_the_torch_step_bounds(page_size):
+@pytest.mark.parametrize(
+    "page_size, step_shortlist", [(16, 0), (4, 0), (16, 3)], ids=["page-16", "page-4", "step-shortlist-3"]
+)
+def test_c_step_scores_are_the_torch_step_bounds(page_size, step_shortlist):
     """`StepScores.bounds` on steps that score the carried shortlist, or every page while fewer (archive.c's
     `archive_step_scores`, its held keys read only where pages enter the shortlist or were written since) against
     `PageArchive.step_bounds` on a twin archive: the same scores to float rounding and the same best pages,
@@ -180,6 +193,7 @@ def test_c_step_scores_are_the_torch_step_bounds(page_size):
             attention=True,
             shortlist=5,
             carry=0.9,
+            step_shortlist=step_shortlist,
         )  # fmt: skip
         for _ in range(2)
     )

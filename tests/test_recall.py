@@ -85,9 +85,10 @@ def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
         dict(page_size=3),
         dict(page_size=6, block_size=2, shortlist=2),
         dict(page_size=6, block_size=2, shortlist=2, page_carry=0.9),
+        dict(page_size=6, block_size=2, shortlist=4, step_shortlist=2, page_carry=0.9),
         dict(page_size=3, page_carry=0.9, choice_tokens=3),
     ],
-    ids=["page-1", "page-3", "page-6-shortlist-2", "carried", "sampled"],
+    ids=["page-1", "page-3", "page-6-shortlist-2", "carried", "step-shortlist", "sampled"],
 )
 @pytest.mark.parametrize(
     "chunks",
@@ -96,8 +97,8 @@ def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
 )
 def test_attention_page_score_matches_the_naive_simulation(positions, pages, chunks):
     """`--page-score attention`: pages ranked by the softmax mass the queries put on their keys, over every
-    archived key, or over those of the `--shortlist` pages the summaries bound best, plus `--page-carry` of
-    each page's last score (docs/spec.md), on the chunk path and the torch step; `asked`: chunks that end in a
+    archived key, or over those of the `--shortlist` pages the summaries bound best (a step: the
+    `--step-shortlist` its last scores rank best), plus `--page-carry` of each page's last score (docs/spec.md), on the chunk path and the torch step; `asked`: chunks that end in a
     question, whose queries alone choose (weighed as its tokens)."""
     torch.manual_seed(9)
     settings = dataclasses.replace(

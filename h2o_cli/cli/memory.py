@@ -75,7 +75,7 @@ def memory(
         archive_max=archive,
         archive_bits=bits,
         archive_storage=storage,
-        shortlist=settings.shortlist,
+        shortlist=(settings.step_shortlist or settings.shortlist) if settings.shortlist else 0,
     )
     table.update(model=model, config_source=origin)
     if device_map:
@@ -134,8 +134,8 @@ def memory(
         f"{size(table['recall_archive_ram_bytes'])} in RAM + {size(table['recall_archive_disk_bytes'])} on disk. "
         f"Per token: {size(by_bits['model'])} in the model dtype, {size(by_bits['16'])} 16-bit, "
         f"{size(by_bits['8'])} int8 (the summaries and index, in RAM, are part of each). Its page choice keeps "
-        f"{size(table['recall_choice_bytes'])} more in RAM (the keys of --shortlist {settings.shortlist} pages "
-        "per KV head, carried scores, section summaries, scratch)"
+        f"{size(table['recall_choice_bytes'])} more in RAM (the keys of the pages an answer step scores, "
+        "per KV head: --step-shortlist; carried scores, section summaries, scratch)"
     )
 
 

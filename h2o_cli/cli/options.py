@@ -176,6 +176,14 @@ Shortlist = Annotated[
         "every page; 0 scores every page always.",
     ),
 ]
+StepShortlist = Annotated[
+    int,
+    typer.Option(
+        "--step-shortlist",
+        help="recall, --page-carry: an answer step scores only the K pages its carried scores rank highest "
+        "(0: --shortlist's K). A step's cost grows with K.",
+    ),
+]
 PageCarry = Annotated[
     float,
     typer.Option(
@@ -300,6 +308,7 @@ CACHE_OPTIONS = {
     "page_size": PageSize,
     "block_size": BlockSize,
     "shortlist": Shortlist,
+    "step_shortlist": StepShortlist,
     "page_carry": PageCarry,
     "chunk_weight": ChunkWeight,
     "choice_tokens": ChoiceTokens,

@@ -24,6 +24,7 @@ class RecallPolicy(HeavyHitterPolicy):
     page_size: int = 16
     block_size: int | None = None
     shortlist: int = 512
+    step_shortlist: int = 0
     page_carry: float = 0.9
     chunk_weight: float = 8.0
     choice_tokens: int = 32
@@ -41,6 +42,7 @@ class RecallPolicy(HeavyHitterPolicy):
             page_carry=self.page_carry,
             chunk_weight=self.chunk_weight,
             choice_tokens=self.choice_tokens,
+            step_shortlist=self.step_shortlist,
         )
         super().__post_init__()
         if self.resident < 2:

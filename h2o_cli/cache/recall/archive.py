@@ -91,6 +91,7 @@ class PageArchive:
         shortlist: int = 0,
         carry: float = 0.0,
         chunk_weight: float = 1.0,
+        step_shortlist: int = 0,
     ) -> None:
         assert capacity % page_size == 0 and capacity >= 2 * page_size, "a whole number (>= 2) of pages"
         block_size = summary_block(page_size, block_size)
@@ -99,6 +100,8 @@ class PageArchive:
         self.capacity, self.page_size, self.block_size = capacity, page_size, block_size
         self.attention = attention  # pages scored by attention mass (`attention_mass`), not by the summaries
         self.shortlist = shortlist  # with `attention`: only the pages the summaries bound best (0: all)
+        # With `carry` and a shortlist: a one-token step scores the pages its carried scores rank best, this many
+        self.step_shortlist = (step_shortlist or shortlist) if shortlist else 0
         self.carry = carry  # with `attention`: the share of a page's last score added to the next
         # With `carry`: a chunk of c > 1 tokens starts the carried scores at min(c, this) steps' weight.
         self.chunk_weight = chunk_weight
@@ -483,7 +486,7 @@ class PageArchive:
         return self._first_candidates(key, candidate, min(slots, self.pages), slots)
 
     def steps_score_carried_shortlist(self) -> bool:
-        """Whether a one-token step's `step_bounds` scores the `shortlist` pages its carried scores rank best, or
+        """Whether a one-token step's `step_bounds` scores the `step_shortlist` pages its carried scores rank best, or
         every written page when there are no more (the case archive.c's `archive_step_scores` computes):
         attention mass, carried scores, a shortlist, and a page written."""
         return self.attention and bool(self.carry) and self.shortlist > 0 and self.span > 0
@@ -499,8 +502,8 @@ class PageArchive:
         """The score every choice ranks the first `pages` ring pages by: the bound under the best of the `m`
         queries, the best of its blocks' `best_page_bound`; with `attention`, `attention_mass` instead, over
         every page for a `question` or up to `shortlist` pages, else over the `shortlist` pages the summaries
-        bound best (`shortlisted`) — or, on a one-token step with `carry`, the pages the carried scores rank
-        best (what the question and the steps since found). With `carry` the score adds `carry` times the
+        bound best (`shortlisted`) — or, on a one-token step with `carry`, the `step_shortlist` pages the
+        carried scores rank best (what the question and the steps since found; every page up to that many). With `carry` the score adds `carry` times the
         page's last score on a one-token step; a chunk of `chunk` > 1 tokens starts afresh, its mass times
         min(chunk, `chunk_weight`). query: [n_kv_heads, m, head_dim]. Returns [n_kv_heads, pages] float32."""
         if not self.attention:
@@ -510,7 +513,7 @@ class PageArchive:
         if step:  # the scores carried from the last choice, for the pages that still hold the same page
             same = (self.carried_start[:pages] == page_start) & (page_start != NOTHING)
             last = torch.where(same, self.carried[:, :pages], 0.0)
-        if question or not self.shortlist or pages <= self.shortlist:
+        if question or not self.shortlist or pages <= (self.step_shortlist if step else self.shortlist):
             scores = self.attention_mass(query, pages)
         else:
             keys = None
@@ -518,7 +521,7 @@ class PageArchive:
                 key = order_key(
                     last, page_start, page_start != NOTHING
                 )  # between steps (not in fixed shapes)
-                picked = torch.topk(key, self.shortlist, dim=1, sorted=False).indices.sort(dim=1).values
+                picked = torch.topk(key, self.step_shortlist, dim=1, sorted=False).indices.sort(dim=1).values
                 keys = None if fixed else self.held_page_keys(picked)
             else:  # the summaries pick the `shortlist` pages (sections first)
                 picked = self.shortlisted(query, pages, page_start, fixed)  # [n_kv, shortlist]

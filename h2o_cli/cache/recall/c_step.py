@@ -91,8 +91,8 @@ class RecallCStep(CStep):
 
 class StepScores:
     """A one-token step's page scores on a float32 CPU archive (in RAM or a mapped file): `PageArchive.step_bounds`,
-    in one C call (archive.c's `archive_step_scores`) when the step scores the shortlist its carried scores rank
-    best, or every page while there are no more (`PageArchive.steps_score_carried_shortlist`), else by torch.
+    in one C call (archive.c's `archive_step_scores`) when the step scores the `step_shortlist` pages its carried
+    scores rank best, or every page while there are no more (`PageArchive.steps_score_carried_shortlist`), else by torch.
     The C call returns the same pages and scores to float rounding; the shortlist's keys are held here between
     steps, one page per column, and only pages new to the shortlist or written since are read. Held keys and
     scratch are made on the first C call and again after the archive is reset or rewound."""
@@ -105,7 +105,7 @@ class StepScores:
         self._held = None  # (archive epoch, the tensors, their addresses)
 
     def nbytes(self) -> int:
-        """Bytes held: the shortlist's keys (n_kv_heads x shortlist x page_size x head_dim float32) and scratch;
+        """Bytes held: the shortlist's keys (n_kv_heads x step_shortlist x page_size x head_dim float32) and scratch;
         0 before the first C call."""
         return 0 if self._held is None else sum(tensor.nbytes for tensor in self._held[1])
 
@@ -114,7 +114,7 @@ class StepScores:
         archive, (n_kv, group, head_dim) = self.archive, query.shape
         if not archive.steps_score_carried_shortlist():
             return archive.step_bounds(query)
-        shortlist, size, ring = archive.shortlist, archive.page_size, archive.pages
+        shortlist, size, ring = archive.step_shortlist, archive.page_size, archive.pages
         if self._held is None or self._held[0] != archive.epoch:
             tensors = (
                 torch.full((n_kv, shortlist), -1, dtype=torch.int64),  # each column's ring page

@@ -64,7 +64,7 @@ class RecallLayer(H2OLayer):
         self.archive = PageArchive(
             store.n_kv_heads, store.head_dim, capacity, policy.page_size, dtype, device, bits, region,
             policy.block_size, attention=policy.page_score == "attention", shortlist=policy.shortlist,
-            carry=policy.page_carry, chunk_weight=policy.chunk_weight,
+            carry=policy.page_carry, chunk_weight=policy.chunk_weight, step_shortlist=policy.step_shortlist,
         )  # fmt: skip
         shape = (store.n_kv_heads, policy.recall_slots)
         self.recall_keys = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)

@@ -43,10 +43,11 @@ def check_recall_options(
     page_carry: float = 0.0,
     chunk_weight: float = 1.0,
     choice_tokens: int = 0,
+    step_shortlist: int = 0,
 ) -> None:
     """One-line usage errors for `--recall-ratio`, `--page-size`, `--archive-max`, `--archive`,
     `--archive-bits`, `--page-score`, `--block-size`, `--shortlist`, `--page-carry`, `--chunk-weight`,
-    `--choice-tokens` (whatever the policy). A cap in bytes is checked against a page when the
+    `--choice-tokens`, `--step-shortlist` (whatever the policy). A cap in bytes is checked against a page when the
     cache is built."""
     if not 0 <= recall_ratio <= 1:  # also NaN
         raise UsageError(f"--recall-ratio {recall_ratio} must lie in [0, 1]")
@@ -66,6 +67,8 @@ def check_recall_options(
         raise UsageError(f"--choice-tokens {choice_tokens} must be 0 (every token) or a number of tokens")
     if shortlist < 0:
         raise UsageError(f"--shortlist {shortlist} must be 0 (every page) or a number of pages")
+    if step_shortlist < 0:
+        raise UsageError(f"--step-shortlist {step_shortlist} must be 0 (as --shortlist) or a number of pages")
     count, unit = archive_cap(archive_max)
     if unit == "tokens" and count < 2 * page_size:
         raise UsageError(f"--archive-max {archive_max} must hold at least two pages ({2 * page_size} tokens)")
