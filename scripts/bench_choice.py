@@ -8,8 +8,10 @@ the step before), by torch and, where a C compiler is found, as the C step compu
 call, the shortlist's keys held there); what a chunk's choice takes in its two parts, picking the shortlist (sections of 256 tokens,
 then the blocks of the best sections: `PageArchive.shortlisted`) and the attention mass over those pages'
 keys (read from the archive); what bounding every block would cost (the flat bound, linear in the archive);
-and a question's choice, once per question: the mass of `--question` tokens' queries over every page. Per
-layer, and the step for all 30 layers. One thread.
+and a question's choice, once per question: the mass of `--question` tokens' queries over every page; and the
+rest of a C step's choice (archive.c's `archive_choose`: which pages hold a candidate, the best of them by the
+scores, the read into 410 recall slots, with 410 resident tokens, all of them the newest). Per layer, and the
+step for all 30 layers. One thread.
 
     python scripts/bench_choice.py --tokens 8192,32768,131072 --repeat 30
 """
@@ -17,6 +19,7 @@ layer, and the step for all 30 layers. One thread.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import platform
 import statistics
@@ -41,6 +44,35 @@ def median_ms(run, repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def c_choose(archive: PageArchive, recall: int = 410, resident: int = 410):
+    """A callable running `native.archive_choose` on `archive` (every page scored at random), with `resident`
+    tokens in S (the newest) and `recall` slots, as the C step calls it (h2o_cli.cache.recall.c_step)."""
+    tokens, pages, capacity = archive.tokens, archive.span // 16, archive.capacity
+    index = torch.arange(tokens - resident, tokens).expand(N_KV, -1).contiguous()
+    valid = torch.ones(N_KV, resident, dtype=torch.bool)
+    slots = (torch.zeros(N_KV, recall, HEAD_DIM), torch.zeros(N_KV, recall, HEAD_DIM),
+             torch.full((N_KV, recall), -1, dtype=torch.int64))  # fmt: skip
+    scratch = (torch.zeros(capacity, dtype=torch.uint8), torch.full((capacity,), -1, dtype=torch.int64),
+               torch.empty(archive.pages, 2, dtype=torch.int64), torch.empty(recall, dtype=torch.int64),
+               torch.empty(2, recall, HEAD_DIM), torch.zeros(2, archive.pages, dtype=torch.int64))  # fmt: skip
+    counts, totals, bound = (
+        torch.zeros(N_KV, dtype=torch.int64),
+        (ctypes.c_int64 * 2)(),
+        torch.rand(N_KV, pages),
+    )
+    held = (index, valid, *slots, *scratch, counts, bound)  # kept alive with the callable
+
+    def run() -> None:
+        native.archive_choose(
+            bound, HEAD_DIM, (index.data_ptr(), valid.data_ptr()), resident, resident, tokens - 1, capacity, 16,
+            tuple(t.data_ptr() for t in (archive.token_index, archive.keys, archive.values)), recall,
+            tuple(t.data_ptr() for t in slots), tuple(t.data_ptr() for t in scratch), counts, totals,
+        )  # fmt: skip
+        assert held
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -55,8 +87,9 @@ def main() -> None:
     print(f"{platform.machine()}, {platform.processor() or 'cpu'}, torch threads 1, load average "
           f"{os.getloadavg()[0]:.1f} at the start; medians of {args.repeat} steps, one layer\n")  # fmt: skip
     print("| archive tokens | pages | every block bounded (ms) | shortlist picked (ms) | shortlist mass (ms) "
-          "| step choice, torch (ms) | step choice, C (ms) | C × 30 layers (ms) | question, every page (ms) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| step choice, torch (ms) | step choice, C (ms) | C × 30 layers (ms) | question, every page (ms) "
+          "| C choose (ms) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for tokens in args.tokens:
         archive = PageArchive(N_KV, HEAD_DIM, tokens, 16, torch.float32, torch.device("cpu"), attention=True,
                               shortlist=args.shortlist, carry=0.9)  # fmt: skip
@@ -72,15 +105,16 @@ def main() -> None:
             pick, picked = 0.0, torch.arange(pages).expand(N_KV, -1)
         mass = median_ms(lambda: archive.attention_mass(query, pages, picked), args.repeat)  # noqa: B023
         step = median_ms(lambda: archive.step_bounds(query), args.repeat)  # noqa: B023
-        c_step = float("nan")
+        c_step = choose = float("nan")
         if native.available():
             scores = StepScores(archive)
             c_step = median_ms(lambda: scores.bounds(query), args.repeat)  # noqa: B023
+            choose = median_ms(c_choose(archive), args.repeat)
         asked = torch.randn(N_KV, GROUP * args.question, HEAD_DIM)
         question = median_ms(lambda: archive.attention_mass(asked, pages), max(3, args.repeat // 5))  # noqa: B023
         print(
             f"| {tokens:,} | {pages:,} | {summary:.2f} | {pick:.2f} | {mass:.2f} | {step:.2f} | {c_step:.2f} "
-            f"| {c_step * LAYERS:.0f} | {question:.1f} |"
+            f"| {c_step * LAYERS:.0f} | {question:.1f} | {choose:.2f} |"
         )
 
 
