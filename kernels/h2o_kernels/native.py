@@ -229,8 +229,8 @@ def archive_choose(
     [n_kv_heads, recall, head_dim] (float32) and token indices [n_kv_heads, recall] (int64); scratch: the
     addresses of [capacity] uint8 (0 everywhere between calls), [capacity] int64 (-1 everywhere between
     calls), [pages, 2] int64, [max(recall, 1)] int64, [2, max(recall, 1), head_dim] float32 and [2, pages]
-    int64 (its second row 0 between calls) buffers. Fills counts [n_kv_heads] int64 (each head's recalled tokens) and totals
-    (a ctypes int64[2]: their sum, and the most of one head). Returns the hits summed over KV heads."""
+    int64 (its second row 0 between calls) buffers. Fills counts [n_kv_heads] int64 (each head's recalled
+    tokens) and totals (a ctypes int64[2]: their sum, and the most of one head). Returns the hits summed over KV heads."""
     n_kv, used = bound.shape
     bound = bound.contiguous()
     return library().archive_choose(

@@ -486,8 +486,8 @@ class PageArchive:
         return self._first_candidates(key, candidate, min(slots, self.pages), slots)
 
     def steps_score_carried_shortlist(self) -> bool:
-        """Whether a one-token step's `step_bounds` scores the `step_shortlist` pages its carried scores rank best, or
-        every written page when there are no more (the case archive.c's `archive_step_scores` computes):
+        """Whether a one-token step's `step_bounds` scores the `step_shortlist` pages its carried scores rank
+        best, or every written page when there are no more (the case archive.c's `archive_step_scores` computes):
         attention mass, carried scores, a shortlist, and a page written."""
         return self.attention and bool(self.carry) and self.shortlist > 0 and self.span > 0
 
@@ -503,9 +503,10 @@ class PageArchive:
         queries, the best of its blocks' `best_page_bound`; with `attention`, `attention_mass` instead, over
         every page for a `question` or up to `shortlist` pages, else over the `shortlist` pages the summaries
         bound best (`shortlisted`) — or, on a one-token step with `carry`, the `step_shortlist` pages the
-        carried scores rank best (what the question and the steps since found; every page up to that many). With `carry` the score adds `carry` times the
-        page's last score on a one-token step; a chunk of `chunk` > 1 tokens starts afresh, its mass times
-        min(chunk, `chunk_weight`). query: [n_kv_heads, m, head_dim]. Returns [n_kv_heads, pages] float32."""
+        carried scores rank best (what the question and the steps since found; every page up to that many).
+        With `carry` the score adds `carry` times the page's last score on a one-token step; a chunk of `chunk`
+        > 1 tokens starts afresh, its mass times min(chunk, `chunk_weight`). query: [n_kv_heads, m, head_dim].
+        Returns [n_kv_heads, pages] float32."""
         if not self.attention:
             return self.summary_bounds(query, pages)
         page_start = self.token_index.view(self.pages, self.page_size)[:pages, 0]

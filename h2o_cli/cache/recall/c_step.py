@@ -91,8 +91,9 @@ class RecallCStep(CStep):
 
 class StepScores:
     """A one-token step's page scores on a float32 CPU archive (in RAM or a mapped file): `PageArchive.step_bounds`,
-    in one C call (archive.c's `archive_step_scores`) when the step scores the `step_shortlist` pages its carried
-    scores rank best, or every page while there are no more (`PageArchive.steps_score_carried_shortlist`), else by torch.
+    in one C call (archive.c's `archive_step_scores`) when the step scores the `step_shortlist` pages its
+    carried scores rank best, or every page while there are no more (`PageArchive.steps_score_carried_shortlist`),
+    else by torch.
     The C call returns the same pages and scores to float rounding; the shortlist's keys are held here between
     steps, one page per column, and only pages new to the shortlist or written since are read. Held keys and
     scratch are made on the first C call and again after the archive is reset or rewound."""
@@ -105,8 +106,8 @@ class StepScores:
         self._held = None  # (archive epoch, the tensors, their addresses)
 
     def nbytes(self) -> int:
-        """Bytes held: the shortlist's keys (n_kv_heads x step_shortlist x page_size x head_dim float32) and scratch;
-        0 before the first C call."""
+        """Bytes held: the shortlist's keys (n_kv_heads x step_shortlist x page_size x head_dim float32) and
+        scratch; 0 before the first C call."""
         return 0 if self._held is None else sum(tensor.nbytes for tensor in self._held[1])
 
     def bounds(self, query: torch.Tensor) -> torch.Tensor:
