@@ -91,9 +91,7 @@ class CacheSettings:
     page_size: int = 16  # recall: tokens per archive page (what a recall reads back whole)
     block_size: int | None = None  # recall: tokens per key summary inside a page (None: 4, or the page)
     shortlist: int = 512  # recall, --page-score attention: pages a chunk (by summaries) or a step (by carried score) scores
-    step_shortlist: int = (
-        0  # recall, --page-carry: pages an answer step scores (its carried best; 0: --shortlist)
-    )
+    step_shortlist: int = 0  # recall, --page-carry: pages an answer step scores (0: --shortlist)
     page_carry: float = 0.9  # recall, --page-score attention: share of a page's last score added to the next
     chunk_weight: float = (
         8.0  # recall, --page-carry: one-token steps a chunk of c > 1 tokens weighs (at most c)

@@ -47,7 +47,7 @@ def memory(
     Computed from the model config without loading weights (a built-in public config for offline aliases).
     With --device-map, also the H2O cache (and a RAM recall archive) on each device, as the layers are placed.
     """
-    from h2o_cli.cache.recall.limits import archive_capacity, archive_storage, summary_block
+    from h2o_cli.cache.recall.limits import archive_capacity, archive_storage, step_pages, summary_block
     from h2o_cli.memory import ModelShape, archive_bytes, archive_split, memory_table
     from h2o_cli.models import config_for, pick_device, pick_dtype
 
@@ -75,7 +75,7 @@ def memory(
         archive_max=archive,
         archive_bits=bits,
         archive_storage=storage,
-        shortlist=(settings.step_shortlist or settings.shortlist) if settings.shortlist else 0,
+        shortlist=step_pages(settings.shortlist, settings.step_shortlist),
     )
     table.update(model=model, config_source=origin)
     if device_map:

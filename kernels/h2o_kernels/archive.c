@@ -72,6 +72,24 @@ void archive_token(
     archive_index[slot] = token;
 }
 
+/* Mark (`to` = 1) or unmark (0) one head's archived ring slots that hold its resident tokens or the step's own
+ * `new_token`: `blocked[slot]` becomes `to`, and `marked[page]` counts a page's marked slots (unmarking sets it
+ * back to 0). Only slots whose mark changes count, so a token listed twice counts once. */
+static void mark_resident(
+    uint8_t to, int64_t new_token, const int64_t *restrict token_index, const uint8_t *restrict valid,
+    int64_t active, int64_t capacity, int64_t page_size, int64_t span, const int64_t *restrict archive_index,
+    uint8_t *restrict blocked, int64_t *restrict marked)
+{
+    for (int64_t s = -1; s < active; s++) {
+        if (s >= 0 && !valid[s]) continue;
+        const int64_t t = s < 0 ? new_token : token_index[s], at = t % capacity;
+        if (at < span && archive_index[at] == t && blocked[at] != to) {
+            blocked[at] = to;
+            marked[at / page_size] = to ? marked[at / page_size] + 1 : 0;
+        }
+    }
+}
+
 /* Returns the hits summed over heads (chosen tokens that the recall slots held before); counts[g] is how many
  * recall slots of head g now hold a token (they come first; the rest are zero with index -1).
  * The archived tokens per page are counted once for all heads; a head then marks its resident tokens (and the
@@ -97,7 +115,7 @@ int64_t archive_choose(
     int64_t *restrict counts,    /* [n_kv] */
     int64_t *restrict totals)    /* [2]: recall slots filled over all heads, and the most of one head */
 {
-    const int64_t span = used * page_size, own = new_token % capacity;
+    const int64_t span = used * page_size;
     int64_t *restrict archived = per_page, *restrict marked = per_page + capacity / page_size;
     int64_t hits = 0;
     totals[0] = totals[1] = 0;
@@ -108,18 +126,8 @@ int64_t archive_choose(
     }
     for (int64_t g = 0; g < n_kv; g++) {
         /* blocked: archived ring slots whose token is in S or the step's own; the rest are candidates */
-        if (own < span && archive_index[own] == new_token) {
-            blocked[own] = 1;
-            marked[own / page_size]++;
-        }
-        for (int64_t s = 0; s < active; s++) {
-            if (!valid[g * slots + s]) continue;
-            const int64_t t = token_index[g * slots + s], at = t % capacity;
-            if (at < span && archive_index[at] == t && !blocked[at]) {
-                blocked[at] = 1;
-                marked[at / page_size]++;
-            }
-        }
+        mark_resident(1, new_token, token_index + g * slots, valid + g * slots, active, capacity, page_size, span,
+                      archive_index, blocked, marked);
         int64_t ranked = 0;
         for (int64_t p = 0; p < used; p++)
             if (archived[p] > marked[p])
@@ -155,19 +163,8 @@ int64_t archive_choose(
             }
         for (int64_t i = 0; i < recall; i++)
             if (held[i] >= 0) previous[held[i] % capacity] = -1;
-        /* unmark (the same slots as marked above: S and the archive are unchanged since) */
-        if (own < span && blocked[own]) {
-            blocked[own] = 0;
-            marked[own / page_size] = 0;
-        }
-        for (int64_t s = 0; s < active; s++) {
-            if (!valid[g * slots + s]) continue;
-            const int64_t at = token_index[g * slots + s] % capacity;
-            if (at < span && blocked[at]) {
-                blocked[at] = 0;
-                marked[at / page_size] = 0;
-            }
-        }
+        mark_resident(0, new_token, token_index + g * slots, valid + g * slots, active, capacity, page_size, span,
+                      archive_index, blocked, marked); /* S and the archive are unchanged since: the same slots */
         __builtin_memcpy(head_keys, moved, count * head_dim * sizeof(float));
         __builtin_memcpy(head_values, moved + recall * head_dim, count * head_dim * sizeof(float));
         for (int64_t i = count * head_dim; i < recall * head_dim; i++) head_keys[i] = head_values[i] = 0.0f;
@@ -215,7 +212,8 @@ static inline __attribute__((always_inline)) void page_logits16(
  * The shortlist's keys are held between calls in `held_keys`, one page per column in no particular order (the
  * mass does not depend on it; a page of 16 tokens is held transposed, [head_dim, 16]): a column is read from
  * the archive when its page enters the shortlist or was written since the keys were last brought up to date
- * (`*held_at`, archive tokens then; -1: nothing held), so a step reads just the pages that changed. Differs from torch only in float rounding (the sums' order). */
+ * (`*held_at`, archive tokens then; -1: nothing held), so a step reads just the pages that changed. Differs
+ * from torch only in float rounding (the sums' order). */
 void archive_step_scores(
     int64_t n_kv, int64_t group, int64_t head_dim, int64_t capacity, int64_t page_size,
     int64_t used, int64_t shortlist, float carry, float scale, int64_t tokens,

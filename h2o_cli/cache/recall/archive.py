@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from h2o_cli.cache.kvquant import SCALE_DTYPE, dequantize, quantize, storage_dtype
-from h2o_cli.cache.recall.limits import summary_block
+from h2o_cli.cache.recall.limits import step_pages, summary_block
 
 NOTHING = -1  # token index of an empty archive slot
 SECTION_TOKENS = 256  # the coarse level of a shortlist: sections of this many tokens (whole pages) rank first
@@ -101,7 +101,7 @@ class PageArchive:
         self.attention = attention  # pages scored by attention mass (`attention_mass`), not by the summaries
         self.shortlist = shortlist  # with `attention`: only the pages the summaries bound best (0: all)
         # With `carry` and a shortlist: a one-token step scores the pages its carried scores rank best, this many
-        self.step_shortlist = (step_shortlist or shortlist) if shortlist else 0
+        self.step_shortlist = step_pages(shortlist, step_shortlist)
         self.carry = carry  # with `attention`: the share of a page's last score added to the next
         # With `carry`: a chunk of c > 1 tokens starts the carried scores at min(c, this) steps' weight.
         self.chunk_weight = chunk_weight

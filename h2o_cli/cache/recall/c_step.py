@@ -93,10 +93,9 @@ class StepScores:
     """A one-token step's page scores on a float32 CPU archive (in RAM or a mapped file): `PageArchive.step_bounds`,
     in one C call (archive.c's `archive_step_scores`) when the step scores the `step_shortlist` pages its
     carried scores rank best, or every page while there are no more (`PageArchive.steps_score_carried_shortlist`),
-    else by torch.
-    The C call returns the same pages and scores to float rounding; the shortlist's keys are held here between
-    steps, one page per column, and only pages new to the shortlist or written since are read. Held keys and
-    scratch are made on the first C call and again after the archive is reset or rewound."""
+    else by torch. The C call returns the same pages and scores to float rounding; the shortlist's keys are held
+    here between steps, one page per column, and only pages new to the shortlist or written since are read.
+    Held keys and scratch are made on the first C call and again after the archive is reset or rewound."""
 
     def __init__(self, archive) -> None:
         assert archive.keys.dtype == torch.float32 and archive.keys.is_contiguous()

@@ -297,8 +297,8 @@ class RecallLayer(H2OLayer):
     def _c_step(self, call: Call, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """`_torch_step` as C calls for a full S: the page bounds (`StepScores.bounds`: in C when a step scores
         with carried scores, else by torch), then `RecallCStep.choose` (the rest of `choose_one` and the read
-        into the recall slots), the query map for the position that leaves, and `RecallCStep.run` (write, attention over S ∪ R, S's scores,
-        eviction). The same recalled tokens as the torch step, the rest to float rounding."""
+        into the recall slots), the query map for the position that leaves, and `RecallCStep.run` (write,
+        attention over S ∪ R, S's scores, eviction). The same recalled tokens as the torch step, the rest to float rounding."""
         store, policy = self.store, self.policy
         buffers = self._c_buffers
         most = 0  # recall slots of the fullest head

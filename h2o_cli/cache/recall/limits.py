@@ -31,6 +31,12 @@ def archive_cap(value: int | str) -> tuple[int, str]:
     )
 
 
+def step_pages(shortlist: int, step_shortlist: int) -> int:
+    """The pages an answer step scores (its carried best): `--step-shortlist`, or `--shortlist` for 0; 0
+    (every page) when `--shortlist` is 0."""
+    return (step_shortlist or shortlist) if shortlist else 0
+
+
 def check_recall_options(
     recall_ratio: float,
     page_size: int,
@@ -47,8 +53,8 @@ def check_recall_options(
 ) -> None:
     """One-line usage errors for `--recall-ratio`, `--page-size`, `--archive-max`, `--archive`,
     `--archive-bits`, `--page-score`, `--block-size`, `--shortlist`, `--page-carry`, `--chunk-weight`,
-    `--choice-tokens`, `--step-shortlist` (whatever the policy). A cap in bytes is checked against a page when the
-    cache is built."""
+    `--choice-tokens`, `--step-shortlist` (whatever the policy). A cap in bytes is checked against a page
+    when the cache is built."""
     if not 0 <= recall_ratio <= 1:  # also NaN
         raise UsageError(f"--recall-ratio {recall_ratio} must lie in [0, 1]")
     if page_size < 1:
