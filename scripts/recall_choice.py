@@ -15,6 +15,8 @@ pages and blocks can be compared without reading again. Variants (`--variants`, 
   the queries put on them, each query's softmax over every archived key; either may add `-votes`;
 - `-wideN` (with any score): a page scores as the best page within N pages of it, so a hit is read back with
   the pages around it (a span, as ReAttention widens each hit);
+- `-fwdN` (with any score): a page scores as the best of itself and the N pages before it, so a hit is read
+  back with the text that follows it (what an answer copies next);
 - `-keepN` (with `mass`): a page's score carried from step to step, each step's mass added to the last
   score times N/10, so a page the question found stays while the answer is written;
 - `pN-shortK`: the attention mass inside a shortlist, the K pages with the best summary bound per KV head
@@ -26,7 +28,8 @@ pages and blocks can be compared without reading again. Variants (`--variants`, 
 - `@field=value` (after any of the above, repeatable): a `PageArchive` setting for the question and answer,
   e.g. `p16@chunk_weight=8@carry=0.95` (the reading keeps `--policy`'s);
 - `oracle`: the needle sentence's archived tokens forced into every head's recall slots (what a perfect
-  choice would answer; `recall_oracle.py`).
+  choice would answer; `recall_oracle.py`); `oracleN`: the same, the rest of R only the choice's first N
+  slots (`oracle0`: the needle alone).
 
 The question is read as its own chunk (as chat reads a new turn), then up to 12 tokens are generated.
 
@@ -110,14 +113,14 @@ def choice(extras: set[str]) -> None:
         PageArchive._own_bounds = PageArchive.bounds
     own = PageArchive._own_bounds
 
-    def bounds(self, query, pages, chunk=1):
+    def bounds(self, query, pages, chunk=1, fixed=False, question=False):
         tail = [int(extra[4:]) for extra in extras if extra.startswith("tail")]
         # A chunk's last `tail` tokens' queries alone (layout [n_kv, group, chunk]).
         if tail and chunk > tail[0]:
             query = query.reshape(query.shape[0], -1, chunk, query.shape[-1])[:, :, -tail[0] :]
             query = query.reshape(query.shape[0], -1, query.shape[-1])
             if not extras - {f"tail{tail[0]}"}:
-                return own(self, query, pages, chunk)
+                return own(self, query, pages, chunk, fixed, question)
         short = [int(extra[5:]) for extra in extras if extra.startswith("short")]
         listed = [int(extra[5:]) for extra in extras if extra.startswith("qlist")]
         if chunk > 1 and ("qall" in extras or listed):  # the question scores every page
@@ -133,11 +136,11 @@ def choice(extras: set[str]) -> None:
             scores += self.carry * last
             self.carried[:, :pages], self.carried_start[:pages] = scores, page_start
         elif short:
-            scores = shortlisted_mass(self, query, pages, own(self, query, pages, chunk), short[0])
+            scores = shortlisted_mass(self, query, pages, own(self, query, pages, chunk, fixed), short[0])
         elif extras & {"exact", "mass"}:
             scores = exact_bounds(self, query, pages, "mass" in extras)
         else:
-            scores = own(self, query, pages, chunk)
+            scores = own(self, query, pages, chunk, fixed, question)
         if "hold" in extras:  # answer steps keep the question's scores: what it found stays till the end
             if chunk > 1 or getattr(self, "_held", None) is None:
                 self._held = scores
@@ -157,6 +160,13 @@ def choice(extras: set[str]) -> None:
         ):  # a page scores as well as the best page within `wide` of it: hits come with their neighbours
             n = wide[0]
             scores = torch.nn.functional.max_pool1d(scores.unsqueeze(1), 2 * n + 1, stride=1, padding=n)[:, 0]
+        ahead = [int(extra[3:]) for extra in extras if extra.startswith("fwd")]
+        if (
+            ahead
+        ):  # a page scores as well as the best of the `ahead` pages before it: a hit brings what follows
+            n = ahead[0]
+            padded = torch.nn.functional.pad(scores.unsqueeze(1), (n, 0), value=float("-inf"))
+            scores = torch.nn.functional.max_pool1d(padded, n + 1, stride=1)[:, 0]
         return shared_order(scores) if "votes" in extras else scores
 
     PageArchive.bounds = bounds if extras else own
@@ -272,7 +282,8 @@ def main() -> None:
                 choice_part, *settings_part = variant.split("@")
                 name, *extras = choice_part.split("-")
                 overrides = dict(item.split("=") for item in settings_part)
-                page = settings.page_size if name == "oracle" else int(name[1:])
+                forced = name.startswith("oracle")  # oracleN: the needle, then only N of the choice's slots
+                page = settings.page_size if forced else int(name[1:])
                 cache.restore(state)
                 for layer, settings_of_layer in zip(cache.layers, base, strict=True):
                     layer.archive.__dict__.update(settings_of_layer)
@@ -281,7 +292,7 @@ def main() -> None:
                     for field, value in overrides.items():  # an archive setting: @chunk_weight=8, @carry=0.95
                         setattr(layer.archive, field, type(getattr(layer.archive, field))(float(value)))
                 choice(set(extras))
-                oracle = Oracle(name == "oracle", group)
+                oracle = Oracle(forced, group, int(name[6:]) if forced and name[6:] else None)
                 oracle.start(needle, digits, read_tokens)
                 oracle.phase = "question"
                 try:

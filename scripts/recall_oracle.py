@@ -29,16 +29,17 @@ from h2o_cli.cache.recall.archive import PageArchive
 
 class Oracle:
     """Wraps the page choice of every `PageArchive`; `needle`/`key`: stream indices of the needle sentence and
-    of the passkey's digits; `question`: the first token of the question's chunk(s)."""
+    of the passkey's digits; `question`: the first token of the question's chunk(s); `rest`: how many of the
+    policy's chosen slots follow the forced needle (None: as many as R holds)."""
 
-    def __init__(self, force: bool, group: int) -> None:
-        self.force, self.group = force, group
+    def __init__(self, force: bool, group: int, rest: int | None = None) -> None:
+        self.force, self.group, self.rest = force, group, rest
         self.needle = self.key = torch.empty(0, dtype=torch.int64)
         self.question, self.phase, self.log = 0, "text", []
         choose, choose_one = PageArchive.choose, PageArchive.choose_one
 
-        def chunk(archive, query, resident, before, slots, chunk=1):
-            chosen, valid = choose(archive, query, resident, before, slots, chunk)
+        def chunk(archive, query, resident, before, slots, chunk=1, question=False):
+            chosen, valid = choose(archive, query, resident, before, slots, chunk, question=question)
             if self.phase == "text" and before + query.shape[1] // self.group > self.question:
                 self.phase = "question"
             if self.phase == "question":
@@ -66,7 +67,8 @@ class Oracle:
         return chosen, valid
 
     def forced(self, archive, chosen, valid, resident):
-        """The needle's archived tokens first in every head's R (those not in S), then the policy's choice."""
+        """The needle's archived tokens first in every head's R (those not in S), then the policy's choice (its
+        first `rest`)."""
         slots = self.needle % archive.capacity
         archived = archive.token_index[slots] == self.needle
         chosen, valid = chosen.clone(), torch.zeros_like(valid)
@@ -78,7 +80,7 @@ class Oracle:
                 for c, v in zip(chosen[head].tolist(), valid[head].tolist(), strict=True)
                 if v and c not in need
             ]
-            take = (need + rest)[: chosen.shape[1]]
+            take = (need + rest[: self.rest])[: chosen.shape[1]]
             chosen[head, : len(take)] = torch.tensor(take, dtype=chosen.dtype)
             valid[head, : len(take)] = True
         return chosen, valid
