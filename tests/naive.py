@@ -209,9 +209,16 @@ def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_
             recalled = naive_recall(
                 head, group_queries, first_token, chunk, settings, inv_freq, weighed, 1 < asks <= chunk
             )
+        before = sorted(old + recalled)  # E_q's entries older than the chunk, in token order
+        if recalled and getattr(settings, "recall_place", "index") == "contiguous":
+            # R as one block between S's older entries and its newest max(recent, 1) tokens up to the chunk
+            recent_from = first_token - max(recent_slots(settings), 1) + 1
+            before = (
+                [t for t in old if t < recent_from] + sorted(recalled) + [t for t in old if t >= recent_from]
+            )
         for i in range(chunk):
             query_token = first_token + i
-            visible = sorted(old + recalled) + list(range(first_token, query_token + 1))  # E_q, token order
+            visible = before + list(range(first_token, query_token + 1))  # E_q in placement order
             if settings.positions == "rolling" and settings.policy != "full":
                 key_pos = torch.arange(len(visible))
                 query_pos = torch.tensor([len(visible) - 1])

@@ -86,8 +86,9 @@ def test_fixed_recall_step_matches_the_naive_simulation(positions, page_score, r
         {},
         {"page_score": "attention", "shortlist": 3, "page_carry": 0.9},
         {"page_score": "attention", "shortlist": 5, "step_shortlist": 2, "page_carry": 0.9},
+        {"page_score": "attention", "shortlist": 3, "page_carry": 0.9, "recall_place": "contiguous"},
     ],
-    ids=["bound", "attention", "step-shortlist"],
+    ids=["bound", "attention", "step-shortlist", "contiguous"],
 )
 def test_fixed_recall_step_with_blocks_matches_the_naive_simulation(chunks, score):
     """Pages of 6 ranked by their best block of 2 (or by attention mass inside the 3 pages bounded best), from

@@ -124,6 +124,8 @@ def run_both(steps: int, chunks=(6, 5), tie_keys: bool = False, c_file: Path | N
         {"page_score": "attention", "page_size": 8, "block_size": 2, "shortlist": 3, "page_carry": 0.9},
         {"page_score": "attention", "page_size": 4, "shortlist": 6, "step_shortlist": 2, "page_carry": 0.9},
         {"score_decay": 0.95},
+        {"recall_place": "contiguous"},
+        {"recall_place": "contiguous", "heavy_ratio": 1.0, "page_score": "attention", "page_carry": 0.9},
     ],
     ids=[
         "rolling",
@@ -135,6 +137,8 @@ def run_both(steps: int, chunks=(6, 5), tie_keys: bool = False, c_file: Path | N
         "attention",
         "step-shortlist",
         "decay",
+        "contiguous",
+        "contiguous-no-recent",
     ],  # fmt: skip
 )
 def test_c_recall_step_equals_the_torch_step(options):

@@ -77,6 +77,22 @@ def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
     assert layer.recalled > 0 and store.length == layer.policy.resident
 
 
+@pytest.mark.parametrize(
+    "ratio, heavy", [(0.5, 0.5), (0.125, 0.5), (0.5, 1.0)], ids=["half", "small-r", "no-recent"]
+)
+@pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6]], ids=["decode", "chunked"])
+def test_contiguous_placement_matches_the_naive_simulation(ratio, heavy, chunks):
+    """`--recall-place contiguous`: R ranked as one block between S's older entries and its recent window
+    (with no recent window, before the call's own tokens), on the chunk path and the torch step."""
+    torch.manual_seed(4)
+    settings = dataclasses.replace(
+        naive_settings("rolling", ratio, archive_max=96), heavy_ratio=heavy, recall_place="contiguous"
+    )
+    layer, inv_freq = make_recall_layer(settings)
+    feed_against_naive(layer, settings, inv_freq, chunks, N_HEADS)
+    assert layer.recalled > 0
+
+
 @pytest.mark.parametrize("positions", ["rolling", "original"])
 @pytest.mark.parametrize(
     "pages",
@@ -87,8 +103,9 @@ def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
         dict(page_size=6, block_size=2, shortlist=2, page_carry=0.9),
         dict(page_size=6, block_size=2, shortlist=4, step_shortlist=2, page_carry=0.9),
         dict(page_size=3, page_carry=0.9, choice_tokens=3),
+        dict(page_size=3, page_carry=0.9, recall_place="contiguous"),
     ],
-    ids=["page-1", "page-3", "page-6-shortlist-2", "carried", "step-shortlist", "sampled"],
+    ids=["page-1", "page-3", "page-6-shortlist-2", "carried", "step-shortlist", "sampled", "contiguous"],
 )
 @pytest.mark.parametrize(
     "chunks",
@@ -380,6 +397,7 @@ def test_recall_past_the_models_window_with_rolling_positions(tiny_pair):
         (dict(archive_max=10, page_size=16), "--archive-max 10 must hold at least two pages"),
         (dict(recall_ratio=0.95, budget=20), "leaves 1 resident token"),
         (dict(score_decay=0.99, score_norm="mean"), "--score-decay below 1 works with --score-norm sum only"),
+        (dict(recall_place="middle"), "--recall-place 'middle' is unknown; choose index, contiguous"),
         (
             dict(page_score="rotated"),
             "--page-score 'rotated' is unknown; choose positional, unrotated, attention",

@@ -53,7 +53,7 @@ class CStep:
         key: torch.Tensor,
         value: torch.Tensor,
         table: torch.Tensor,
-        rolling: bool,
+        rolling: int,
         limit: int,
         decay: float,
         recall: tuple = native.NO_RECALL,

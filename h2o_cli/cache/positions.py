@@ -114,6 +114,24 @@ class Rope:
         return self._step
 
 
+# Added to the sort key of the recalled entries and the recent ones: token indices stay far below it.
+_AFTER = 1 << 46
+
+
+def placed_order(token_index: torch.Tensor, recalled: int, recent_from: int | torch.Tensor) -> torch.Tensor:
+    """The sort key that `rolling_positions` ranks E_q = S ∪ R by under `--recall-place contiguous`
+    (docs/spec.md, recall): S's entries older than `recent_from` (the kept early tokens and heavy hitters)
+    first, then R, then S's entries from `recent_from` on (the recent window and the call's own tokens), each
+    part in token order. Every recalled token is older than `recent_from` (S holds every newer token), so
+    adding one offset to R and to the recent part puts R between the two.
+
+    token_index: [n_kv_heads, n] int64, S's columns first and the `recalled` columns of R last (any value
+    where absent); `recent_from`: a token index (int or 0-d tensor). Returns [n_kv_heads, n] int64."""
+    later = token_index >= recent_from
+    later[:, token_index.shape[1] - recalled :] = True
+    return token_index + later * _AFTER
+
+
 def rolling_positions(
     token_index: torch.Tensor, present: torch.Tensor | None, read_back: bool = True
 ) -> tuple[torch.Tensor, int | torch.Tensor]:

@@ -201,6 +201,15 @@ ChunkWeight = Annotated[
         "(1: one step).",
     ),
 ]
+RecallPlace = Annotated[
+    str,
+    typer.Option(
+        "--recall-place",
+        help="recall, rolling positions: where recalled tokens sit among the resident ones: ranked by token "
+        "index (index), or as one block in token order between the older resident tokens and the recent "
+        "window (contiguous, as ReAttention places its spans).",
+    ),
+]
 ChoiceTokens = Annotated[
     int,
     typer.Option(
@@ -312,6 +321,7 @@ CACHE_OPTIONS = {
     "page_carry": PageCarry,
     "chunk_weight": ChunkWeight,
     "choice_tokens": ChoiceTokens,
+    "recall_place": RecallPlace,
     "page_score": PageScore,
     "archive_max": ArchiveMax,
     "archive": Archive,

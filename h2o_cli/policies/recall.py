@@ -30,6 +30,7 @@ class RecallPolicy(HeavyHitterPolicy):
     choice_tokens: int = 32
     archive_max: int | str = DEFAULT_ARCHIVE_MAX
     page_score: str = "attention"
+    recall_place: str = "index"
 
     def __post_init__(self) -> None:
         check_recall_options(
@@ -43,6 +44,7 @@ class RecallPolicy(HeavyHitterPolicy):
             chunk_weight=self.chunk_weight,
             choice_tokens=self.choice_tokens,
             step_shortlist=self.step_shortlist,
+            recall_place=self.recall_place,
         )
         super().__post_init__()
         if self.resident < 2:

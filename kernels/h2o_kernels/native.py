@@ -144,7 +144,7 @@ def step(
     store: tuple[int, ...],
     slots: int,
     active: int,
-    rolling: bool,
+    rolling: int,
     tokens_seen: int,
     length: int,
     limit: int,
@@ -162,6 +162,7 @@ def step(
     store's keys, values [n_kv_heads, slots, head_dim], scores, seen, last_probs [n_kv_heads, slots] (float32),
     token_index, rank (int64) and valid (bool), in that order; `active`, `tokens_seen`, `length` its counters.
     scratch: float32, [group * (slots + r) + (group + 1) * head_dim] at least; victims: int64 [n_kv_heads].
+    rolling: 0 token indices, 1 rolling positions, 2 rolling with R placed before the recent window (step.c).
     recall: `NO_RECALL`, or (r, the addresses of the recall keys, values [n_kv_heads, r, head_dim], their token
     indices [n_kv_heads, r], each head's count [n_kv_heads] and an int64 scratch [2 * slots + 3 * r]).
     entries: the query's position + 1 under rolling positions (default `length + 1`, R = ∅).

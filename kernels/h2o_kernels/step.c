@@ -7,8 +7,8 @@
  * is the lowest score outside the recent window, ties to the oldest (`kernel_victim`,
  * h2o_kernels.reference.lowest_outside_recent), and exactly one entry over budget after the write. float32 only.
  * The new token is written to S's lowest free slot; one softmax runs over S and the `counts[g]` recall slots of
- * each head at rolling positions (ranks of E_q by token index, as h2o_cli.cache.positions.rolling_positions)
- * or token indices; S's scores are decayed by `decay` and take the step's probabilities; one entry of S is
+ * each head at rolling positions (ranks of E_q by token index, as h2o_cli.cache.positions.rolling_positions,
+ * or with R placed as one block before the recent window, as `placed_order`) or token indices; S's scores are decayed by `decay` and take the step's probabilities; one entry of S is
  * evicted. `h2o`'s step is the case R = ∅: `recall` 0, the R pointers and `order` NULL, `entries` = length + 1.
  * The cache side (h2o_cli/cache/c_step.py) checks those conditions and keeps the store's counters.
  */
@@ -24,7 +24,8 @@ int64_t cache_step(
     float *restrict keys, float *restrict values,                    /* [n_kv, slots, head_dim] */
     float *restrict scores, float *restrict seen, float *restrict last_probs, /* [n_kv, slots] */
     int64_t *restrict token_index, int64_t *restrict rank, uint8_t *restrict valid,
-    int64_t rolling,         /* 1: E_q's entries sit at their rank by token index, 0: at their token index */
+    int64_t rolling,         /* 0: E_q's entries sit at their token index; 1: at their rank by token index;
+                              * 2: as 1 with R placed after S's ranks < limit and before the rest (contiguous) */
     int64_t tokens_seen,     /* token index of the new token */
     int64_t length,          /* entries of S per head before the write (= the new token's rank in S) */
     int64_t limit,           /* entries of S of rank < limit may be evicted (length + 1 - recent slots) */
@@ -58,6 +59,9 @@ int64_t cache_step(
         /* rolling, R empty: S's ranks, shifted up to the fullest head's query position (no merge needed) */
         const int64_t shift = entries - resident;
         const int merged = rolling && taken;
+        /* contiguous: S's ranks below `split` (older than the recent window, and never the step's own token)
+         * come first, then all of R, then the rest of S */
+        const int64_t split = rolling == 2 ? (limit < 0 ? 0 : limit < resident - 1 ? limit : resident - 1) : -1;
         if (merged) { /* merge S (in rank order) and R (sorted) by token index: each one's rank in E_q */
             for (int64_t s = 0; s < count; s++)
                 if (v[s]) by_rank[r[s]] = t[s];
@@ -65,7 +69,8 @@ int64_t cache_step(
             sort_desc(recalled_order, taken); /* oldest token first */
             int64_t position = entries - (resident + taken), i = 0, k = 0;
             while (i < resident || k < taken) {
-                if (k >= taken || (i < resident && by_rank[i] < -recalled_order[k].key))
+                if (k >= taken ||
+                    (i < resident && (split >= 0 ? i < split : by_rank[i] < -recalled_order[k].key)))
                     resident_position[i++] = position++;
                 else
                     recalled_position[recalled_order[k++].item] = position++;

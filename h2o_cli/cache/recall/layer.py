@@ -11,7 +11,7 @@ from h2o_kernels.dispatch import use_native
 
 from h2o_cli.cache.fixed_step import accumulate_fixed, evict_fixed, fixed_query
 from h2o_cli.cache.layer import STEPS, Call, CallPath, H2OLayer, query_weights
-from h2o_cli.cache.positions import rolling_positions, rotate, unrotate
+from h2o_cli.cache.positions import placed_order, rolling_positions, rotate, unrotate
 from h2o_cli.cache.recall.archive import PageArchive
 from h2o_cli.cache.recall.c_step import RecallCStep
 from h2o_cli.cache.recall.step import RecallCounts, recall_is_full, rolling_step_positions
@@ -143,7 +143,7 @@ class RecallLayer(H2OLayer):
             dim=2,
         )
         if self.positions == "rolling":  # ranks of E_q by token index, every head's queries at one position
-            key_positions, entries = rolling_positions(token_index, present)
+            key_positions, entries = rolling_positions(self._placed(token_index, first), present)
             first_query_position = entries - chunk
         else:
             key_positions = token_index.clamp_min(0)
@@ -188,7 +188,8 @@ class RecallLayer(H2OLayer):
             self.counts.add(0, 0)
         present = None if full else self.recall_index >= 0
         if self.positions == "rolling":
-            key_positions, position = rolling_step_positions(resident, self.recall_index, full)
+            recent_from = self._recent_from(store.tokens_seen - 1) if self._contiguous else None
+            key_positions, position = rolling_step_positions(resident, self.recall_index, full, recent_from)
         else:
             key_positions = torch.cat([resident, self.recall_index.clamp_min(0)], dim=1)
             position = store.tokens_seen - 1
@@ -256,7 +257,9 @@ class RecallLayer(H2OLayer):
         if self.positions == "rolling":
             tokens = torch.cat([store.token_index, self.recall_index], dim=1)
             present = torch.cat([store.valid, recalled], dim=1)
-            key_positions, entries = rolling_positions(tokens, present, read_back=False)
+            key_positions, entries = rolling_positions(
+                self._placed(tokens, call.token), present, read_back=False
+            )
             position = (entries - 1).view(1)
         else:
             key_positions = torch.cat([store.token_index, self.recall_index], dim=1).clamp_min(0)
@@ -310,6 +313,7 @@ class RecallLayer(H2OLayer):
         else:
             self.counts.add(0, 0)
         rolling = self.positions == "rolling"
+        placement = (2 if self._contiguous else 1) if rolling else 0  # step.c's `rolling`
         # The query's position: its rank in E_q (S after the write, and the fullest head's R), or its index.
         position = store.length + most if rolling else store.tokens_seen
         query_map, step_table = self._step_maps(call.cos, call.sin, position, scaling, query.device)
@@ -318,12 +322,31 @@ class RecallLayer(H2OLayer):
             call.keys,
             call.values,
             step_table,
-            rolling=rolling,
+            rolling=placement,
             limit=store.length + 1 - policy.recent_slots,
             decay=policy.decay_per_query,
             entries=position + 1,
         )
         return output.to(query.dtype).view(1, 1, -1, store.head_dim)
+
+    @property
+    def _contiguous(self) -> bool:
+        """Whether rolling positions place R as one block before the recent window (`--recall-place`)."""
+        return self.policy.recall_place == "contiguous" and self.recall_index.shape[1] > 0
+
+    def _recent_from(self, first: int | torch.Tensor) -> int | torch.Tensor:
+        """The oldest token of the block R is placed before, for a call whose first token is `first`: a step's
+        recent window (its `recent_slots` newest tokens, at least its own), and for a chunk the same window's
+        older tokens and the whole chunk. The C step's split (`limit`, at most |S| - 1) is the same block."""
+        return first - max(self.policy.recent_slots, 1) + 1
+
+    def _placed(self, token_index: torch.Tensor, first: int | torch.Tensor) -> torch.Tensor:
+        """What `rolling_positions` ranks E_q by for a call whose first token is `first`: the token indices
+        [n_kv_heads, |S| + r] (R's `r` columns last), or under `--recall-place contiguous` `placed_order`'s key
+        with R before `_recent_from(first)`."""
+        if not self._contiguous:
+            return token_index
+        return placed_order(token_index, self.recall_index.shape[1], self._recent_from(first))
 
     def _step_page_query(self, query: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """A one-token step's page-scoring queries [n_kv, group, head_dim]: the model's rotated query unrotated

@@ -14,6 +14,7 @@ DEFAULT_ARCHIVE_MAX = 131072  # tokens: recall reaches back this far by default
 DEFAULT_BLOCK = 4  # tokens per key summary when --block-size is not given (and 4 divides the page)
 AUTO_RAM_BYTES = 2**30  # `--archive auto`: a CPU archive larger than this (every layer's K/V) goes to a file
 PAGE_SCORES = ("positional", "unrotated", "attention")
+RECALL_PLACES = ("index", "contiguous")  # where rolling positions rank R among S (docs/spec.md, recall)
 
 
 def archive_cap(value: int | str) -> tuple[int, str]:
@@ -50,10 +51,11 @@ def check_recall_options(
     chunk_weight: float = 1.0,
     choice_tokens: int = 0,
     step_shortlist: int = 0,
+    recall_place: str = "index",
 ) -> None:
     """One-line usage errors for `--recall-ratio`, `--page-size`, `--archive-max`, `--archive`,
     `--archive-bits`, `--page-score`, `--block-size`, `--shortlist`, `--page-carry`, `--chunk-weight`,
-    `--choice-tokens`, `--step-shortlist` (whatever the policy). A cap in bytes is checked against a page
+    `--choice-tokens`, `--step-shortlist`, `--recall-place` (whatever the policy). A cap in bytes is checked against a page
     when the cache is built."""
     if not 0 <= recall_ratio <= 1:  # also NaN
         raise UsageError(f"--recall-ratio {recall_ratio} must lie in [0, 1]")
@@ -86,6 +88,8 @@ def check_recall_options(
         raise UsageError(f"--archive-bits {archive_bits} is not supported; choose 16 or 8 (or omit it)")
     if page_score not in PAGE_SCORES:
         raise UsageError(f"--page-score {page_score!r} is unknown; choose {', '.join(PAGE_SCORES)}")
+    if recall_place not in RECALL_PLACES:
+        raise UsageError(f"--recall-place {recall_place!r} is unknown; choose {', '.join(RECALL_PLACES)}")
 
 
 def summary_block(page_size: int, block_size: int | None) -> int:

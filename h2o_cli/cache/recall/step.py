@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from h2o_cli.cache.positions import rolling_positions
+from h2o_cli.cache.positions import placed_order, rolling_positions
 
 
 class RecallCounts:
@@ -103,14 +103,18 @@ def recall_is_full(held: int, length: int, slots: int) -> bool:
 
 
 def rolling_step_positions(
-    resident: torch.Tensor, recalled: torch.Tensor, full: bool
+    resident: torch.Tensor, recalled: torch.Tensor, full: bool, recent_from: int | None = None
 ) -> tuple[torch.Tensor, int]:
     """Rolling positions of a one-token step: `rolling_positions` of `E_q = S ∪ R` (docs/spec.md).
 
     resident: [n_kv_heads, n] token indices of S (every one an entry, the query's token the newest);
-    recalled: [n_kv_heads, r] of R (-1 = empty; all present when `full`, then nothing is read back). Returns the
-    key positions [n_kv_heads, n + r] (0 for an empty recall slot) and the query's position."""
+    recalled: [n_kv_heads, r] of R (-1 = empty; all present when `full`, then nothing is read back);
+    recent_from: None (E_q ranked by token index), or R placed as one block before S's tokens from this index
+    on (`placed_order`, `--recall-place contiguous`). Returns the key positions [n_kv_heads, n + r] (0 for an
+    empty recall slot) and the query's position."""
     tokens = torch.cat([resident, recalled], dim=1)
+    if recent_from is not None:
+        tokens = placed_order(tokens, recalled.shape[1], recent_from)
     present = None
     if not full:
         present = torch.cat([torch.ones_like(resident, dtype=torch.bool), recalled >= 0], dim=1)
