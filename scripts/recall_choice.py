@@ -26,7 +26,7 @@ pages and blocks can be compared without reading again. Variants (`--variants`, 
   `-qlistN`: the same, and each answer step scores the N pages its carried scores rank best (the question's
   choice is the answer's shortlist) instead of the summaries' shortlist;
 - `@field=value` (after any of the above, repeatable): a `PageArchive` setting for the question and answer,
-  e.g. `p16@chunk_weight=8@carry=0.95` (the reading keeps `--policy`'s);
+  e.g. `p16@chunk_weight=8@carry=0.95`, or `@recall_place=contiguous` (the reading keeps `--policy`'s);
 - `oracle`: the needle sentence's archived tokens forced into every head's recall slots (what a perfect
   choice would answer; `recall_oracle.py`); `oracleN`: the same, the rest of R only the choice's first N
   slots (`oracle0`: the needle alone).
@@ -277,6 +277,7 @@ def main() -> None:
             state = cache.state()
             tunable = ("attention", "shortlist", "carry", "chunk_weight")
             base = [{field: getattr(layer.archive, field) for field in tunable} for layer in cache.layers]
+            policies = {id(layer): layer.policy for layer in cache.layers}
             needle, digits = needle_tokens(tokenizer, text, key, len(pieces[0]))
             for variant in variants:
                 choice_part, *settings_part = variant.split("@")
@@ -289,8 +290,13 @@ def main() -> None:
                     layer.archive.__dict__.update(settings_of_layer)
                     regroup(layer.archive, page)
                     layer.archive._carried = layer.archive._held = None
+                    # @recall_place=contiguous: the question and answer place R so (the read kept its own)
+                    layer.policy = replace(
+                        policies[id(layer)], recall_place=overrides.get("recall_place", "index")
+                    )
                     for field, value in overrides.items():  # an archive setting: @chunk_weight=8, @carry=0.95
-                        setattr(layer.archive, field, type(getattr(layer.archive, field))(float(value)))
+                        if field != "recall_place":
+                            setattr(layer.archive, field, type(getattr(layer.archive, field))(float(value)))
                 choice(set(extras))
                 oracle = Oracle(forced, group, int(name[6:]) if forced and name[6:] else None)
                 oracle.start(needle, digits, read_tokens)
