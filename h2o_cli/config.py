@@ -97,7 +97,9 @@ class CacheSettings:
         8.0  # recall, --page-carry: one-token steps a chunk of c > 1 tokens weighs (at most c)
     )
     choice_tokens: int = 32  # recall: a chunk of text chooses with at most this many of its tokens (0: all)
-    recall_place: str = "index"  # recall, rolling positions: R ranked among S by token index, or as one block before the recent window
+    recall_place: str = (
+        "index"  # recall, rolling: R ranked among S by token index, or in one block (contiguous)
+    )
     page_score: str = "attention"  # recall: pages ranked by the attention they get, or by summary bounds (positional, unrotated)
     archive_max: int | str = (
         DEFAULT_ARCHIVE_MAX  # recall: tokens (131072) or bytes ("64MiB") the archive holds; then oldest dropped

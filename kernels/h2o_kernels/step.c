@@ -8,8 +8,9 @@
  * h2o_kernels.reference.lowest_outside_recent), and exactly one entry over budget after the write. float32 only.
  * The new token is written to S's lowest free slot; one softmax runs over S and the `counts[g]` recall slots of
  * each head at rolling positions (ranks of E_q by token index, as h2o_cli.cache.positions.rolling_positions,
- * or with R placed as one block before the recent window, as `placed_order`) or token indices; S's scores are decayed by `decay` and take the step's probabilities; one entry of S is
- * evicted. `h2o`'s step is the case R = ∅: `recall` 0, the R pointers and `order` NULL, `entries` = length + 1.
+ * or with R placed as one block before the recent window, as `placed_order`) or token indices; S's scores are
+ * decayed by `decay` and take the step's probabilities; one entry of S is evicted. `h2o`'s step is the case
+ * R = ∅: `recall` 0, the R pointers and `order` NULL, `entries` = length + 1.
  * The cache side (h2o_cli/cache/c_step.py) checks those conditions and keeps the store's counters.
  */
 #include "step_common.h"

@@ -55,8 +55,8 @@ def check_recall_options(
 ) -> None:
     """One-line usage errors for `--recall-ratio`, `--page-size`, `--archive-max`, `--archive`,
     `--archive-bits`, `--page-score`, `--block-size`, `--shortlist`, `--page-carry`, `--chunk-weight`,
-    `--choice-tokens`, `--step-shortlist`, `--recall-place` (whatever the policy). A cap in bytes is checked against a page
-    when the cache is built."""
+    `--choice-tokens`, `--step-shortlist`, `--recall-place` (whatever the policy). A cap in bytes is checked
+    against a page when the cache is built."""
     if not 0 <= recall_ratio <= 1:  # also NaN
         raise UsageError(f"--recall-ratio {recall_ratio} must lie in [0, 1]")
     if page_size < 1:
