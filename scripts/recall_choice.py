@@ -277,7 +277,7 @@ def main() -> None:
             state = cache.state()
             tunable = ("attention", "shortlist", "carry", "chunk_weight")
             base = [{field: getattr(layer.archive, field) for field in tunable} for layer in cache.layers]
-            policies = {id(layer): layer.policy for layer in cache.layers}
+            policies = [layer.policy for layer in cache.layers]
             needle, digits = needle_tokens(tokenizer, text, key, len(pieces[0]))
             for variant in variants:
                 choice_part, *settings_part = variant.split("@")
@@ -286,14 +286,12 @@ def main() -> None:
                 forced = name.startswith("oracle")  # oracleN: the needle, then only N of the choice's slots
                 page = settings.page_size if forced else int(name[1:])
                 cache.restore(state)
-                for layer, settings_of_layer in zip(cache.layers, base, strict=True):
+                for layer, settings_of_layer, policy in zip(cache.layers, base, policies, strict=True):
                     layer.archive.__dict__.update(settings_of_layer)
                     regroup(layer.archive, page)
                     layer.archive._carried = layer.archive._held = None
-                    # @recall_place=contiguous: the question and answer place R so (the read kept its own)
-                    layer.policy = replace(
-                        policies[id(layer)], recall_place=overrides.get("recall_place", "index")
-                    )
+                    # @recall_place=...: the question and answer place R so (else as the read did)
+                    layer.policy = replace(policy, recall_place=overrides.get("recall_place", policy.recall_place))
                     for field, value in overrides.items():  # an archive setting: @chunk_weight=8, @carry=0.95
                         if field != "recall_place":
                             setattr(layer.archive, field, type(getattr(layer.archive, field))(float(value)))
