@@ -291,7 +291,9 @@ def main() -> None:
                     regroup(layer.archive, page)
                     layer.archive._carried = layer.archive._held = None
                     # @recall_place=...: the question and answer place R so (else as the read did)
-                    layer.policy = replace(policy, recall_place=overrides.get("recall_place", policy.recall_place))
+                    layer.policy = replace(
+                        policy, recall_place=overrides.get("recall_place", policy.recall_place)
+                    )
                     for field, value in overrides.items():  # an archive setting: @chunk_weight=8, @carry=0.95
                         if field != "recall_place":
                             setattr(layer.archive, field, type(getattr(layer.archive, field))(float(value)))
