@@ -13,7 +13,8 @@ haystack and only while the prompt fits the model's window (past it, original po
 
 `--needles 2` hides a pass key at the depth and a vault code half the text further on (wrapping) and asks
 for each in turn, the second as `h2o chat` asks a new turn on the same cache; a run counts when each answer
-holds its key.
+holds its key. `--recall-heads RANKING:K` lets only the K best KV heads of a `retrieval_heads.py` ranking
+recall (rows labelled `recall@headsK`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import random
 import sys
 import time
 from collections import defaultdict
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -98,11 +99,11 @@ def haystacks(tokenizer, essays: str, length: int, depths: list[int], seed: int,
 
 
 def answer(
-    model, tokenizer, settings, text: str, questions: tuple[str, ...] = (QUESTION,)
+    model, tokenizer, settings, text: str, questions: tuple[str, ...] = (QUESTION,), heads=None
 ) -> tuple[str, int, float]:
     """What `h2o stream --prompt QUESTION` answers after `text`: (answer, prompt tokens, seconds). With more
     than one question, each next one is asked as `h2o chat` asks a new turn, on the same cache (the answers
-    joined by " | ")."""
+    joined by " | "). `heads`: a `retrieval_heads.RecallHeads`, attached to the cache."""
     from h2o_cli.cache import H2OCache
     from h2o_cli.chat.framing import answer_suffix, turn_text
     from h2o_cli.generation import Sampling, TextStreamer, generate_ids
@@ -116,6 +117,8 @@ def answer(
     most = MAX_NEW_TOKENS if len(questions) == 1 else TWO_MAX_NEW_TOKENS
     span = sum(map(len, pieces)) + len(questions) * (most + 64)
     cache = H2OCache(model, settings, span=span)
+    if heads is not None:
+        heads.attach(cache)
     logits, stats = prefill(model, cache, pieces, settings.chunk)
     stats.reraise()
     stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -175,6 +178,14 @@ def run(args) -> None:
     asked = (QUESTION,) if args.needles == 1 else TWO_QUESTIONS
     if args.via == "chat" and args.needles != 1:
         raise SystemExit("--via chat asks one passkey; use --via stream with --needles 2")
+    heads, top = None, None
+    if args.recall_heads:
+        if args.via == "chat":
+            raise SystemExit("--recall-heads needs --via stream (the choice is wrapped in this process)")
+        from retrieval_heads import RecallHeads
+
+        ranking, _, top = args.recall_heads.rpartition(":")
+        heads = RecallHeads(Path(ranking), int(top))
     depths = args.depth_list or [round(100 * (i + 0.5) / args.depths) for i in range(args.depths)]
     done = set()
     if args.out.exists():  # resume: skip the runs already written
@@ -187,8 +198,9 @@ def run(args) -> None:
             for seed in range(args.seed_from, args.seed_from + args.seeds):
                 for depth, key, text in haystacks(tokenizer, essays, length, depths, seed, args.needles):
                     text_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-                    for spec in args.policies:
-                        name, _ = parse_policy(spec)
+                    for given in args.policies:
+                        name, _ = parse_policy(given)
+                        spec = f"{given}@heads{top}" if heads is not None and name == "recall" else given
                         evicts = policy_class(name).evicts
                         if not evicts and length > window:
                             continue  # full attention past the window: positions the model never saw
@@ -200,14 +212,25 @@ def run(args) -> None:
                                 if evicts
                                 else length + len(asked) * (TWO_MAX_NEW_TOKENS + 64)
                             )
-                            settings = settings_of(spec, tokens, args.chunk)
+                            settings = settings_of(given, tokens, args.chunk)
+                            if (
+                                spec != given
+                            ):  # only some heads recall: the torch step (the C step chooses in C)
+                                settings = replace(settings, kernels="torch")
                             try:
                                 if args.via == "chat":
                                     said, read, seconds = answer_in_chat(
                                         spec, tokens, args.chunk, text, args.threads
                                     )
                                 else:
-                                    said, read, seconds = answer(model, tokenizer, settings, text, asked)
+                                    said, read, seconds = answer(
+                                        model,
+                                        tokenizer,
+                                        settings,
+                                        text,
+                                        asked,
+                                        heads if spec != given else None,
+                                    )
                             except Exception as error:  # a cell that cannot run is recorded, not fatal
                                 said, read, seconds = f"ERROR: {error}", 0, 0.0
                             row = {
@@ -285,6 +308,9 @@ def main() -> None:
     )
     parser.add_argument("--needles", type=int, choices=(1, 2), default=1,
                         help="passkeys per text: 2 hides a second at depth + 50 %% and asks for both")  # fmt: skip
+    parser.add_argument("--recall-heads", metavar="RANKING:K", default=None,
+                        help="recall only in the K best KV heads of a retrieval_heads.py ranking (the others'"
+                             " recall slots stay empty; rows say recall@headsK)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="JSON lines, appended (an interrupted grid resumes)")
     parser.add_argument("--summary", type=Path, nargs="+", help="print the tables of these JSON-lines files")
     args = parser.parse_args()

@@ -8,7 +8,9 @@ Explains Long-Context Factuality": the copy-paste score). A head's score is the 
 the runs the full cache answers; a KV head's is the best of its query heads (GQA: a KV head recalls for its
 whole group). One JSON object: the runs, the per-(layer, KV head) scores, and the KV heads ranked.
 
-    python scripts/retrieval_heads.py --length 2048 --seeds 3 --depths 5 --out docs/results/recall/retrieval_heads.json
+    python scripts/retrieval_heads.py --length 2048 --seeds 2 --depths 4 --out docs/results/recall/retrieval_heads_2048.json
+
+`RecallHeads` lets only the best-ranked KV heads recall (`recall_grid.py --recall-heads FILE:K`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -23,6 +26,8 @@ from recall_grid import MAX_NEW_TOKENS, QUESTION, haystacks  # scripts/ on sys.p
 from recall_probe import needle_tokens
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import repeat_kv
+
+from h2o_cli.cache.recall.archive import PageArchive
 
 TOP: list[torch.Tensor] = []  # per layer call of a one-token step: [n_heads] index of the strongest key
 
@@ -67,6 +72,39 @@ def copy_hits(model, tokenizer, ids: list[int], key: str, needle: list[int]):
                 written += 1
             token = following
     return hits, written, tokenizer.decode(answer + [token])
+
+
+class RecallHeads:
+    """Only the `top` KV heads of a ranking (this script's output) recall: wraps `PageArchive.choose` and
+    `choose_one` so every other head's recalled slots stay empty (it attends over its resident set S alone).
+    `attach(cache)` says which layer each archive serves. Needs the torch step (`kernels=torch`): the C step
+    chooses in C."""
+
+    def __init__(self, ranking: Path, top: int) -> None:
+        self.heads: dict[int, list[int]] = defaultdict(list)
+        for row in json.loads(Path(ranking).read_text())["ranked"][:top]:
+            self.heads[row["layer"]].append(row["kv_head"])
+        self.layer_of: dict[int, int] = {}
+        choose, choose_one = PageArchive.choose, PageArchive.choose_one
+
+        def chunk(archive, *args, **kwargs):
+            return self.only(archive, *choose(archive, *args, **kwargs))
+
+        def step(archive, *args, **kwargs):
+            return self.only(archive, *choose_one(archive, *args, **kwargs))
+
+        PageArchive.choose, PageArchive.choose_one = chunk, step
+
+    def attach(self, cache) -> None:
+        self.layer_of = {
+            id(layer.archive): i for i, layer in enumerate(cache.layers) if hasattr(layer, "archive")
+        }
+
+    def only(self, archive, chosen: torch.Tensor, valid: torch.Tensor):
+        """chosen, valid [n_kv_heads, slots] -> the same, `valid` cleared in the heads that do not recall."""
+        recalls = torch.zeros(valid.shape[0], dtype=torch.bool)
+        recalls[self.heads.get(self.layer_of[id(archive)], [])] = True
+        return chosen, valid & recalls.unsqueeze(1)
 
 
 def main() -> None:
