@@ -29,7 +29,8 @@ pages and blocks can be compared without reading again. Variants (`--variants`, 
   e.g. `p16@chunk_weight=8@carry=0.95`, or `@recall_place=contiguous` (the reading keeps `--policy`'s);
 - `oracle`: the needle sentence's archived tokens forced into every head's recall slots (what a perfect
   choice would answer; `recall_oracle.py`); `oracleN`: the same, the rest of R only the choice's first N
-  slots (`oracle0`: the needle alone).
+  slots (`oracle0`: the needle alone); `@layers=A:B` forces it in layers A to B-1 only (the choice's R in
+  the others).
 
 The question is read as its own chunk (as chat reads a new turn), then up to 12 tokens are generated.
 
@@ -295,10 +296,15 @@ def main() -> None:
                         policy, recall_place=overrides.get("recall_place", policy.recall_place)
                     )
                     for field, value in overrides.items():  # an archive setting: @chunk_weight=8, @carry=0.95
-                        if field != "recall_place":
+                        if field not in ("recall_place", "layers"):
                             setattr(layer.archive, field, type(getattr(layer.archive, field))(float(value)))
                 choice(set(extras))
                 oracle = Oracle(forced, group, int(name[6:]) if forced and name[6:] else None)
+                if (
+                    "layers" in overrides
+                ):  # oracle@layers=A:B: forced in layers A..B-1 only, the choice elsewhere
+                    first, last = map(int, overrides["layers"].split(":"))
+                    oracle.only_in({id(layer.archive) for layer in cache.layers[first:last]})
                 oracle.start(needle, digits, read_tokens)
                 oracle.phase = "question"
                 try:

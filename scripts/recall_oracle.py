@@ -34,6 +34,7 @@ class Oracle:
 
     def __init__(self, force: bool, group: int, rest: int | None = None) -> None:
         self.force, self.group, self.rest = force, group, rest
+        self.archives = None  # ids of the archives (layers) the needle is forced into; None: every one
         self.needle = self.key = torch.empty(0, dtype=torch.int64)
         self.question, self.phase, self.log = 0, "text", []
         choose, choose_one = PageArchive.choose, PageArchive.choose_one
@@ -56,8 +57,12 @@ class Oracle:
         self.needle, self.key = torch.tensor(needle), torch.tensor(key)
         self.question, self.phase, self.log = question, "text", []
 
+    def only_in(self, archives: set[int]) -> None:
+        """Force the needle only into these archives (`id`s: their layers); the others keep the choice."""
+        self.archives = archives
+
     def visit(self, archive, chosen, valid, resident):
-        if self.force:
+        if self.force and (self.archives is None or id(archive) in self.archives):
             chosen, valid = self.forced(archive, chosen, valid, resident)
         recalled = torch.where(valid, archive.token_index[chosen], -1)
         present = [torch.isin(self.key, torch.cat([resident[h], recalled[h]])) for h in range(len(chosen))]
