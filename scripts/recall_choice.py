@@ -300,9 +300,8 @@ def main() -> None:
                             setattr(layer.archive, field, type(getattr(layer.archive, field))(float(value)))
                 choice(set(extras))
                 oracle = Oracle(forced, group, int(name[6:]) if forced and name[6:] else None)
-                if (
-                    "layers" in overrides
-                ):  # oracle@layers=A:B: forced in layers A..B-1 only, the choice elsewhere
+                # oracle@layers=A:B: forced in layers A..B-1 only, the choice elsewhere
+                if "layers" in overrides:
                     first, last = map(int, overrides["layers"].split(":"))
                     oracle.only_in({id(layer.archive) for layer in cache.layers[first:last]})
                 oracle.start(needle, digits, read_tokens)

@@ -213,9 +213,8 @@ def run(args) -> None:
                                 else length + len(asked) * (TWO_MAX_NEW_TOKENS + 64)
                             )
                             settings = settings_of(given, tokens, args.chunk)
-                            if (
-                                spec != given
-                            ):  # only some heads recall: the torch step (the C step chooses in C)
+                            # only some heads recall: the torch step (the C step chooses in C)
+                            if spec != given:
                                 settings = replace(settings, kernels="torch")
                             try:
                                 if args.via == "chat":

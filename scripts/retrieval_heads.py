@@ -8,7 +8,8 @@ Explains Long-Context Factuality": the copy-paste score). A head's score is the 
 the runs the full cache answers; a KV head's is the best of its query heads (GQA: a KV head recalls for its
 whole group). One JSON object: the runs, the per-(layer, KV head) scores, and the KV heads ranked.
 
-    python scripts/retrieval_heads.py --length 2048 --seeds 2 --depths 4 --out docs/results/recall/retrieval_heads_2048.json
+    python scripts/retrieval_heads.py --length 2048 --seeds 2 --depths 4 \
+        --out docs/results/recall/retrieval_heads_2048.json
 
 `RecallHeads` lets only the best-ranked KV heads recall (`recall_grid.py --recall-heads FILE:K`).
 """
@@ -33,7 +34,8 @@ TOP: list[torch.Tensor] = []  # per layer call of a one-token step: [n_heads] in
 
 
 def probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Plain causal attention (one unpadded sequence; `attention_mask` is not needed), recording each head's top key when one token queries."""
+    """Plain causal attention over one unpadded sequence (`attention_mask` is not needed); when one token
+    queries, each head's strongest key goes to `TOP`."""
     group = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, group), repeat_kv(value, group)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -49,16 +51,17 @@ def probe_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 def copy_hits(model, tokenizer, ids: list[int], key: str, needle: list[int]):
     """Greedy answer of `ids` with a full cache; per (layer, query head) how many of the passkey's digits the
-    head copied (its top key is a needle token equal to the digit written), the digits written in order, and
-    the answer."""
+    head copied (its top key is a needle token equal to the digit written), the digits scored (each written
+    in order by an answer step), and the answer."""
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
     hits = torch.zeros(layers, heads)
     digits = [tokenizer.convert_tokens_to_ids(d) for d in key]
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         out = model(torch.tensor([ids]), cache=cache, use_cache=True)
-        answer, written = [], 0
         token = int(out.logits[0, -1].argmax())
+        answer, scored = [], 0
+        written = int(token == digits[0])  # a first digit written by the prompt's pass: not scored
         for _ in range(MAX_NEW_TOKENS):
             answer.append(token)
             TOP.clear()
@@ -69,9 +72,9 @@ def copy_hits(model, tokenizer, ids: list[int], key: str, needle: list[int]):
                 sources = torch.tensor([p for p in needle if ids[p] == following])
                 top = torch.stack(TOP)  # [layers, heads]
                 hits += torch.isin(top, sources).float()
-                written += 1
+                written, scored = written + 1, scored + 1
             token = following
-    return hits, written, tokenizer.decode(answer + [token])
+    return hits, scored, tokenizer.decode(answer + [token])
 
 
 class RecallHeads:
@@ -139,12 +142,12 @@ def main() -> None:
             pieces = list(read_then_answer(tokenizer, [text_ids], QUESTION))
             ids = [token for piece in pieces for token in piece]
             needle, _ = needle_tokens(tokenizer, text, key, len(pieces[0]))
-            hits, written, answer = copy_hits(model, tokenizer, ids, key, needle)
+            hits, scored, answer = copy_hits(model, tokenizer, ids, key, needle)
             correct = key in answer
             runs.append({"seed": seed, "depth": depth, "key": key, "answer": answer, "correct": correct})
             print(f"s{seed} d{depth:>2} {correct!s:<5} {answer!r}", file=sys.stderr, flush=True)
             if correct:  # a wrong answer's digits are not a copy of the needle
-                total, copied = total + hits, copied + written
+                total, copied = total + hits, copied + scored
     score = (total / max(1, copied)).view(config.num_hidden_layers, config.num_key_value_heads, group)
     kv_score = score.max(-1).values  # [layers, kv heads]
     ranked = sorted(
