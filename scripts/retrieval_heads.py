@@ -87,7 +87,7 @@ class RecallHeads:
         self.heads: dict[int, list[int]] = defaultdict(list)
         for row in json.loads(Path(ranking).read_text())["ranked"][:top]:
             self.heads[row["layer"]].append(row["kv_head"])
-        self.layer_of: dict[int, int] = {}
+        self.recalls: dict[int, torch.Tensor] = {}  # id(archive) -> [n_kv_heads] bool, set by `attach`
         choose, choose_one = PageArchive.choose, PageArchive.choose_one
 
         def chunk(archive, *args, **kwargs):
@@ -99,15 +99,17 @@ class RecallHeads:
         PageArchive.choose, PageArchive.choose_one = chunk, step
 
     def attach(self, cache) -> None:
-        self.layer_of = {
-            id(layer.archive): i for i, layer in enumerate(cache.layers) if hasattr(layer, "archive")
-        }
+        """Each recalling layer's mask of the KV heads that recall, made once per cache."""
+        self.recalls = {}
+        for number, layer in enumerate(cache.layers):
+            if hasattr(layer, "archive"):
+                recalls = torch.zeros(layer.archive.n_kv_heads, dtype=torch.bool)
+                recalls[self.heads.get(number, [])] = True
+                self.recalls[id(layer.archive)] = recalls
 
     def only(self, archive, chosen: torch.Tensor, valid: torch.Tensor):
         """chosen, valid [n_kv_heads, slots] -> the same, `valid` cleared in the heads that do not recall."""
-        recalls = torch.zeros(valid.shape[0], dtype=torch.bool)
-        recalls[self.heads.get(self.layer_of[id(archive)], [])] = True
-        return chosen, valid & recalls.unsqueeze(1)
+        return chosen, valid & self.recalls[id(archive)].unsqueeze(1)
 
 
 def main() -> None:
