@@ -100,6 +100,7 @@ class CacheSettings:
     recall_place: str = (
         "index"  # recall, rolling: R ranked among S by token index, or in one block (contiguous)
     )
+    recall_layers: str = "all"  # recall: the layers that recall (e.g. 6,17,18,20-23); the others keep S alone
     page_score: str = "attention"  # recall: pages ranked by the attention they get, or by summary bounds (positional, unrotated)
     archive_max: int | str = (
         DEFAULT_ARCHIVE_MAX  # recall: tokens (131072) or bytes ("64MiB") the archive holds; then oldest dropped
@@ -149,6 +150,7 @@ class CacheSettings:
             self.choice_tokens,
             self.step_shortlist,
             self.recall_place,
+            self.recall_layers,
         )
         if self.is_resolved:
             make_policy(self)  # the policy checks its own parameters (budget, split, sinks, ...)

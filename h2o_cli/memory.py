@@ -13,7 +13,7 @@ Every figure is bytes and follows how the code allocates (SPEC.md "Memory accoun
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 QUANTS = ("none", "8bit", "4bit")
 NF4_BLOCK = 64  # bitsandbytes' default 4-bit block size
@@ -201,22 +201,25 @@ def memory_table(
     archive_bits: int | None = None,
     archive_storage: str = "ram",
     shortlist: int = 512,
+    recall_layers: int | None = None,
 ) -> dict:
     """Weights, KV cache (full vs H2O, per head and total) and activation peaks for each context length;
     the `recall` archive per token and at `archive_max` tokens (pages of `page_size`, summaries per `block_size`
     tokens), stored as `archive_bits`
     in `archive_storage` (ram or disk), split into RAM and disk bytes, and per token for every `--archive-bits`;
-    what its page choice keeps in RAM beside it (`choice_bytes`: answer steps score a `shortlist` of pages)."""
+    what its page choice keeps in RAM beside it (`choice_bytes`: answer steps score a `shortlist` of pages),
+    in `recall_layers` layers (`--recall-layers`; None: every one)."""
     weights = weight_bytes(shape, quant, dtype_bytes)
+    archived = shape if recall_layers is None else replace(shape, n_layers=recall_layers)
     heads = shape.n_layers * shape.n_kv_heads
     slots = budget + chunk
     h2o_head = h2o_head_bytes(shape, slots, kv_bits, dtype_bytes)
     h2o_activations = activation_bytes(shape, chunk, slots, kv_bits, dtype_bytes)["peak"]
-    split = archive_split(shape, archive_max, block_size, dtype_bytes, archive_bits, archive_storage)
+    split = archive_split(archived, archive_max, block_size, dtype_bytes, archive_bits, archive_storage)
 
     def per_token(bits: int | None, storage: str) -> tuple[float, float]:
         """(RAM, disk) archive bytes per token, the summaries shared out over a page."""
-        ram, disk = archive_split(shape, page_size, block_size, dtype_bytes, bits, storage)
+        ram, disk = archive_split(archived, page_size, block_size, dtype_bytes, bits, storage)
         return ram / page_size, disk / page_size
 
     rows = []
@@ -257,9 +260,10 @@ def memory_table(
             str(bits) if bits else "model": per_token(bits, "ram")[0] for bits in (None, 16, 8)
         },
         "recall_archive_tokens": archive_max,
-        "recall_archive_bytes": archive_bytes(shape, archive_max, block_size, dtype_bytes, archive_bits),
+        "recall_layers": archived.n_layers,
+        "recall_archive_bytes": archive_bytes(archived, archive_max, block_size, dtype_bytes, archive_bits),
         "recall_archive_ram_bytes": split[0],
         "recall_archive_disk_bytes": split[1],
-        "recall_choice_bytes": choice_bytes(shape, archive_max, page_size, shortlist),
+        "recall_choice_bytes": choice_bytes(archived, archive_max, page_size, shortlist),
         "rows": rows,
     }

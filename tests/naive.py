@@ -10,6 +10,7 @@ compute anything.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -248,6 +249,21 @@ def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_
     return output
 
 
+def layer_settings(settings, number: int):
+    """Layer `number`'s contract: under `recall_layers` (docs/spec.md, recall: layers) a layer not named holds
+    S alone, as `h2o` on the resident budget k − r; every other case is `settings` itself."""
+    named = getattr(settings, "recall_layers", "all")
+    if settings.policy != "recall" or named == "all":
+        return settings
+    layers = set()
+    for part in named.split(","):
+        low, _, high = part.partition("-")
+        layers.update(range(int(low), int(high or low) + 1))
+    if number in layers:
+        return settings
+    return dataclasses.replace(settings, policy="h2o", budget=resident_budget(settings))
+
+
 def naive_model_nll(
     model, ids: list[int], settings, chunk: int = 1, sizes: list[int] | None = None
 ) -> list[float]:
@@ -273,7 +289,7 @@ def naive_model_nll(
             piece = ids[start : start + size]
             c = len(piece)
             hidden = model.model.embed_tokens(torch.tensor(piece))  # [c, hidden]
-            for layer, heads in zip(layers, states, strict=True):
+            for number, (layer, heads) in enumerate(zip(layers, states, strict=True)):
                 attn = layer.self_attn
                 x = layer.input_layernorm(hidden)
                 q = attn.q_proj(x).view(c, n_heads, head_dim)
@@ -282,7 +298,9 @@ def naive_model_nll(
                     q, k = attn.q_norm(q), attn.k_norm(k)
                 q, k = q.transpose(0, 1), k.transpose(0, 1)
                 v = attn.v_proj(x).view(c, n_kv, head_dim).transpose(0, 1)
-                out = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, scaling)
+                out = naive_attend_chunk(
+                    heads, q, k, v, start, layer_settings(settings, number), inv_freq, scaling
+                )
                 out = out.to(hidden.dtype).transpose(0, 1).reshape(c, n_heads * head_dim)
                 hidden = hidden + attn.o_proj(out)
                 hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))

@@ -151,6 +151,13 @@ def test_memory_cli_works_offline_for_llama_7b(monkeypatch, tmp_path):
     per_token = 32 * (2 * 32 * 128 * 2 + 8 + 2 * 32 * 128 * 4 / 4)
     assert table["recall_archive_bytes_per_token"] == per_token
     assert table["recall_archive_bytes"] == per_token * 131072
+    quarter = CliRunner().invoke(
+        app, ["memory", "--model", "llama-7b", "--budget", "0.2", "--dtype", "float16", "--json",
+              "--recall-layers", "0-3,20,28-30"],
+    )  # fmt: skip
+    assert quarter.exit_code == 0, quarter.output
+    table = json.loads(quarter.stdout)  # the archive of 8 layers of 32
+    assert table["recall_layers"] == 8 and table["recall_archive_bytes"] == per_token * 131072 // 4
 
 
 def test_recall_archive_accounting_equals_the_cache(tiny_pair):

@@ -398,6 +398,9 @@ def test_recall_past_the_models_window_with_rolling_positions(tiny_pair):
         (dict(recall_ratio=0.95, budget=20), "leaves 1 resident token"),
         (dict(score_decay=0.99, score_norm="mean"), "--score-decay below 1 works with --score-norm sum only"),
         (dict(recall_place="middle"), "--recall-place 'middle' is unknown; choose index, contiguous"),
+        (dict(recall_layers="6-"), "--recall-layers '6-': give all, or layer numbers and ranges from 0"),
+        (dict(recall_layers="5-3"), "--recall-layers '5-3': give all"),
+        (dict(recall_layers=""), "--recall-layers '': give all"),
         (
             dict(page_score="rotated"),
             "--page-score 'rotated' is unknown; choose positional, unrotated, attention",
@@ -407,6 +410,14 @@ def test_recall_past_the_models_window_with_rolling_positions(tiny_pair):
 def test_bad_recall_settings_are_usage_errors(values, words):
     with pytest.raises(UsageError, match=words.replace("[", r"\[").replace("]", r"\]")):
         CacheSettings(**{"budget": 64, "policy": "recall", **values})
+
+
+def test_recall_layers_past_the_model_are_a_usage_error():
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(tiny_config()).eval()
+    with pytest.raises(UsageError, match=r"--recall-layers '0,2' names layer 2, but the model has 2 \(0-1\)"):
+        H2OCache(model, CacheSettings(budget=16, chunk=8, policy="recall", recall_layers="0,2"))
 
 
 def test_recall_with_room_for_every_token_equals_full_on_the_embedded_model(smollm, excerpt):

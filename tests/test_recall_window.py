@@ -3,6 +3,7 @@ window while the archive brings back tokens read several windows earlier, exactl
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -57,6 +58,41 @@ def test_recall_past_a_tiny_models_window_equals_the_naive_simulation(monkeypatc
     assert len(ours) == len(want) == 319
     for position, (got, expected) in enumerate(zip(ours, want, strict=True)):
         assert abs(got - expected) <= NLL_TOLERANCE, f"prediction {position}: {got} vs {expected}"
+
+
+@pytest.mark.parametrize("kernels", ["torch", "auto"])  # auto: the C steps where a compiler is found
+def test_recall_in_named_layers_equals_the_naive_simulation(kernels):
+    """`--recall-layers 1`: layer 1 recalls, layer 0 holds S alone (`h2o` on the resident budget, no
+    archive), past the window on rolling positions, through chunks and one-token steps; each NLL equals the
+    naive simulation's with that per-layer contract, and not the one where both layers recall."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(max_position_embeddings=WINDOW)).eval()
+    settings = CacheSettings(
+        budget=16, policy="recall", chunk=8, page_size=4, archive_max=512, recall_layers="1", kernels=kernels
+    )
+    cache = H2OCache(model, settings)
+    assert not hasattr(cache.layers[0], "archive") and cache.layers[0].store.budget == 8
+    assert cache.layers[1].archive.capacity == 512 and cache.layers[1].store.budget == 8
+    ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    sizes = [8] * 20 + [1] * 40
+    logprobs, start = [], 0
+    with torch.no_grad():
+        for size in sizes:
+            logprobs.append(
+                torch.log_softmax(forward_chunk(model, cache, ids[start : start + size]).double(), -1)
+            )
+            start += size
+    logprobs = torch.cat(logprobs)
+    ours = [-float(logprobs[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+    want = naive_model_nll(model, ids, settings, sizes=sizes)
+    both = naive_model_nll(model, ids, dataclasses.replace(settings, recall_layers="all"), sizes=sizes)
+    assert cache.layers[1].recalled_total > 0
+    assert max(abs(a - b) for a, b in zip(want, both, strict=True)) > 100 * NLL_TOLERANCE
+    for position, (got, expected) in enumerate(zip(ours, want, strict=True)):
+        assert abs(got - expected) <= NLL_TOLERANCE, f"prediction {position}: {got} vs {expected}"
+    summary, recalled = cache.archive_summary(), cache.layer_slots()[0].recalled
+    assert summary["archive_bytes"] == cache.layers[1].archive.nbytes()
+    assert recalled.shape == cache.layers[1].recall_index.shape and bool((recalled == -1).all())
 
 
 MODEL_WINDOW = 8192  # SmolLM2-135M's max_position_embeddings

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from h2o_kernels.dispatch import kernels_choice, triton_possible
@@ -110,9 +111,12 @@ class H2OCache(Cache):
         dtype = compute_dtype(model)
         rope = Rope(model.model.rotary_emb, shape.head_dim)
         maps = DecodeMaps()
-        layer_class = RecallLayer if policy.recalls else H2OLayer
+        self._policy = policy
+        # `--recall-layers`: a layer that does not recall holds S alone, as `h2o` on the resident budget.
+        recalling = set(policy.recalling_layers(shape.n_layers)) if policy.recalls else set()
+        resident = replace(settings, policy="h2o", budget=budget) if policy.recalls else settings
         layers = [
-            layer_class(
+            (RecallLayer if number in recalling else H2OLayer)(
                 LayerStore(
                     shape.n_kv_heads,
                     shape.head_dim,
@@ -122,7 +126,7 @@ class H2OCache(Cache):
                     devices[number],
                     compute_dtype=dtype,
                 ),
-                settings,
+                settings if number in recalling or not policy.recalls else resident,
                 rope,
                 self.max_positions,
                 first_layer=number == 0,
@@ -133,19 +137,27 @@ class H2OCache(Cache):
         self.archive_file = None  # the recall archive's mapped file, with --archive disk or PATH
         if policy.recalls:
             known = [bound for bound in (span, archive_span) if bound is not None]
-            self._add_archives(layers, policy, min(known) if known else None, dtype, devices)
+            recallers = [
+                (layer, devices[number]) for number, layer in enumerate(layers) if number in recalling
+            ]
+            self._add_archives(recallers, policy, min(known) if known else None, dtype)
         super().__init__(layers=layers)
 
-    def _add_archives(self, layers: list[RecallLayer], policy, span: int | None, dtype, devices) -> None:
-        """Give every layer its `PageArchive`, in RAM or in one mapped file (docs/spec.md, recall: storage)."""
+    def _add_archives(
+        self, recallers: list[tuple[RecallLayer, torch.device]], policy, span: int | None, dtype
+    ) -> None:
+        """Give every recalling layer (with its device) its `PageArchive`, in RAM or in one mapped file
+        (docs/spec.md, recall: storage)."""
         from h2o_cli import memory
         from h2o_cli.cache.recall.archive_file import ArchiveFile, aligned, archive_location
         from h2o_cli.cache.recall.limits import archive_storage, summary_block
 
         settings, shape = self.settings, self.shape
+        layers, devices = [layer for layer, _ in recallers], [device for _, device in recallers]
         bits, page = settings.archive_bits, policy.page_size
         block = summary_block(page, policy.block_size)
-        page_bytes = memory.archive_bytes(shape, page, block, dtype.itemsize, bits)
+        archived = replace(shape, n_layers=len(layers))  # a byte cap counts the recalling layers only
+        page_bytes = memory.archive_bytes(archived, page, block, dtype.itemsize, bits)
         capacity = policy.archive_tokens(span, page_bytes)
         regions = [None] * len(layers)
         device = next((device for device in devices if device.type != "cpu"), devices[0])
@@ -236,8 +248,9 @@ class H2OCache(Cache):
 
     @property
     def policy(self):
-        """The eviction policy (`h2o_cli.policies`); every layer holds an equal one."""
-        return self.layers[0].policy
+        """The eviction policy (`h2o_cli.policies`). Every layer holds an equal one, but under
+        `--recall-layers` a layer that does not recall holds `h2o` on recall's resident budget."""
+        return self._policy
 
     @property
     def positions(self) -> str:
@@ -285,10 +298,20 @@ class H2OCache(Cache):
                 last_probs=layer.store.last_probs,
                 length=layer.store.length,
                 tokens_seen=layer.store.tokens_seen,
-                recalled=layer.recall_index if isinstance(layer, RecallLayer) else None,
+                recalled=self._recall_index(layer),
             )
             for layer in self.layers
         ]
+
+    def _recall_index(self, layer) -> torch.Tensor | None:
+        """A layer's recall slots' token indices [n_kv_heads, recall_slots]; with a recalling policy a layer
+        that does not recall (`--recall-layers`) shows them empty (-1); None without one."""
+        if isinstance(layer, RecallLayer):
+            return layer.recall_index
+        if not self.policy.recalls:
+            return None
+        shape = (layer.store.n_kv_heads, self.policy.recall_slots)
+        return torch.full(shape, -1, dtype=torch.int64, device=layer.store.token_index.device)
 
     def state(self) -> list[dict]:
         """A copy of every layer's entries and counters (`LayerStore.state`), to put back with `restore`."""

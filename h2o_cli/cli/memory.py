@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from h2o_cli.cli import options as opt
 from h2o_cli.cli.common import size, stderr, stdout_console
@@ -47,7 +48,13 @@ def memory(
     Computed from the model config without loading weights (a built-in public config for offline aliases).
     With --device-map, also the H2O cache (and a RAM recall archive) on each device, as the layers are placed.
     """
-    from h2o_cli.cache.recall.limits import archive_capacity, archive_storage, step_pages, summary_block
+    from h2o_cli.cache.recall.limits import (
+        archive_capacity,
+        archive_storage,
+        recall_layer_list,
+        step_pages,
+        summary_block,
+    )
     from h2o_cli.memory import ModelShape, archive_bytes, archive_split, memory_table
     from h2o_cli.models import config_for, pick_device, pick_dtype
 
@@ -57,9 +64,11 @@ def memory(
     dtype_bytes = pick_dtype(dtype, pick_device(device)).itemsize
     page, bits = settings.page_size, settings.archive_bits
     block = summary_block(page, settings.block_size)
-    page_bytes = archive_bytes(shape, page, block, dtype_bytes, bits)
+    recalling = recall_layer_list(settings.recall_layers, shape.n_layers) or range(shape.n_layers)
+    archived = replace(shape, n_layers=len(recalling))  # the archive: the recalling layers' only
+    page_bytes = archive_bytes(archived, page, block, dtype_bytes, bits)
     archive = archive_capacity(settings.archive_max, page, None, page_bytes)  # whole pages, as the cache
-    stored = archive_split(shape, archive, block, dtype_bytes, bits, "disk")[1]  # the K/V (and scales)
+    stored = archive_split(archived, archive, block, dtype_bytes, bits, "disk")[1]  # the K/V (and scales)
     storage = (
         "ram" if archive_storage(settings.archive, stored, pick_device(device).type) == "ram" else "disk"
     )
@@ -76,11 +85,12 @@ def memory(
         archive_bits=bits,
         archive_storage=storage,
         shortlist=step_pages(settings.shortlist, settings.step_shortlist),
+        recall_layers=len(recalling),
     )
     table.update(model=model, config_source=origin)
     if device_map:
         table["cache_by_device"] = cache_by_device(
-            config, device_map, pick_dtype(dtype, pick_device(device)), shape, table
+            config, device_map, pick_dtype(dtype, pick_device(device)), shape, table, set(recalling)
         )
     if as_json:
         print(json.dumps(table))
@@ -127,7 +137,8 @@ def memory(
     by_bits = table["recall_archive_bytes_per_token_by_bits"]
     stored = {None: f"{8 * dtype_bytes}-bit", 16: "16-bit", 8: "int8"}[bits]
     stderr.print(
-        f"--policy recall also keeps an archive ({stored}, --archive {settings.archive}): "
+        f"--policy recall also keeps an archive ({stored}, --archive {settings.archive}"
+        f"{'' if len(recalling) == shape.n_layers else f', in {len(recalling)} of {shape.n_layers} layers'}): "
         f"{size(table['recall_archive_bytes_per_token'])} per token "
         f"({size(table['recall_archive_ram_bytes_per_token'])} in RAM, "
         f"{size(table['recall_archive_disk_bytes_per_token'])} on disk); at --archive-max {archive:,} tokens "
@@ -139,17 +150,21 @@ def memory(
     )
 
 
-def cache_by_device(config, device_map: str, dtype, shape, table: dict) -> dict[str, dict]:
+def cache_by_device(
+    config, device_map: str, dtype, shape, table: dict, recalling: set[int]
+) -> dict[str, dict]:
     """{device: layers, their H2O cache bytes and RAM archive bytes} as `--device-map` places the layers
-    (`planned_layer_devices`); every layer's share is equal."""
+    (`planned_layer_devices`); every layer's share of the cache is equal, and every recalling layer's (of
+    `recalling`) of the archive."""
     from h2o_cli.models.loading import planned_layer_devices
 
     placed: dict[str, dict] = {}
-    for device in planned_layer_devices(config, device_map, dtype):
+    for number, device in enumerate(planned_layer_devices(config, device_map, dtype)):
         entry = placed.setdefault(device, {"layers": 0, "h2o_kv_bytes": 0, "recall_archive_ram_bytes": 0})
         entry["layers"] += 1
         entry["h2o_kv_bytes"] += table["rows"][0]["h2o_kv_bytes"] // shape.n_layers
-        entry["recall_archive_ram_bytes"] += table["recall_archive_ram_bytes"] // shape.n_layers
+        if number in recalling:
+            entry["recall_archive_ram_bytes"] += table["recall_archive_ram_bytes"] // len(recalling)
     return placed
 
 

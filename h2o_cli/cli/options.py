@@ -210,6 +210,15 @@ RecallPlace = Annotated[
         "window (contiguous, as ReAttention places its spans).",
     ),
 ]
+RecallLayers = Annotated[
+    str,
+    typer.Option(
+        "--recall-layers",
+        help="recall: the layers that recall, numbered from 0 (e.g. 6,17,18,20-23; default all). The others "
+        "keep only their resident tokens, with no archive: less RAM and a faster step, where the model's "
+        "retrieval heads are known (scripts/retrieval_heads.py ranks them).",
+    ),
+]
 ChoiceTokens = Annotated[
     int,
     typer.Option(
@@ -322,6 +331,7 @@ CACHE_OPTIONS = {
     "chunk_weight": ChunkWeight,
     "choice_tokens": ChoiceTokens,
     "recall_place": RecallPlace,
+    "recall_layers": RecallLayers,
     "page_score": PageScore,
     "archive_max": ArchiveMax,
     "archive": Archive,

@@ -9,7 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from h2o_cli.cache.recall.limits import DEFAULT_ARCHIVE_MAX, archive_capacity, check_recall_options
+from h2o_cli.cache.recall.limits import (
+    DEFAULT_ARCHIVE_MAX,
+    archive_capacity,
+    check_recall_options,
+    recall_layer_list,
+)
 from h2o_cli.errors import UsageError
 from h2o_cli.policies.base import split_slots
 from h2o_cli.policies.h2o import HeavyHitterPolicy
@@ -31,6 +36,7 @@ class RecallPolicy(HeavyHitterPolicy):
     archive_max: int | str = DEFAULT_ARCHIVE_MAX
     page_score: str = "attention"
     recall_place: str = "index"
+    recall_layers: str = "all"
 
     def __post_init__(self) -> None:
         check_recall_options(
@@ -45,6 +51,7 @@ class RecallPolicy(HeavyHitterPolicy):
             choice_tokens=self.choice_tokens,
             step_shortlist=self.step_shortlist,
             recall_place=self.recall_place,
+            recall_layers=self.recall_layers,
         )
         super().__post_init__()
         if self.resident < 2:
@@ -87,6 +94,12 @@ class RecallPolicy(HeavyHitterPolicy):
             return None  # `positional` and `attention` score with the rotated query
         high = self.budget + chunk if rolling else tokens
         return min(self.recent_slots, high - 1), high
+
+    def recalling_layers(self, n_layers: int) -> tuple[int, ...]:
+        """The layers (of `n_layers`) that recall, ascending: `--recall-layers` (default all). The others hold
+        S alone: `h2o` with budget `resident` (what a recalling layer is with R empty), and no archive."""
+        chosen = recall_layer_list(self.recall_layers, n_layers)
+        return tuple(range(n_layers)) if chosen is None else chosen
 
     def archive_tokens(self, span: int | None, page_bytes: int | None = None) -> int:
         """Archive capacity in tokens (`archive_capacity` of this policy's cap and pages)."""

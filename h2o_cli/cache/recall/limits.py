@@ -32,6 +32,29 @@ def archive_cap(value: int | str) -> tuple[int, str]:
     )
 
 
+def recall_layer_list(setting: str, n_layers: int | None = None) -> tuple[int, ...] | None:
+    """`--recall-layers`: None for `all` (every layer recalls), else the layers named, ascending, as numbers
+    from 0 (`6,17,18,20-23`: single layers and inclusive ranges). With `n_layers`, each must be below it. A
+    one-line usage error for anything else, and for no layer at all (that is `--policy h2o`)."""
+    text = str(setting).strip().lower()
+    if text == "all":
+        return None
+    layers: set[int] = set()
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not match or (match[2] is not None and int(match[2]) < int(match[1])):
+            raise UsageError(
+                f"--recall-layers {setting!r}: give all, or layer numbers and ranges from 0, e.g. 6,17,18,20-23"
+            )
+        layers.update(range(int(match[1]), int(match[2] or match[1]) + 1))
+    if n_layers is not None and max(layers) >= n_layers:
+        raise UsageError(
+            f"--recall-layers {setting!r} names layer {max(layers)}, but the model has {n_layers} "
+            f"(0-{n_layers - 1})"
+        )
+    return tuple(sorted(layers))
+
+
 def step_pages(shortlist: int, step_shortlist: int) -> int:
     """The pages an answer step scores (its carried best): `--step-shortlist`, or `--shortlist` for 0; 0
     (every page) when `--shortlist` is 0."""
@@ -52,10 +75,12 @@ def check_recall_options(
     choice_tokens: int = 0,
     step_shortlist: int = 0,
     recall_place: str = "index",
+    recall_layers: str = "all",
 ) -> None:
     """One-line usage errors for `--recall-ratio`, `--page-size`, `--archive-max`, `--archive`,
     `--archive-bits`, `--page-score`, `--block-size`, `--shortlist`, `--page-carry`, `--chunk-weight`,
-    `--choice-tokens`, `--step-shortlist`, `--recall-place` (whatever the policy). A cap in bytes is checked
+    `--choice-tokens`, `--step-shortlist`, `--recall-place`, `--recall-layers` (whatever the policy; the layers
+    against the model when the cache is built). A cap in bytes is checked
     against a page when the cache is built."""
     if not 0 <= recall_ratio <= 1:  # also NaN
         raise UsageError(f"--recall-ratio {recall_ratio} must lie in [0, 1]")
@@ -90,6 +115,7 @@ def check_recall_options(
         raise UsageError(f"--page-score {page_score!r} is unknown; choose {', '.join(PAGE_SCORES)}")
     if recall_place not in RECALL_PLACES:
         raise UsageError(f"--recall-place {recall_place!r} is unknown; choose {', '.join(RECALL_PLACES)}")
+    recall_layer_list(recall_layers)
 
 
 def summary_block(page_size: int, block_size: int | None) -> int:
