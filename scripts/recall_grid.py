@@ -48,11 +48,19 @@ TWO_MAX_NEW_TOKENS = 16  # per answer: "The vault code is 12345." and a little m
 
 def parse_policy(spec: str) -> tuple[str, dict[str, str]]:
     """`recall:recall_ratio=0.25,page_size=16` -> ("recall", {"recall_ratio": "0.25", ...}): values as written,
-    typed by `CacheSettings.from_args`; a name that is not a field is an error, not dropped."""
+    typed by `CacheSettings.from_args`; a name that is not a field is an error, not dropped. A piece without
+    `=` continues the value before it (`recall_layers=6,17,20-23`)."""
     from h2o_cli.config import CacheSettings
 
     name, _, rest = spec.partition(":")
-    values = dict(pair.partition("=")[::2] for pair in rest.split(",") if pair)
+    values: dict[str, str] = {}
+    last = None
+    for pair in filter(None, rest.split(",")):
+        if "=" not in pair and last is not None:
+            values[last] += "," + pair
+            continue
+        last, _, value = pair.partition("=")
+        values[last] = value
     unknown = set(values) - {field.name for field in fields(CacheSettings)}
     if unknown:
         raise ValueError(f"{spec}: {', '.join(sorted(unknown))} is not a CacheSettings field")
