@@ -28,6 +28,7 @@ from recall_probe import needle_tokens
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import repeat_kv
 
+import h2o_cli.cache.recall.layer as recall_layer
 from h2o_cli.cache.recall.archive import PageArchive
 
 TOP: list[torch.Tensor] = []  # per layer call of a one-token step: [n_heads] index of the strongest key
@@ -97,6 +98,9 @@ class RecallHeads:
             return self.only(archive, *choose_one(archive, *args, **kwargs))
 
         PageArchive.choose, PageArchive.choose_one = chunk, step
+        # A step whose archive can fill every slot takes R as full and reads `chosen` whatever `valid` says:
+        # never so here, or the heads that do not recall would recall at every answer step.
+        recall_layer.recall_is_full = lambda held, length, slots: False
 
     def attach(self, cache) -> None:
         """Each recalling layer's mask of the KV heads that recall, made once per cache."""
