@@ -215,8 +215,8 @@ RecallLayers = Annotated[
     typer.Option(
         "--recall-layers",
         help="recall: the layers that recall, numbered from 0 (e.g. 6,17,18,20-23; default all). The others "
-        "keep only their resident tokens, with no archive: less RAM and a faster step, where the model's "
-        "retrieval heads are known (scripts/retrieval_heads.py ranks them).",
+        "keep only their resident tokens, with no archive: less RAM and a faster step, but on the embedded "
+        "model fewer pass keys found (docs/results.md).",
     ),
 ]
 ChoiceTokens = Annotated[
