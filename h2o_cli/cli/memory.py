@@ -64,7 +64,7 @@ def memory(
     dtype_bytes = pick_dtype(dtype, pick_device(device)).itemsize
     page, bits = settings.page_size, settings.archive_bits
     block = summary_block(page, settings.block_size)
-    recalling = recall_layer_list(settings.recall_layers, shape.n_layers) or range(shape.n_layers)
+    recalling = recall_layer_list(settings.recall_layers, shape.n_layers)
     archived = replace(shape, n_layers=len(recalling))  # the archive: the recalling layers' only
     page_bytes = archive_bytes(archived, page, block, dtype_bytes, bits)
     archive = archive_capacity(settings.archive_max, page, None, page_bytes)  # whole pages, as the cache

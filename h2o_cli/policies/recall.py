@@ -98,8 +98,7 @@ class RecallPolicy(HeavyHitterPolicy):
     def recalling_layers(self, n_layers: int) -> tuple[int, ...]:
         """The layers (of `n_layers`) that recall, ascending: `--recall-layers` (default all). The others hold
         S alone: `h2o` with budget `resident` (what a recalling layer is with R empty), and no archive."""
-        chosen = recall_layer_list(self.recall_layers, n_layers)
-        return tuple(range(n_layers)) if chosen is None else chosen
+        return recall_layer_list(self.recall_layers, n_layers)
 
     def archive_tokens(self, span: int | None, page_bytes: int | None = None) -> int:
         """Archive capacity in tokens (`archive_capacity` of this policy's cap and pages)."""

@@ -33,12 +33,13 @@ def archive_cap(value: int | str) -> tuple[int, str]:
 
 
 def recall_layer_list(setting: str, n_layers: int | None = None) -> tuple[int, ...] | None:
-    """`--recall-layers`: None for `all` (every layer recalls), else the layers named, ascending, as numbers
-    from 0 (`6,17,18,20-23`: single layers and inclusive ranges). With `n_layers`, each must be below it. A
-    one-line usage error for anything else, and for no layer at all (that is `--policy h2o`)."""
+    """`--recall-layers`: the layers named, ascending, as numbers from 0 (`6,17,18,20-23`: single layers and
+    inclusive ranges), or for `all` every one of `n_layers` (None when the model is not known yet). With
+    `n_layers`, each must be below it. A one-line usage error for anything else, and for no layer at all
+    (that is `--policy h2o`)."""
     text = str(setting).strip().lower()
     if text == "all":
-        return None
+        return None if n_layers is None else tuple(range(n_layers))
     layers: set[int] = set()
     for part in text.split(","):
         match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
