@@ -14,7 +14,8 @@ per op inflates a step made of many small ops, and it cannot see inside the C de
 
 `--policies` names the caches profiled (default: h2o and plain transformers); `recall` splits its cache time
 further with `--parts` (archive write, page choice and the page bound inside it, read-back; with the C step,
-`c_choose` is the choice after the bound with the read-back, `c_step` the attention, scores and eviction).
+`c_choose` is the choice after the bound with the read-back, `c_step` the attention, scores and eviction,
+`step_scores` an answer step's page scores over its shortlist's held keys).
 
 `--ops` also counts the tensor ops one decode step dispatches in the cache code of one layer (the second:
 the first builds the pass's shared tables), views and no-op casts aside.
@@ -115,7 +116,7 @@ def shares(prof, steps: int) -> dict[str, float]:
     parts = {"step": step, "cache and attention": cache, "linears (30 layers)": linear - head,
              "output projection": head, "rest": step - cache - linear}  # fmt: skip
     for label in ("recall:archive_write", "recall:choose", "recall:page_bound", "recall:read_back",
-                  "recall:c_choose", "recall:c_step"):  # fmt: skip
+                  "recall:c_choose", "recall:c_step", "recall:step_scores"):  # fmt: skip
         if label in total:
             parts[f"  of the cache: {label.split(':')[1]}"] = total[label]
     return parts
@@ -265,6 +266,7 @@ def main() -> None:
                 # The C step (a full S, float32 RAM archive): its choice and read-back, and the rest of it.
                 labelled(native, "archive_choose", "recall:c_choose")
                 labelled(native, "step", "recall:c_step")
+                labelled(native, "archive_step_scores", "recall:step_scores")  # an answer step's page scores
         else:
             model.set_attn_implementation("sdpa")
             cache = DynamicCache(config=model.config)
