@@ -143,14 +143,14 @@ def archive_split(
 
 def choice_bytes(shape: ModelShape, capacity: int, page_size: int, shortlist: int) -> int:
     """Bytes in RAM that `recall`'s page choice (attention scores, carried) keeps beside the archive, every
-    layer: the keys of the `shortlist` pages an answer step scores (float32, per KV head), each ring page's
+    layer: the keys of the `shortlist` pages an answer step scores (float16, per KV head), each ring page's
     carried score (per KV head) and first token index, the summaries of its sections of 256 tokens (as
     h2o_cli.cache.recall.archive's, repeated here: this module is a leaf) and the C step's scratch per ring
     slot and page. Scratch sized by S and the recall slots is left out. Constant past `shortlist` pages,
     whatever the text's length."""
     pages, n_kv = capacity // page_size, shape.n_kv_heads
     sections = -(-pages // max(1, 256 // page_size))
-    held = n_kv * shortlist * (page_size * shape.head_dim * 4 + 8)  # the keys, and each column's page
+    held = n_kv * shortlist * (page_size * shape.head_dim * 2 + 8)  # the keys, and each column's page
     carried = pages * (n_kv * 4 + 8)
     summaries = n_kv * sections * 2 * shape.head_dim * 4
     scratch = 9 * capacity + pages * (49 + 8 * n_kv)

@@ -119,8 +119,8 @@ def naive_recall(
     The attention score ranks a page by the softmax mass the queries put on its keys (their mean), over every archived key
     (with a shortlist: over the keys of the pages whose summary bound is highest, or on a one-token step with
     `page_carry` of the `step_shortlist` (0: `shortlist`) whose last score is; the others score 0; a `question` scores every page), plus
-    `page_carry` times the page's score at the head's last choice when the chunk is one token; a chunk of c > 1
-    tokens starts afresh, its mass times min(c, `chunk_weight`).
+    `page_carry` times the page's score at the head's last choice when the chunk is one token (whose mass is over
+    the keys rounded to float16); a chunk of c > 1 tokens starts afresh, its mass times min(c, `chunk_weight`).
     """
     size = settings.page_size
     candidates = [t for t in range(first_token) if not head.alive[t]]
@@ -157,6 +157,8 @@ def naive_recall(
             scored = sorted(scored, key=lambda page: (-bound(page), page))[:shortlist]
         tokens = [t for page in scored for t in range(page * size, min((page + 1) * size, len(head.keys)))]
         keys = torch.stack([head.keys[t] for t in tokens]).double()
+        if stepping:  # a one-token step scores its pages' keys rounded to float16 (clamped to its range)
+            keys = keys.clamp(-65504.0, 65504.0).half().double()
         probs = torch.softmax(queries.double() @ keys.T * queries.shape[-1] ** -0.5, dim=-1).mean(dim=0)
         mass = dict.fromkeys(written, 0.0)  # pages outside the shortlist: 0
         for t, p in zip(tokens, probs.tolist(), strict=True):

@@ -478,7 +478,7 @@ def test_the_page_choice_reports_the_keys_it_holds(tiny_pair, kernels):
             model(ids[:, step : step + 1], cache=cache)
     after = cache.archive_summary()["choice_bytes"]
     shape = cache.shape
-    held = len(cache.layers) * shape.n_kv_heads * shortlist * page * shape.head_dim * 4  # float32 keys
+    held = len(cache.layers) * shape.n_kv_heads * shortlist * page * shape.head_dim * 2  # float16 keys
     assert after - before >= held
     predicted = memory.choice_bytes(shape, capacity, page, shortlist)
     assert before + held <= predicted

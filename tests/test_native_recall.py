@@ -258,10 +258,13 @@ def test_int8_or_16bit_archives_keep_the_torch_step(tiny_pair, options):
 @needs_compiler
 @pytest.mark.model
 @pytest.mark.parametrize("positions", ["rolling", "original"])
-def test_c_recall_step_on_the_embedded_model(smollm, excerpt, positions):
+def test_c_recall_step_on_the_embedded_model(smollm, excerpt, positions, monkeypatch):
     """The embedded model reads a text through a torch-step cache; every layer call is also given, with the
     same inputs, to the same layer of a C-step cache: the same recalled tokens and resident sets, outputs and
-    scores to float tolerance, over 160 decode calls on a ring of 128 tokens that wraps."""
+    scores to float tolerance, over 160 decode calls on a ring of 128 tokens that wraps. Both take the page
+    scores from torch: real keys tie (a page's score equals another's to the last bit), and the C scores'
+    float rounding would break such a tie the other way; they are checked on the model below."""
+    monkeypatch.setattr(native, "has_step_scores", lambda: False)
     model, tokenizer = smollm
     ids = tokenizer(excerpt)["input_ids"][:320]
     options = dict(budget=64, policy="recall", chunk=32, page_size=4, archive_max=128, positions=positions)
@@ -294,6 +297,49 @@ def test_c_recall_step_on_the_embedded_model(smollm, excerpt, positions):
     assert compared.count(1) == 160 * len(leading.layers)
     assert all(isinstance(layer._c_buffers, RecallCStep) for layer in shadow.layers)
     assert shadow.layers[0].archive.tokens > 2 * shadow.layers[0].archive.capacity
+
+
+@needs_compiler
+@pytest.mark.model
+def test_c_step_scores_on_the_embedded_model(smollm, excerpt, monkeypatch):
+    """A C-step cache reads a text with the embedded model; at every decode call of every layer, the C page
+    scores (`StepScores.bounds`, keys held in half precision) equal torch's `step_bounds` on the same archive
+    and carried scores to float rounding, while the shortlist's held keys follow a ring that wraps."""
+    model, tokenizer = smollm
+    ids = tokenizer(excerpt)["input_ids"][:320]
+    settings = CacheSettings(
+        budget=64,
+        policy="recall",
+        chunk=32,
+        page_size=16,
+        archive_max=256,
+        step_shortlist=6,
+        kernels="native",
+    )
+    cache = H2OCache(model, settings)
+    c_bounds, compared = StepScores.bounds, []
+
+    def bounds(self, query):
+        archive = self.archive
+        if not archive.steps_score_carried_shortlist():
+            return c_bounds(self, query)
+        carried = (archive.carried.clone(), archive.carried_start.clone(), archive._held_keys)
+        want = archive.step_bounds(query)  # torch, then the carried scores as they were, for C
+        archive.carried.copy_(carried[0]), archive.carried_start.copy_(carried[1])
+        archive._held_keys = carried[2]
+        got = c_bounds(self, query)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        compared.append(archive.span // archive.page_size > archive.step_shortlist)
+        return got
+
+    monkeypatch.setattr(StepScores, "bounds", bounds)
+    with torch.no_grad():
+        for start in range(0, 160, 32):
+            model(torch.tensor([ids[start : start + 32]]), cache=cache)
+        for step in range(160, 320):
+            model(torch.tensor([ids[step : step + 1]]), cache=cache)
+    assert len(compared) >= 100 * len(cache.layers) and sum(compared) > len(compared) // 2  # shortlists ran
+    assert cache.layers[0].archive.tokens > cache.layers[0].archive.capacity  # the ring wrapped
 
 
 def test_without_a_compiler_the_torch_recall_step_runs(monkeypatch, tmp_path):

@@ -249,7 +249,8 @@ def exact_bounds(keys: torch.Tensor, token_index: torch.Tensor, queries: torch.T
 @pytest.mark.parametrize("bits", [None, 8])
 def test_the_keys_an_answer_keeps_follow_the_writes(bits):
     """`held_page_keys`: the keys of the pages an answer's steps score, kept between steps, are the archive's
-    own after every write — tokens written into one of those pages, and a page the ring gives to a new one."""
+    own (rounded to float16, as the steps score them) after every write — tokens written into one of those
+    pages, and a page the ring gives to a new one."""
     torch.manual_seed(11)
     archive = PageArchive(
         N_KV,
@@ -269,7 +270,8 @@ def test_the_keys_an_answer_keeps_follow_the_writes(bits):
     for token in range(10, 40):  # fills page 2, then the ring (6 pages) wraps over pages 0, 1, 2 and 4
         held = archive.held_page_keys(picked)
         written = archive.token_index[(picked.unsqueeze(-1) * 4 + torch.arange(4)).flatten(1)] >= 0
-        assert torch.equal(held[written], archive.page_keys(picked)[written]), token
+        assert held.dtype == torch.float16
+        assert torch.equal(held[written], archive.page_keys(picked).half()[written]), token
         archive.write(keys[:, token : token + 1], keys[:, token : token + 1])
     assert archive.oldest == 16
 

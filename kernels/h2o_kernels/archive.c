@@ -176,29 +176,69 @@ int64_t archive_choose(
     return hits;
 }
 
-typedef float lanes8 __attribute__((vector_size(32)));
+typedef float lanes16 __attribute__((vector_size(64)));
+
+/* An answer step's shortlist keys are held in half precision (docs/spec.md: its page mass is taken over keys
+ * rounded to it), which halves the bytes a step reads. A compiler without _Float16 (before GCC 12, clang 15)
+ * builds no step scores: `archive_held_bytes` says 0 and the caller scores in torch. widen16: 16 held values as
+ * floats, into `out` (F16C's vector conversion where there is one: compilers convert _Float16 vectors one
+ * element at a time). */
+#if defined(__FLT16_MAX__)
+typedef _Float16 held_t;
+#define HELD_BYTES 2
+#else
+typedef float held_t; /* never called: archive_held_bytes says 0 */
+#define HELD_BYTES 0
+#endif
+#if defined(__FLT16_MAX__) && defined(__F16C__)
+#include <immintrin.h>
+static inline __attribute__((always_inline)) void widen16(const held_t *restrict p, lanes16 *restrict out) {
+#if defined(__AVX512F__)
+    const __m512 all = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    __builtin_memcpy(out, &all, sizeof all);
+#else
+    const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    const __m256 high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    __builtin_memcpy(out, &low, sizeof low);
+    __builtin_memcpy((char *)out + sizeof low, &high, sizeof high);
+#endif
+}
+#else
+static inline __attribute__((always_inline)) void widen16(const held_t *restrict p, lanes16 *restrict out) {
+    for (int o = 0; o < 16; o++) (*out)[o] = (float)p[o];
+}
+#endif
+
+/* Bytes of one held key element: 2 (half precision), or 0 where this build has no step scores. */
+int64_t archive_held_bytes(void) { return HELD_BYTES; }
+
+/* A key as held: clamped to half precision's finite range (±65504, so none becomes inf), rounded to nearest even. */
+static inline held_t to_held(float x) {
+    return (held_t)(x > 65504.0f ? 65504.0f : x < -65504.0f ? -65504.0f : x);
+}
 
 /* Logits of `nq` (1-4) queries over one held page of 16 tokens, kept transposed ([head_dim, 16]: a channel's 16
- * values side by side), so each channel is one multiply-add per query over the page's tokens in two 8-lane
- * vectors. rows: the queries' logit rows (stride `width`). `nq` is a constant where it is inlined. */
+ * values side by side), so each channel is one widening load and a multiply-add per query over the page's
+ * tokens. rows: the queries' logit rows (stride `width`). `nq` is a constant where it is inlined. */
 static inline __attribute__((always_inline)) void page_logits16(
-    int nq, const float *restrict page, const float *restrict queries, int64_t head_dim, float *restrict rows,
+    int nq, const held_t *restrict page, const float *restrict queries, int64_t head_dim, float *restrict rows,
     int64_t width)
 {
-    lanes8 low[4] = {{0}}, high[4] = {{0}};
+    lanes16 acc[4] = {{0}};
     for (int64_t d = 0; d < head_dim; d++) {
-        lanes8 a, b;
-        __builtin_memcpy(&a, page + d * 16, sizeof a);
-        __builtin_memcpy(&b, page + d * 16 + 8, sizeof b);
-        for (int i = 0; i < nq; i++) {
-            low[i] += queries[i * head_dim + d] * a;
-            high[i] += queries[i * head_dim + d] * b;
-        }
+        lanes16 k;
+        widen16(page + d * 16, &k);
+        for (int i = 0; i < nq; i++) acc[i] += queries[i * head_dim + d] * k;
     }
-    for (int i = 0; i < nq; i++) {
-        __builtin_memcpy(rows + i * width, &low[i], sizeof low[i]);
-        __builtin_memcpy(rows + i * width + 8, &high[i], sizeof high[i]);
-    }
+    for (int i = 0; i < nq; i++) __builtin_memcpy(rows + i * width, &acc[i], sizeof acc[i]);
+}
+
+/* q·k of a float query and a held key of `n` elements. */
+static inline float held_dot(const float *restrict q, const held_t *restrict k, int64_t n) {
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < n; i++) total += q[i] * (float)k[i];
+    return total;
 }
 
 /* The page scores a one-token step ranks by when scores are carried and a shortlist is scored
@@ -209,11 +249,11 @@ static inline __attribute__((always_inline)) void page_logits16(
  * those pages' keys (each query's softmax over all their tokens, `scale` times q·k, the mean over the queries);
  * a page's score = its mass (0 outside the shortlist) + `carry` * `last`, written to `bound` and carried.
  *
- * The shortlist's keys are held between calls in `held_keys`, one page per column in no particular order (the
- * mass does not depend on it; a page of 16 tokens is held transposed, [head_dim, 16]): a column is read from
- * the archive when its page enters the shortlist or was written since the keys were last brought up to date
- * (`*held_at`, archive tokens then; -1: nothing held), so a step reads just the pages that changed. Differs
- * from torch only in float rounding (the sums' order). */
+ * The shortlist's keys are held between calls in `held_keys` in half precision (`to_held`; the mass is over
+ * them), one page per column in no particular order (the mass does not depend on it; a page of 16 tokens is
+ * held transposed, [head_dim, 16]): a column is read from the archive when its page enters the shortlist or
+ * was written since the keys were last brought up to date (`*held_at`, archive tokens then; -1: nothing held),
+ * so a step reads just the pages that changed. Differs from torch only in float rounding (the sums' order). */
 void archive_step_scores(
     int64_t n_kv, int64_t group, int64_t head_dim, int64_t capacity, int64_t page_size,
     int64_t used, int64_t shortlist, float carry, float scale, int64_t tokens,
@@ -223,7 +263,7 @@ void archive_step_scores(
     int64_t *restrict held_pages,   /* [n_kv, shortlist]: the ring page whose keys each column holds, -1 = none */
     int64_t *restrict held_column,  /* [n_kv, ring pages]: the column holding a page's keys, -1 = none */
     int64_t *restrict held_at,      /* [1] */
-    float *restrict held_keys,      /* [n_kv, shortlist * page_size, head_dim] */
+    held_t *restrict held_keys,     /* [n_kv, shortlist * page_size, head_dim] */
     Pair *restrict ranked,          /* [used] scratch */
     uint8_t *restrict wanted,       /* [ring pages] scratch, 0 between calls */
     float *restrict logits,         /* [group, shortlist * page_size] scratch */
@@ -265,19 +305,19 @@ void archive_step_scores(
             if (column_of[p] >= 0) continue;
             while (pages_of[free_column] >= 0) free_column++;
             pages_of[free_column] = p, column_of[p] = free_column;
-            float *restrict to = held_keys + (g * shortlist + free_column) * page_floats;
+            held_t *restrict to = held_keys + (g * shortlist + free_column) * page_floats;
             const float *restrict from = archive_keys + (g * capacity + p * page_size) * head_dim;
             if (page_size == 16) /* transposed, for page_logits16 */
                 for (int64_t o = 0; o < 16; o++)
-                    for (int64_t d = 0; d < head_dim; d++) to[d * 16 + o] = from[o * head_dim + d];
+                    for (int64_t d = 0; d < head_dim; d++) to[d * 16 + o] = to_held(from[o * head_dim + d]);
             else
-                __builtin_memcpy(to, from, page_floats * sizeof(float));
+                for (int64_t i = 0; i < page_floats; i++) to[i] = to_held(from[i]);
         }
         /* the mass: logits [group, width] (an empty ring slot: -inf), one softmax per query, summed per column */
         for (int64_t i = 0; i < group * head_dim; i++) scaled[i] = query[g * group * head_dim + i] * scale;
         for (int64_t c = 0; c < shortlist; c++) {
             const int64_t p = pages_of[c];
-            const float *restrict keys = held_keys + (g * shortlist + c) * page_floats;
+            const held_t *restrict keys = held_keys + (g * shortlist + c) * page_floats;
             float *restrict rows = logits + c * page_size;
             if (p < 0) { /* a column left empty (fewer pages written than the shortlist): no mass */
                 for (int64_t i = 0; i < group; i++)
@@ -285,6 +325,9 @@ void archive_step_scores(
                 continue;
             }
             if (page_size == 16) {
+                if (c + 4 < shortlist) /* the page four columns on (2 KiB at head_dim 64): ask for it now */
+                    for (int64_t b = 0; b < page_floats * (int64_t)sizeof(held_t); b += 64)
+                        __builtin_prefetch((const char *)(keys + 4 * page_floats) + b);
                 for (int64_t i = 0; i < group; i += 4) {
                     const float *restrict queries = scaled + i * head_dim;
                     switch (group - i < 4 ? group - i : 4) {
@@ -297,7 +340,7 @@ void archive_step_scores(
             } else {
                 for (int64_t o = 0; o < page_size; o++)
                     for (int64_t i = 0; i < group; i++)
-                        rows[i * width + o] = dot(scaled + i * head_dim, keys + o * head_dim, head_dim);
+                        rows[i * width + o] = held_dot(scaled + i * head_dim, keys + o * head_dim, head_dim);
             }
             for (int64_t o = 0; o < page_size; o++)
                 if (archive_index[p * page_size + o] < 0)

@@ -112,7 +112,16 @@ def library() -> ctypes.CDLL:
     lib.archive_token.restype = None
     lib.archive_step_scores.argtypes = SCORES_ARGTYPES
     lib.archive_step_scores.restype = None
+    lib.archive_held_bytes.argtypes = []
+    lib.archive_held_bytes.restype = _INT
     return lib
+
+
+@functools.cache
+def has_step_scores() -> bool:
+    """Whether this build has `archive_step_scores`: its compiler has half precision (GCC 12+, clang 15+), the
+    type the step holds its shortlist's keys in."""
+    return library().archive_held_bytes() == 2
 
 
 def failure_text(error: BaseException) -> str:
@@ -260,8 +269,8 @@ def archive_step_scores(
     of the archive's token index [capacity] (int64) and keys [n_kv_heads, capacity, head_dim] (float32);
     carried: of its carried scores [n_kv_heads, ring pages] (float32) and their pages' starts [ring pages]
     (int64); held: of the held pages [n_kv_heads, shortlist], the held columns [n_kv_heads, ring pages], the
-    tokens then [1] (int64) and the held keys [n_kv_heads, shortlist * page_size, head_dim] (float32); scratch:
-    of [used, 2] int64, [ring pages] uint8 (0 between calls), [group, shortlist * page_size] and
+    tokens then [1] (int64) and the held keys [n_kv_heads, shortlist * page_size, head_dim] (float16); scratch: of
+    [used, 2] int64, [ring pages] uint8 (0 between calls), [group, shortlist * page_size] and
     [group * head_dim + shortlist] float32 buffers. Writes bound [n_kv_heads, used] float32."""
     n_kv, group, head_dim = query.shape
     query = query.contiguous()

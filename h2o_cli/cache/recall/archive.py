@@ -28,6 +28,7 @@ from h2o_cli.cache.recall.limits import step_pages, summary_block
 
 NOTHING = -1  # token index of an empty archive slot
 SECTION_TOKENS = 256  # the coarse level of a shortlist: sections of this many tokens (whole pages) rank first
+HALF_MAX = 65504.0  # float16's largest finite value: a held key is clamped to it, never inf
 
 
 def page_bound(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
@@ -52,6 +53,12 @@ def best_page_bound(query: torch.Tensor, summary: torch.Tensor, block: int = 128
         bounds = torch.bmm(summary, signed[:, start : start + block].transpose(1, 2)).amax(dim=2)
         best = bounds if best is None else torch.maximum(best, bounds)
     return best
+
+
+def as_held(keys: torch.Tensor) -> torch.Tensor:
+    """Keys as a one-token step's page mass takes them (docs/spec.md): clamped to float16's finite range and
+    rounded to it (nearest, ties to even), as float16. Holding the step's shortlist so halves what it reads."""
+    return keys.clamp(-HALF_MAX, HALF_MAX).to(torch.float16)
 
 
 def order_key(bound: torch.Tensor, page_start: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
@@ -515,7 +522,7 @@ class PageArchive:
             same = (self.carried_start[:pages] == page_start) & (page_start != NOTHING)
             last = torch.where(same, self.carried[:, :pages], 0.0)
         if question or not self.shortlist or pages <= (self.step_shortlist if step else self.shortlist):
-            scores = self.attention_mass(query, pages)
+            scores = self.attention_mass(query, pages, held=bool(step))
         else:
             keys = None
             if step:  # the carried scores' best (ties: the older page), in one order: their keys are kept
@@ -527,7 +534,7 @@ class PageArchive:
             else:  # the summaries pick the `shortlist` pages (sections first)
                 picked = self.shortlisted(query, pages, page_start, fixed)  # [n_kv, shortlist]
             scores = torch.zeros(self.n_kv_heads, pages, device=query.device)
-            scores.scatter_(1, picked, self.attention_mass(query, pages, picked, keys=keys))
+            scores.scatter_(1, picked, self.attention_mass(query, pages, picked, keys=keys, held=bool(step)))
         if self.carry:
             if step:
                 scores += self.carry * last
@@ -623,13 +630,15 @@ class PageArchive:
         picked: torch.Tensor | None = None,
         block: int = 32,
         keys: torch.Tensor | None = None,
+        held: bool = False,
     ) -> torch.Tensor:
         """The attention the `m` queries put on each of the first `pages` ring pages (or on the pages `picked`
         [n_kv_heads, k] of each KV head), each query's softmax taken over every token those pages hold
         (`head_dim ** -0.5` scaling, as the model's attention): the sum over the queries and the page's tokens
         (docs/spec.md, recall: `--page-score attention`). Reads those pages' keys (dequantised when int8), or
-        takes them as `keys` (`page_keys(picked)`, float32), in blocks of `block` queries so no [m, tokens]
-        tensor is made. query: [n_kv_heads, m, head_dim].
+        takes them as `keys` (`page_keys(picked)`), in blocks of `block` queries so no [m, tokens] tensor is
+        made; `held`: over the keys rounded to half precision (`as_held`), as a one-token step scores.
+        query: [n_kv_heads, m, head_dim].
         Returns [n_kv_heads, pages] (or [n_kv_heads, k], in `picked`'s order) float32."""
         n_kv, size = self.n_kv_heads, self.page_size
         if picked is None:
@@ -641,6 +650,8 @@ class PageArchive:
             slots = (picked.unsqueeze(-1) * size + self._page_offsets).flatten(1)  # [n_kv, k * size]
             if keys is None:
                 keys = self.page_keys(picked)
+        if held and keys.dtype != torch.float16:
+            keys = as_held(keys)
         keys = keys.float().transpose(1, 2)  # [n_kv, head_dim, tokens]
         empty = (self.token_index.take(slots) == NOTHING).unsqueeze(1)  # [n_kv, 1, tokens]
         query = query.float() * self.head_dim**-0.5
@@ -671,11 +682,12 @@ class PageArchive:
     def held_page_keys(self, picked: torch.Tensor) -> torch.Tensor:
         """`page_keys(picked)`, kept from one call to the next: an answer's steps score the same pages step
         after step (a page outside the carried ranking's best never gains on one inside it), so the keys are
-        read again when the pages change, and otherwise only those of the pages written since.
-        picked: [n_kv_heads, k] ring pages. Returns [n_kv_heads, k * page_size, head_dim] float32."""
+        read again when the pages change, and otherwise only those of the pages written since; held in half
+        precision (`as_held`), as the step scores them. picked: [n_kv_heads, k] ring pages.
+        Returns [n_kv_heads, k * page_size, head_dim] float16."""
         held = self._held_keys
         if held is None or held[2] > self.tokens or not torch.equal(held[0], picked):
-            keys = self.page_keys(picked)
+            keys = as_held(self.page_keys(picked))
         else:
             keys, since = held[1], held[2]
             if since < self.tokens:  # pages written since hold new keys (or another page, the ring wrapped)
@@ -684,7 +696,9 @@ class PageArchive:
                 heads, columns = stale.nonzero(as_tuple=True)
                 if heads.numel():
                     pages = keys.view(self.n_kv_heads, picked.shape[1], self.page_size, self.head_dim)
-                    pages[heads, columns] = self._page_rows(picked[heads, columns] + heads * self.pages)
+                    pages[heads, columns] = as_held(
+                        self._page_rows(picked[heads, columns] + heads * self.pages)
+                    )
         self._held_keys = (picked, keys, self.tokens)
         return keys
 

@@ -93,8 +93,10 @@ class StepScores:
     """A one-token step's page scores on a float32 CPU archive (in RAM or a mapped file): `PageArchive.step_bounds`,
     in one C call (archive.c's `archive_step_scores`) when the step scores the `step_shortlist` pages its
     carried scores rank best, or every page while there are no more (`PageArchive.steps_score_carried_shortlist`),
-    else by torch. The C call returns the same pages and scores to float rounding; the shortlist's keys are held
-    here between steps, one page per column, and only pages new to the shortlist or written since are read.
+    else (or where the build has no half precision: `native.has_step_scores`) by torch. The C call returns the
+    same pages and scores to float rounding; the shortlist's keys are held here between steps in half precision
+    (the step's mass is over keys rounded to it, `archive.as_held`), one page per column, and only pages new
+    to the shortlist or written since are read.
     Held keys and scratch are made on the first C call and again after the archive is reset or rewound."""
 
     def __init__(self, archive) -> None:
@@ -105,14 +107,14 @@ class StepScores:
         self._held = None  # (archive epoch, the tensors, their addresses)
 
     def nbytes(self) -> int:
-        """Bytes held: the shortlist's keys (n_kv_heads x step_shortlist x page_size x head_dim float32) and
-        scratch; 0 before the first C call."""
+        """Bytes held: the shortlist's keys (n_kv_heads x step_shortlist x page_size x head_dim, 2 bytes each
+        in half precision) and scratch; 0 before the first C call."""
         return 0 if self._held is None else sum(tensor.nbytes for tensor in self._held[1])
 
     def bounds(self, query: torch.Tensor) -> torch.Tensor:
         """query: [n_kv_heads, group, head_dim] float32, unrotated. Returns [n_kv_heads, used pages] float32."""
         archive, (n_kv, group, head_dim) = self.archive, query.shape
-        if not archive.steps_score_carried_shortlist():
+        if not archive.steps_score_carried_shortlist() or not native.has_step_scores():
             return archive.step_bounds(query)
         shortlist, size, ring = archive.step_shortlist, archive.page_size, archive.pages
         if self._held is None or self._held[0] != archive.epoch:
@@ -120,7 +122,7 @@ class StepScores:
                 torch.full((n_kv, shortlist), -1, dtype=torch.int64),  # each column's ring page
                 torch.full((n_kv, ring), -1, dtype=torch.int64),  # each ring page's column
                 torch.full((1,), -1, dtype=torch.int64),  # archive tokens when brought up to date
-                torch.empty(n_kv, shortlist * size, head_dim),  # the keys
+                torch.empty(n_kv, shortlist * size, head_dim, dtype=torch.float16),  # the keys
                 torch.empty(ring, 2, dtype=torch.int64),  # scratch: the ranking
                 torch.zeros(ring, dtype=torch.uint8),  # the shortlist's pages (0 between calls)
                 torch.empty(group, shortlist * size),  # the logits
