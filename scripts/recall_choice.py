@@ -25,6 +25,9 @@ pages and blocks can be compared without reading again. Variants (`--variants`, 
 - `-qall`: the question scores every page's mass (no shortlist), answer steps as the archive is set;
   `-qlistN`: the same, and each answer step scores the N pages its carried scores rank best (the question's
   choice is the answer's shortlist) instead of the summaries' shortlist;
+- `-firstN` (with any score): only the choice's first N slots (its best pages) are recalled, the rest of R
+  left empty; `-shareN`: only pages holding at least N/1000 of the KV head's carried page scores (a head
+  whose mass no page stands out in recalls nothing);
 - `@field=value` (after any of the above, repeatable): a `PageArchive` setting for the question and answer,
   e.g. `p16@chunk_weight=8@carry=0.95`, or `@recall_place=contiguous` (the reading keeps `--policy`'s);
 - `oracle`: the needle sentence's archived tokens forced into every head's recall slots (what a perfect
@@ -298,8 +301,11 @@ def main() -> None:
                     for field, value in overrides.items():  # an archive setting: @chunk_weight=8, @carry=0.95
                         if field not in ("recall_place", "layers"):
                             setattr(layer.archive, field, type(getattr(layer.archive, field))(float(value)))
-                choice(set(extras))
-                oracle = Oracle(forced, group, int(name[6:]) if forced and name[6:] else None)
+                first = [int(extra[5:]) for extra in extras if extra.startswith("first")]
+                share = [int(extra[5:]) / 1000 for extra in extras if extra.startswith("share")]
+                choice({extra for extra in extras if not extra.startswith(("first", "share"))})
+                rest = int(name[6:]) if forced and name[6:] else (first or [None])[0]
+                oracle = Oracle(forced, group, rest, (share or [0.0])[0])
                 # oracle@layers=A:B: forced in layers A..B-1 only, the choice elsewhere
                 if "layers" in overrides:
                     first, last = map(int, overrides["layers"].split(":"))
@@ -320,11 +326,13 @@ def main() -> None:
                     choice(set())
                 question, steps = oracle.shares(len(cache.layers))
                 _, whole = oracle.shares(len(cache.layers), column=3)
+                key_heads, recalled = oracle.question_detail(len(cache.layers))
                 row = {"length": args.length, "seed": seed, "depth": depth, "budget_tokens": args.budget_tokens,
                        "policy": args.policy, "variant": variant, "key": key, "answer": streamer.printed.strip(),
                        "correct": key in streamer.printed, "text_tokens": len(ids),
                        "question_heads_with_key": question, "answer_heads_with_key": steps,
                        "answer_heads_with_every_digit": whole,
+                       "question_key_heads": key_heads, "question_recalled": recalled,
                        "read_seconds": round(read_seconds, 1),
                        "answer_seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
                 print(json.dumps(row), flush=True)

@@ -24,16 +24,19 @@ import torch
 from recall_grid import MAX_NEW_TOKENS, QUESTION, haystacks, settings_of  # scripts/ on sys.path
 from recall_probe import needle_tokens
 
+from h2o_cli.cache.recall import layer as recall_layer
 from h2o_cli.cache.recall.archive import PageArchive
 
 
 class Oracle:
     """Wraps the page choice of every `PageArchive`; `needle`/`key`: stream indices of the needle sentence and
     of the passkey's digits; `question`: the first token of the question's chunk(s); `rest`: how many of the
-    policy's chosen slots follow the forced needle (None: as many as R holds)."""
+    policy's chosen slots follow the forced needle (None: as many as R holds); without `force`, how many of
+    the choice's slots stay (its first, the best pages; None: all); `share`: without `force`, only pages
+    holding at least this share of the head's carried page scores stay (0: all)."""
 
-    def __init__(self, force: bool, group: int, rest: int | None = None) -> None:
-        self.force, self.group, self.rest = force, group, rest
+    def __init__(self, force: bool, group: int, rest: int | None = None, share: float = 0.0) -> None:
+        self.force, self.group, self.rest, self.share = force, group, rest, share
         self.archives = None  # ids of the archives (layers) the needle is forced into; None: every one
         self.needle = self.key = torch.empty(0, dtype=torch.int64)
         self.question, self.phase, self.log = 0, "text", []
@@ -52,6 +55,9 @@ class Oracle:
             return self.visit(archive, chosen, valid, resident)
 
         PageArchive.choose, PageArchive.choose_one = chunk, step
+        # A step whose archive can fill every slot takes R as full and reads `chosen` whatever `valid` says:
+        # never so here, or `oracleN` would read the choice's slots past its N at every answer step.
+        recall_layer.recall_is_full = lambda held, length, slots: False
 
     def start(self, needle: list[int], key: list[int], question: int) -> None:
         self.needle, self.key = torch.tensor(needle), torch.tensor(key)
@@ -64,11 +70,19 @@ class Oracle:
     def visit(self, archive, chosen, valid, resident):
         if self.force and (self.archives is None or id(archive) in self.archives):
             chosen, valid = self.forced(archive, chosen, valid, resident)
+        elif (
+            not self.force and self.rest is not None
+        ):  # the choice's first `rest` slots only (its best pages)
+            valid = valid & (torch.arange(valid.shape[1], device=valid.device) < self.rest)
+        if not self.force and self.share:  # pages holding at least `share` of the head's carried score only
+            scores = archive.carried.clamp_min(0)
+            page_share = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-30)
+            valid = valid & (page_share.gather(1, chosen // archive.page_size) >= self.share)
         recalled = torch.where(valid, archive.token_index[chosen], -1)
         present = [torch.isin(self.key, torch.cat([resident[h], recalled[h]])) for h in range(len(chosen))]
         held = [bool(p.any()) for p in present]
         whole = [bool(p.all()) for p in present]
-        self.log.append((self.phase, sum(held), len(held), sum(whole)))
+        self.log.append((self.phase, sum(held), len(held), sum(whole), held, valid.sum(dim=1).tolist()))
         return chosen, valid
 
     def forced(self, archive, chosen, valid, resident):
@@ -76,19 +90,26 @@ class Oracle:
         first `rest`)."""
         slots = self.needle % archive.capacity
         archived = archive.token_index[slots] == self.needle
+        given = valid.tolist()  # the choice's own validity: the rest of R comes from its valid slots
         chosen, valid = chosen.clone(), torch.zeros_like(valid)
         for head in range(chosen.shape[0]):
             missing = archived & ~torch.isin(self.needle, resident[head])
             need = slots[missing].tolist()
-            rest = [
-                c
-                for c, v in zip(chosen[head].tolist(), valid[head].tolist(), strict=True)
-                if v and c not in need
-            ]
+            rest = [c for c, v in zip(chosen[head].tolist(), given[head], strict=True) if v and c not in need]
             take = (need + rest[: self.rest])[: chosen.shape[1]]
             chosen[head, : len(take)] = torch.tensor(take, dtype=chosen.dtype)
             valid[head, : len(take)] = True
         return chosen, valid
+
+    def question_detail(self, layers: int) -> tuple[list[str], float]:
+        """The question's last call: the (layer.KV head) holding a passkey digit, and the mean tokens recalled
+        per (layer, KV head)."""
+        rows = [row for row in self.log if row[0] == "question"][-layers:]
+        heads = [
+            f"{layer}.{head}" for layer, row in enumerate(rows) for head, held in enumerate(row[4]) if held
+        ]
+        counts = [count for row in rows for count in row[5]]
+        return heads, round(sum(counts) / max(1, len(counts)), 1)
 
     def shares(self, layers: int, column: int = 1) -> tuple[float, list[float]]:
         """Share of (layer, KV head) holding a digit token (`column` 3: every digit token): over the question's

@@ -1,0 +1,88 @@
+"""scripts/recall_oracle.py's `Oracle`: what it forces into the recall slots, and what it keeps of the choice.
+
+The oracle is what every "is it the choice or the placement?" row of docs/results.md rests on, so its slot
+arithmetic is checked here on hand-made slots (no model): the needle's archived tokens not in S first, then
+the choice's own valid slots in its order (`oracleN`: only N of them), or, without forcing, the choice cut to
+its first N slots or to pages holding a share of the head's carried score.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from h2o_cli.cache.recall import layer as recall_layer
+from h2o_cli.cache.recall.archive import PageArchive
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def oracle_class(monkeypatch):
+    """`Oracle`, with everything it patches put back after the test."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    for name in ("choose", "choose_one"):
+        monkeypatch.setattr(PageArchive, name, getattr(PageArchive, name))
+    monkeypatch.setattr(recall_layer, "recall_is_full", recall_layer.recall_is_full)
+    from recall_oracle import Oracle
+
+    return Oracle
+
+
+def archive_of(tokens: int, page_size: int = 4, carried=None):
+    """What `Oracle` reads of a `PageArchive`: token `t` in ring slot `t`."""
+    return SimpleNamespace(
+        token_index=torch.arange(tokens), capacity=tokens, page_size=page_size, carried=carried
+    )
+
+
+def choice():
+    """One KV head's choice: slots 40-43 and 10 and 5 valid, two empty columns (numbers left in them)."""
+    chosen = torch.tensor([[40, 41, 42, 43, 10, 5, 7, 9]])
+    valid = torch.tensor([[True, True, True, True, True, True, False, False]])
+    return chosen, valid
+
+
+@pytest.mark.parametrize(
+    ("rest", "expected"),
+    [
+        (None, [10, 12, 40, 41, 42, 43, 5]),  # the needle (11 is in S), then the choice's valid slots
+        (2, [10, 12, 40, 41]),
+        (0, [10, 12]),
+    ],
+)
+def test_forced_needle_then_the_choice(oracle_class, rest, expected):
+    oracle = oracle_class(True, group=3, rest=rest)
+    oracle.start([10, 11, 12], [11], question=60)
+    chosen, valid = choice()
+    got, got_valid = oracle.visit(archive_of(64), chosen, valid, resident=torch.tensor([[11, 50]]))
+    assert got[0, : len(expected)].tolist() == expected
+    assert got_valid[0].tolist() == [True] * len(expected) + [False] * (8 - len(expected))
+    assert recall_layer.recall_is_full(10**6, 1, 8) is False  # a partial R stays partial at answer steps
+
+
+def test_first_slots_of_the_choice(oracle_class):
+    oracle = oracle_class(False, group=3, rest=3)
+    oracle.start([10, 11, 12], [11], question=60)
+    chosen, valid = choice()
+    got, got_valid = oracle.visit(archive_of(64), chosen, valid, resident=torch.tensor([[50]]))
+    assert torch.equal(got, chosen)
+    assert got_valid[0].tolist() == [True, True, True] + [False] * 5
+
+
+def test_pages_by_share_of_the_carried_score(oracle_class):
+    carried = torch.zeros(1, 16)
+    carried[0, 10] = 0.7  # page 10: slots 40-43
+    carried[0, 2] = 0.25  # page 2: slots 8-11
+    carried[0, 1] = 0.05  # page 1: slots 4-7
+    oracle = oracle_class(False, group=3, share=0.1)
+    oracle.start([10, 11, 12], [11], question=60)
+    oracle.phase = "question"
+    chosen, valid = choice()
+    _, got_valid = oracle.visit(archive_of(64, carried=carried), chosen, valid, torch.tensor([[50]]))
+    assert got_valid[0].tolist() == [True, True, True, True, True, False, False, False]
+    heads, recalled = oracle.question_detail(1)
+    assert heads == [] and recalled == 5.0  # no passkey digit (token 11) among S and the 5 recalled
