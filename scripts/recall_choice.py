@@ -28,6 +28,10 @@ pages and blocks can be compared without reading again. Variants (`--variants`, 
 - `-firstN` (with any score): only the choice's first N slots (its best pages) are recalled, the rest of R
   left empty; `-shareN`: only pages holding at least N/1000 of the KV head's carried page scores (a head
   whose mass no page stands out in recalls nothing);
+- `-gvoteN`: every head's R starts with the N pages the whole model votes for (each (layer, KV head) gives
+  each page its share of the head's carried score; the latest call of every layer counts), then the head's
+  own choice (`-firstM`: its first M slots only); `-rvoteN`: the same, only the six best retrieval heads of
+  `retrieval_heads_2048.json` voting;
 - `@field=value` (after any of the above, repeatable): a `PageArchive` setting for the question and answer,
   e.g. `p16@chunk_weight=8@carry=0.95`, or `@recall_place=contiguous` (the reading keeps `--policy`'s);
 - `oracle`: the needle sentence's archived tokens forced into every head's recall slots (what a perfect
@@ -60,6 +64,8 @@ from recall_probe import needle_tokens
 from h2o_cli.cache.recall.archive import PageArchive
 
 CHOOSE, CHOOSE_ONE = PageArchive.choose, PageArchive.choose_one
+RETRIEVAL_HEADS = Path(__file__).resolve().parents[1] / "docs/results/recall/retrieval_heads_2048.json"
+VOTERS = 6  # `-rvoteN`: the best KV heads of that ranking vote (those copying at least a fifth of the digits)
 
 
 def regroup(archive: PageArchive, page_size: int) -> None:
@@ -303,9 +309,17 @@ def main() -> None:
                             setattr(layer.archive, field, type(getattr(layer.archive, field))(float(value)))
                 first = [int(extra[5:]) for extra in extras if extra.startswith("first")]
                 share = [int(extra[5:]) / 1000 for extra in extras if extra.startswith("share")]
-                choice({extra for extra in extras if not extra.startswith(("first", "share"))})
+                vote = [int(extra[5:]) for extra in extras if extra.startswith(("gvote", "rvote"))]
+                choice(
+                    {extra for extra in extras if not extra.startswith(("first", "share", "gvote", "rvote"))}
+                )
                 rest = int(name[6:]) if forced and name[6:] else (first or [None])[0]
-                oracle = Oracle(forced, group, rest, (share or [0.0])[0])
+                oracle = Oracle(forced, group, rest, (share or [0.0])[0], (vote or [0])[0])
+                if any(extra.startswith("rvote") for extra in extras):  # the retrieval heads vote
+                    oracle.voters = defaultdict(list)
+                    for row in json.loads(RETRIEVAL_HEADS.read_text())["ranked"][:VOTERS]:
+                        oracle.voters[row["layer"]].append(row["kv_head"])
+                    oracle.layer_of = {id(layer.archive): n for n, layer in enumerate(cache.layers)}
                 # oracle@layers=A:B: forced in layers A..B-1 only, the choice elsewhere
                 if "layers" in overrides:
                     first, last = map(int, overrides["layers"].split(":"))

@@ -35,8 +35,13 @@ class Oracle:
     the choice's slots stay (its first, the best pages; None: all); `share`: without `force`, only pages
     holding at least this share of the head's carried page scores stay (0: all)."""
 
-    def __init__(self, force: bool, group: int, rest: int | None = None, share: float = 0.0) -> None:
+    def __init__(
+        self, force: bool, group: int, rest: int | None = None, share: float = 0.0, vote_pages: int = 0
+    ) -> None:
         self.force, self.group, self.rest, self.share = force, group, rest, share
+        self.vote_pages, self.votes = vote_pages, {}
+        self.voters: dict[int, list[int]] | None = None  # layer -> KV heads that vote (None: every head)
+        self.layer_of: dict[int, int] = {}  # id(archive) -> layer number, for `voters`
         self.archives = None  # ids of the archives (layers) the needle is forced into; None: every one
         self.needle = self.key = torch.empty(0, dtype=torch.int64)
         self.question, self.phase, self.log = 0, "text", []
@@ -61,7 +66,7 @@ class Oracle:
 
     def start(self, needle: list[int], key: list[int], question: int) -> None:
         self.needle, self.key = torch.tensor(needle), torch.tensor(key)
-        self.question, self.phase, self.log = question, "text", []
+        self.question, self.phase, self.log, self.votes = question, "text", [], {}
 
     def only_in(self, archives: set[int]) -> None:
         """Force the needle only into these archives (`id`s: their layers); the others keep the choice."""
@@ -71,18 +76,47 @@ class Oracle:
         if self.force and (self.archives is None or id(archive) in self.archives):
             chosen, valid = self.forced(archive, chosen, valid, resident)
         elif (
-            not self.force and self.rest is not None
-        ):  # the choice's first `rest` slots only (its best pages)
+            not self.force and self.rest is not None and not self.vote_pages
+        ):  # the choice's first `rest` slots
             valid = valid & (torch.arange(valid.shape[1], device=valid.device) < self.rest)
         if not self.force and self.share:  # pages holding at least `share` of the head's carried score only
             scores = archive.carried.clamp_min(0)
             page_share = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-30)
             valid = valid & (page_share.gather(1, chosen // archive.page_size) >= self.share)
+        if not self.force and self.vote_pages:
+            chosen, valid = self.voted(archive, chosen, valid, resident)
         recalled = torch.where(valid, archive.token_index[chosen], -1)
         present = [torch.isin(self.key, torch.cat([resident[h], recalled[h]])) for h in range(len(chosen))]
         held = [bool(p.any()) for p in present]
         whole = [bool(p.all()) for p in present]
         self.log.append((self.phase, sum(held), len(held), sum(whole), held, valid.sum(dim=1).tolist()))
+        return chosen, valid
+
+    def voted(self, archive, chosen, valid, resident):
+        """Every head's R starts with the candidates of the `vote_pages` pages the whole model votes for: each
+        (layer, KV head) gives each page its share of the head's carried score, summed over the heads of every
+        layer's latest call (the layers before this one in this call, the others from the call before); then
+        the head's own choice (its first `rest` slots)."""
+        scores = archive.carried.clamp_min(0)
+        share = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-30)
+        if self.voters is not None:  # only the listed (layer, KV head) vote
+            share = share[self.voters.get(self.layer_of[id(archive)], [])]
+        self.votes[id(archive)] = share.sum(dim=0)
+        total = sum(self.votes.values())
+        size = archive.page_size
+        top = torch.topk(total, self.vote_pages)
+        pages = top.indices[top.values > 0]  # no vote yet (no voting layer read so far): none
+        slots = (pages.unsqueeze(1) * size + torch.arange(size)).flatten()
+        tokens = archive.token_index[slots]
+        given = valid.tolist()
+        chosen, valid = chosen.clone(), torch.zeros_like(valid)
+        for head in range(chosen.shape[0]):
+            usable = (tokens >= 0) & ~torch.isin(tokens, resident[head])
+            need = slots[usable].tolist()
+            own = [c for c, v in zip(chosen[head].tolist(), given[head], strict=True) if v and c not in need]
+            take = (need + own[: self.rest])[: chosen.shape[1]]
+            chosen[head, : len(take)] = torch.tensor(take, dtype=chosen.dtype)
+            valid[head, : len(take)] = True
         return chosen, valid
 
     def forced(self, archive, chosen, valid, resident):

@@ -86,3 +86,21 @@ def test_pages_by_share_of_the_carried_score(oracle_class):
     assert got_valid[0].tolist() == [True, True, True, True, True, False, False, False]
     heads, recalled = oracle.question_detail(1)
     assert heads == [] and recalled == 5.0  # no passkey digit (token 11) among S and the 5 recalled
+
+
+def test_model_vote_puts_the_same_pages_first_in_every_head(oracle_class):
+    """Two layers vote: each head gives each page its share of the head's carried score; the pages with the
+    most votes summed over both layers' heads lead every head's R, then the head's own choice."""
+    first, second = torch.zeros(2, 16), torch.zeros(2, 16)
+    first[0, 3], first[1, 5] = 1.0, 1.0  # layer A's two heads: page 3, page 5
+    second[0, 3], second[0, 7], second[1, 3] = 1.0, 3.0, 1.0  # layer B: page 7 (3/4), 3 (1/4); page 3
+    oracle = oracle_class(False, group=3, rest=2, vote_pages=1)
+    oracle.start([10, 11, 12], [11], question=60)
+    chosen, valid = torch.tensor([[40, 41, 42, 43, 0, 0]] * 2), torch.tensor([[True] * 4 + [False] * 2] * 2)
+    layer_a, layer_b = archive_of(64, carried=first), archive_of(64, carried=second)
+    oracle.visit(layer_a, chosen, valid, torch.tensor([[50], [50]]))
+    got, got_valid = oracle.visit(layer_b, chosen, valid, torch.tensor([[13], [50]]))
+    # Page 3 (slots 12-15): 1 + 1/4 + 1 = 2.25 votes, page 7: 3/4, page 5: 1. Head 0 holds token 13 in S.
+    assert got[0, :5].tolist() == [12, 14, 15, 40, 41]
+    assert got[1, :6].tolist() == [12, 13, 14, 15, 40, 41]
+    assert got_valid.sum(dim=1).tolist() == [5, 6]
