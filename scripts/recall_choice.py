@@ -31,7 +31,8 @@ pages and blocks can be compared without reading again. Variants (`--variants`, 
 - `-gvoteN`: every head's R starts with the N pages the whole model votes for (each (layer, KV head) gives
   each page its share of the head's carried score; the latest call of every layer counts), then the head's
   own choice (`-firstM`: its first M slots only); `-rvoteN`: the same, only the six best retrieval heads of
-  `retrieval_heads_2048.json` voting;
+  `retrieval_heads_2048.json` voting; `-mvoteN`: the N pages with the best share in any one head; `-twice` (with a vote): the question is
+  read twice, the second time with every layer's votes from the first (as a layer's own come too late);
 - `@field=value` (after any of the above, repeatable): a `PageArchive` setting for the question and answer,
   e.g. `p16@chunk_weight=8@carry=0.95`, or `@recall_place=contiguous` (the reading keeps `--policy`'s);
 - `oracle`: the needle sentence's archived tokens forced into every head's recall slots (what a perfect
@@ -65,6 +66,7 @@ from h2o_cli.cache.recall.archive import PageArchive
 
 CHOOSE, CHOOSE_ONE = PageArchive.choose, PageArchive.choose_one
 RETRIEVAL_HEADS = Path(__file__).resolve().parents[1] / "docs/results/recall/retrieval_heads_2048.json"
+VOTES = ("gvote", "rvote", "mvote")  # `-gvoteN`, `-rvoteN`, `-mvoteN`
 VOTERS = 6  # `-rvoteN`: the best KV heads of that ranking vote (those copying at least a fifth of the digits)
 
 
@@ -309,12 +311,13 @@ def main() -> None:
                             setattr(layer.archive, field, type(getattr(layer.archive, field))(float(value)))
                 first = [int(extra[5:]) for extra in extras if extra.startswith("first")]
                 share = [int(extra[5:]) / 1000 for extra in extras if extra.startswith("share")]
-                vote = [int(extra[5:]) for extra in extras if extra.startswith(("gvote", "rvote"))]
+                vote = [int(extra[5:]) for extra in extras if extra.startswith(VOTES)]
                 choice(
-                    {extra for extra in extras if not extra.startswith(("first", "share", "gvote", "rvote"))}
+                    {extra for extra in extras if not extra.startswith(("first", "share", "twice", *VOTES))}
                 )
                 rest = int(name[6:]) if forced and name[6:] else (first or [None])[0]
                 oracle = Oracle(forced, group, rest, (share or [0.0])[0], (vote or [0])[0])
+                oracle.vote_max = any(extra.startswith("mvote") for extra in extras)
                 if any(extra.startswith("rvote") for extra in extras):  # the retrieval heads vote
                     oracle.voters = defaultdict(list)
                     for row in json.loads(RETRIEVAL_HEADS.read_text())["ranked"][:VOTERS]:
@@ -328,6 +331,14 @@ def main() -> None:
                 oracle.phase = "question"
                 try:
                     started = time.perf_counter()
+                    if (
+                        "twice" in extras
+                    ):  # read the question, keep the votes, put the cache back, read it again
+                        prefill(model, cache, asking, settings.chunk)
+                        cache.restore(state)
+                        for layer in cache.layers:
+                            layer.archive._carried = layer.archive._held = None
+                        oracle.log.clear()
                     logits, _ = prefill(model, cache, asking, settings.chunk)
                     oracle.phase = "decode"
                     streamer = TextStreamer(tokenizer)

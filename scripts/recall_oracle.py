@@ -39,7 +39,7 @@ class Oracle:
         self, force: bool, group: int, rest: int | None = None, share: float = 0.0, vote_pages: int = 0
     ) -> None:
         self.force, self.group, self.rest, self.share = force, group, rest, share
-        self.vote_pages, self.votes = vote_pages, {}
+        self.vote_pages, self.votes, self.vote_max = vote_pages, {}, False
         self.voters: dict[int, list[int]] | None = None  # layer -> KV heads that vote (None: every head)
         self.layer_of: dict[int, int] = {}  # id(archive) -> layer number, for `voters`
         self.archives = None  # ids of the archives (layers) the needle is forced into; None: every one
@@ -101,9 +101,18 @@ class Oracle:
         share = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-30)
         if self.voters is not None:  # only the listed (layer, KV head) vote
             share = share[self.voters.get(self.layer_of[id(archive)], [])]
-        self.votes[id(archive)] = share.sum(dim=0)
-        total = sum(self.votes.values())
+        if self.vote_max:  # a page's vote: its best share in any head (of any layer)
+            self.votes[id(archive)] = share.amax(dim=0) if len(share) else torch.zeros(share.shape[1])
+            total = torch.stack(list(self.votes.values())).amax(dim=0)
+        else:
+            self.votes[id(archive)] = share.sum(dim=0)
+            total = sum(self.votes.values())
         size = archive.page_size
+        # Only pages with a candidate in some head (archived before the question, not in that head's S).
+        ring = archive.token_index.view(-1, size)
+        outside = (ring >= 0) & (ring < self.question)
+        outside = outside.unsqueeze(0) & ~torch.isin(ring, resident).unsqueeze(0)
+        total = total.masked_fill(~outside.any(dim=2).any(dim=0)[: total.shape[0]], 0.0)
         top = torch.topk(total, self.vote_pages)
         pages = top.indices[top.values > 0]  # no vote yet (no voting layer read so far): none
         slots = (pages.unsqueeze(1) * size + torch.arange(size)).flatten()
