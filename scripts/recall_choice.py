@@ -196,7 +196,7 @@ def save_state(cache, path: Path, tokens: int, seconds: float) -> None:
 
 def load_state(cache, path: Path) -> tuple[int, float]:
     """Put a `save_state` file into a fresh cache of the same settings; returns (tokens read, read seconds)."""
-    saved = torch.load(path)
+    saved = torch.load(path, mmap=True)  # copied into the cache: no second copy of a 128K archive in RAM
     for layer, archive in zip(cache.layers, saved["archives"], strict=True):
         for name in ARCHIVED:
             getattr(layer.archive, name).copy_(archive[name])
