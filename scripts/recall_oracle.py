@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 from recall_grid import MAX_NEW_TOKENS, QUESTION, haystacks, settings_of  # scripts/ on sys.path
-from recall_probe import needle_tokens
+from recall_probe import needle_tokens, steps_keep_valid_only
 
-from h2o_cli.cache.recall import layer as recall_layer
 from h2o_cli.cache.recall.archive import PageArchive
 
 
@@ -60,9 +59,7 @@ class Oracle:
             return self.visit(archive, chosen, valid, resident)
 
         PageArchive.choose, PageArchive.choose_one = chunk, step
-        # A step whose archive can fill every slot takes R as full and reads `chosen` whatever `valid` says:
-        # never so here, or `oracleN` would read the choice's slots past its N at every answer step.
-        recall_layer.recall_is_full = lambda held, length, slots: False
+        steps_keep_valid_only()  # or `oracleN` would read the choice's slots past its N at every answer step
 
     def start(self, needle: list[int], key: list[int], question: int) -> None:
         self.needle, self.key = torch.tensor(needle), torch.tensor(key)

@@ -26,7 +26,15 @@ import torch
 from recall_grid import MAX_NEW_TOKENS, NEEDLE, QUESTION, haystacks, settings_of  # scripts/ on sys.path
 
 from h2o_cli.cache.positions import rotate
+from h2o_cli.cache.recall import layer as recall_layer
 from h2o_cli.cache.recall.archive import PageArchive, best_page_bound
+
+
+def steps_keep_valid_only() -> None:
+    """For a wrapper that clears some of the choice's `valid` slots: every answer step then reads only the slots
+    `valid` keeps. (A step whose archive can fill every recall slot takes R as full and reads `chosen` whatever
+    `valid` says, which the page choice itself never contradicts.)"""
+    recall_layer.recall_is_full = lambda held, length, slots: False
 
 
 def needle_tokens(tokenizer, text: str, key: str, head: int) -> tuple[list[int], list[int]]:

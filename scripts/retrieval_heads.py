@@ -24,11 +24,10 @@ from pathlib import Path
 
 import torch
 from recall_grid import MAX_NEW_TOKENS, QUESTION, haystacks  # scripts/ on sys.path
-from recall_probe import needle_tokens
+from recall_probe import needle_tokens, steps_keep_valid_only
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import repeat_kv
 
-import h2o_cli.cache.recall.layer as recall_layer
 from h2o_cli.cache.recall.archive import PageArchive
 
 TOP: list[torch.Tensor] = []  # per layer call of a one-token step: [n_heads] index of the strongest key
@@ -98,9 +97,7 @@ class RecallHeads:
             return self.only(archive, *choose_one(archive, *args, **kwargs))
 
         PageArchive.choose, PageArchive.choose_one = chunk, step
-        # A step whose archive can fill every slot takes R as full and reads `chosen` whatever `valid` says:
-        # never so here, or the heads that do not recall would recall at every answer step.
-        recall_layer.recall_is_full = lambda held, length, slots: False
+        steps_keep_valid_only()  # or the heads that do not recall would recall at every answer step
 
     def attach(self, cache) -> None:
         """Each recalling layer's mask of the KV heads that recall, made once per cache."""
