@@ -48,7 +48,8 @@ class Oracle:
 
         def chunk(archive, query, resident, before, slots, chunk=1, question=False):
             chosen, valid = choose(archive, query, resident, before, slots, chunk, question=question)
-            if self.phase == "text" and before + query.shape[1] // self.group > self.question:
+            # The question's chunk: asked as one (`question`), or a chunk of `chunk` tokens reaching it.
+            if self.phase == "text" and (question or before + chunk > self.question):
                 self.phase = "question"
             if self.phase == "question":
                 chosen, valid = self.visit(archive, chosen, valid, resident)

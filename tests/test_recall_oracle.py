@@ -104,3 +104,24 @@ def test_model_vote_puts_the_same_pages_first_in_every_head(oracle_class):
     assert got[0, :5].tolist() == [12, 14, 15, 40, 41]
     assert got[1, :6].tolist() == [12, 13, 14, 15, 40, 41]
     assert got_valid.sum(dim=1).tolist() == [5, 6]
+
+
+@pytest.mark.parametrize(
+    ("before", "chunk", "question", "phase"),
+    [
+        (0, 32, False, "text"),  # a chunk of text before the question
+        (40, 32, False, "question"),  # a chunk of 32 reaching token 60, two of its tokens choosing
+        (40, 4, True, "question"),  # the question asked at the end of a longer chunk
+    ],
+)
+def test_question_chunk_found_by_its_tokens_not_its_choosing_ones(
+    oracle_class, monkeypatch, before, chunk, question, phase
+):
+    """The oracle forces the needle from the chunk that holds the question on, however few of that chunk's
+    tokens choose (`--choice-tokens`) and wherever the question starts inside it."""
+    monkeypatch.setattr(PageArchive, "choose", lambda *args, **kwargs: choice())
+    oracle = oracle_class(True, group=3)
+    oracle.start([10, 11, 12], [11], question=60)
+    query = torch.zeros(1, 3 * 2, 8)  # two of the chunk's tokens choose
+    PageArchive.choose(archive_of(64), query, torch.tensor([[50]]), before, 8, chunk, question=question)
+    assert oracle.phase == phase
