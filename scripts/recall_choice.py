@@ -31,7 +31,8 @@ pages and blocks can be compared without reading again. Variants (`--variants`, 
 - `-gvoteN`: every head's R starts with the N pages the whole model votes for (each (layer, KV head) gives
   each page its share of the head's carried score; the latest call of every layer counts), then the head's
   own choice (`-firstM`: its first M slots only); `-rvoteN`: the same, only the six best retrieval heads of
-  `retrieval_heads_2048.json` voting; `-mvoteN`: the N pages with the best share in any one head; `-twice` (with a vote): the question is
+  `retrieval_heads_2048.json` voting; `-lvoteN`: the best of them alone (the pages it ranks first lead every
+  head); `-mvoteN`: the N pages with the best share in any one head; `-twice` (with a vote): the question is
   read twice, the second time with every layer's votes from the first (as a layer's own come too late);
 - `@field=value` (after any of the above, repeatable): a `PageArchive` setting for the question and answer,
   e.g. `p16@chunk_weight=8@carry=0.95`, or `@recall_place=contiguous` (the reading keeps `--policy`'s);
@@ -41,6 +42,8 @@ pages and blocks can be compared without reading again. Variants (`--variants`, 
   the others).
 
 The question is read as its own chunk (as chat reads a new turn), then up to 12 tokens are generated.
+Each row lists the (layer.KV head) holding a pass-key digit at the question and, per head, the rank of the best
+page holding one by that head's carried score (`question_key_page_ranks`: 0 = the head's first page).
 
     python scripts/recall_choice.py --length 32768 --depth-list 10,30,50,70,90 --seeds 1 --budget-tokens 819 \
         --variants p4,p16,p32,p16-votes,oracle --out docs/results/recall/choice_32768.jsonl
@@ -66,7 +69,7 @@ from h2o_cli.cache.recall.archive import PageArchive
 
 CHOOSE, CHOOSE_ONE = PageArchive.choose, PageArchive.choose_one
 RETRIEVAL_HEADS = Path(__file__).resolve().parents[1] / "docs/results/recall/retrieval_heads_2048.json"
-VOTES = ("gvote", "rvote", "mvote")  # `-gvoteN`, `-rvoteN`, `-mvoteN`
+VOTES = ("gvote", "rvote", "mvote", "lvote")  # `-gvoteN`, `-rvoteN`, `-mvoteN`, `-lvoteN`
 VOTERS = 6  # `-rvoteN`: the best KV heads of that ranking vote (those copying at least a fifth of the digits)
 
 
@@ -318,9 +321,10 @@ def main() -> None:
                 rest = int(name[6:]) if forced and name[6:] else (first or [None])[0]
                 oracle = Oracle(forced, group, rest, (share or [0.0])[0], (vote or [0])[0])
                 oracle.vote_max = any(extra.startswith("mvote") for extra in extras)
-                if any(extra.startswith("rvote") for extra in extras):  # the retrieval heads vote
+                leads = any(extra.startswith("lvote") for extra in extras)  # the best one alone
+                if leads or any(extra.startswith("rvote") for extra in extras):  # the retrieval heads vote
                     oracle.voters = defaultdict(list)
-                    for row in json.loads(RETRIEVAL_HEADS.read_text())["ranked"][:VOTERS]:
+                    for row in json.loads(RETRIEVAL_HEADS.read_text())["ranked"][: 1 if leads else VOTERS]:
                         oracle.voters[row["layer"]].append(row["kv_head"])
                     oracle.layer_of = {id(layer.archive): n for n, layer in enumerate(cache.layers)}
                 # oracle@layers=A:B: forced in layers A..B-1 only, the choice elsewhere
@@ -358,6 +362,7 @@ def main() -> None:
                        "question_heads_with_key": question, "answer_heads_with_key": steps,
                        "answer_heads_with_every_digit": whole,
                        "question_key_heads": key_heads, "question_recalled": recalled,
+                       "question_key_page_ranks": oracle.question_key_ranks(len(cache.layers)),
                        "read_seconds": round(read_seconds, 1),
                        "answer_seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
                 print(json.dumps(row), flush=True)

@@ -87,8 +87,25 @@ class Oracle:
         present = [torch.isin(self.key, torch.cat([resident[h], recalled[h]])) for h in range(len(chosen))]
         held = [bool(p.any()) for p in present]
         whole = [bool(p.all()) for p in present]
-        self.log.append((self.phase, sum(held), len(held), sum(whole), held, valid.sum(dim=1).tolist()))
+        ranks = self.key_page_ranks(archive) if self.phase == "question" else None
+        self.log.append(
+            (self.phase, sum(held), len(held), sum(whole), held, valid.sum(dim=1).tolist(), ranks)
+        )
         return chosen, valid
+
+    def key_page_ranks(self, archive) -> list[int] | None:
+        """Per KV head, the rank (0 = best) of the best archived page holding a pass-key digit by the head's
+        carried page score: how many pages score above it. None without carried scores or an archived digit."""
+        carried = getattr(archive, "carried", None)
+        if carried is None or not len(self.key):
+            return None
+        slots = self.key % archive.capacity
+        pages = (slots[archive.token_index[slots] == self.key] // archive.page_size).unique()
+        pages = pages[pages < carried.shape[1]]
+        if not len(pages):
+            return None
+        best = carried[:, pages].amax(dim=1, keepdim=True)
+        return (carried > best).sum(dim=1).tolist()
 
     def voted(self, archive, chosen, valid, resident):
         """Every head's R starts with the candidates of the `vote_pages` pages the whole model votes for: each
@@ -151,6 +168,16 @@ class Oracle:
         ]
         counts = [count for row in rows for count in row[5]]
         return heads, round(sum(counts) / max(1, len(counts)), 1)
+
+    def question_key_ranks(self, layers: int) -> dict[str, int]:
+        """The question's last call: `key_page_ranks` of every (layer.KV head) that has them."""
+        rows = [row for row in self.log if row[0] == "question"][-layers:]
+        return {
+            f"{layer}.{head}": rank
+            for layer, row in enumerate(rows)
+            if row[6] is not None
+            for head, rank in enumerate(row[6])
+        }
 
     def shares(self, layers: int, column: int = 1) -> tuple[float, list[float]]:
         """Share of (layer, KV head) holding a digit token (`column` 3: every digit token): over the question's

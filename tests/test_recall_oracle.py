@@ -125,3 +125,18 @@ def test_question_chunk_found_by_its_tokens_not_its_choosing_ones(
     query = torch.zeros(1, 3 * 2, 8)  # two of the chunk's tokens choose
     PageArchive.choose(archive_of(64), query, torch.tensor([[50]]), before, 8, chunk, question=question)
     assert oracle.phase == phase
+
+
+def test_key_page_rank_counts_the_pages_scored_above_it(oracle_class):
+    """Head 0 scores two pages above the key's (page 2, tokens 8-11), head 1 none; the question's row has them."""
+    carried = torch.zeros(2, 16)
+    carried[0, [2, 5, 7, 9]] = torch.tensor([0.3, 0.5, 0.4, 0.1])
+    carried[1, [2, 5]] = torch.tensor([0.6, 0.2])
+    oracle = oracle_class(False, group=3)
+    oracle.start([10, 11, 12], [11], question=60)
+    oracle.phase = "question"
+    chosen, valid = choice()
+    oracle.visit(
+        archive_of(64, carried=carried), chosen.expand(2, -1), valid.expand(2, -1), torch.tensor([[50], [50]])
+    )
+    assert oracle.question_key_ranks(1) == {"0.0": 2, "0.1": 0}
