@@ -101,6 +101,10 @@ class CacheSettings:
         "index"  # recall, rolling: R ranked among S by token index, or in one block (contiguous)
     )
     recall_layers: str = "all"  # recall: the layers that recall (e.g. 6,17,18,20-23); the others keep S alone
+    recall_lead: str = (
+        "none"  # recall: after a question, every head recalls one head's best pages (L.H, auto)
+    )
+    lead_pages: int = 8  # recall, --recall-lead: how many of the lead head's best pages every head recalls
     page_score: str = "attention"  # recall: pages ranked by the attention they get, or by summary bounds (positional, unrotated)
     archive_max: int | str = (
         DEFAULT_ARCHIVE_MAX  # recall: tokens (131072) or bytes ("64MiB") the archive holds; then oldest dropped
@@ -151,6 +155,8 @@ class CacheSettings:
             self.step_shortlist,
             self.recall_place,
             self.recall_layers,
+            self.recall_lead,
+            self.lead_pages,
         )
         if self.is_resolved:
             make_policy(self)  # the policy checks its own parameters (budget, split, sinks, ...)

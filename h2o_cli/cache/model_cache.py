@@ -20,6 +20,7 @@ from h2o_cli.cache.layer import H2OLayer
 from h2o_cli.cache.positions import Rope
 from h2o_cli.cache.recall.archive import PageArchive
 from h2o_cli.cache.recall.layer import RecallLayer
+from h2o_cli.cache.recall.lead import LeadRanking
 from h2o_cli.cache.report import CacheReport, LayerSlots
 from h2o_cli.cache.step import DecodeMaps
 from h2o_cli.cache.store import LayerStore
@@ -27,6 +28,7 @@ from h2o_cli.cache.threads import DecodeThreads
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import ContextOverflowError, UsageError
 from h2o_cli.memory import ModelShape
+from h2o_cli.models.presets import calibrated_lead
 from h2o_cli.policies import make_policy
 
 
@@ -141,7 +143,21 @@ class H2OCache(Cache):
                 (layer, devices[number]) for number, layer in enumerate(layers) if number in recalling
             ]
             self._add_archives(recallers, policy, min(known) if known else None, dtype)
+        self.lead = self._lead_ranking(model, layers) if policy.recalls else None
         super().__init__(layers=layers)
+
+    def _lead_ranking(self, model, layers: list[H2OLayer]) -> LeadRanking | None:
+        """`--recall-lead`: the lead head's `LeadRanking`, given to every recalling layer; None without one."""
+        name = getattr(model, "h2o_name", None)
+        policy, shape = self._policy, self.shape
+        lead = policy.lead_head(shape.n_layers, shape.n_kv_heads, calibrated_lead(name), name or "this model")
+        if lead is None:
+            return None
+        ranking = LeadRanking(layers[lead[0]].archive, lead[1], policy.lead_pages)
+        for layer in layers:
+            if isinstance(layer, RecallLayer):
+                layer.lead = ranking
+        return ranking
 
     def _add_archives(
         self, recallers: list[tuple[RecallLayer, torch.device]], policy, span: int | None, dtype
@@ -212,10 +228,14 @@ class H2OCache(Cache):
         return list(found.values())
 
     @contextmanager
-    def asking(self, tokens: int) -> Iterator[None]:
+    def asking(self, tokens: int, again: bool = False) -> Iterator[None]:
         """Within: a forward's chunk whose last `tokens` tokens are a question (`streaming.AskingChunk`; 0: no
         question). A `recall` layer then chooses what to bring back with their queries alone, weighed as a
-        chunk of that many tokens (docs/spec.md, recall: choice); every other policy reads the chunk as ever."""
+        chunk of that many tokens (docs/spec.md, recall: choice); every other policy reads the chunk as ever.
+        With a lead head (`lead`) a question starts unranked: the layers below the lead recall nothing until
+        it is read `again` (after `restore`), with the ranking of the first read (`streaming.prefill`)."""
+        if self.lead is not None and tokens > 1 and not again:
+            self.lead.ready = False
         for layer in self.layers:
             layer.asks = tokens
         try:

@@ -219,6 +219,24 @@ RecallLayers = Annotated[
         "model fewer pass keys found (docs/results.md).",
     ),
 ]
+RecallLead = Annotated[
+    str,
+    typer.Option(
+        "--recall-lead",
+        help="recall: after a question (stream --prompt), every head recalls only the pages one retrieval head "
+        "ranks best, and the question is read twice so the layers before it have its ranking: LAYER.HEAD "
+        "(from 0), auto (the model's calibrated head; the embedded model's is 18.2), or none. Past the window "
+        "it finds pass keys today's choice misses (docs/results.md).",
+    ),
+]
+LeadPages = Annotated[
+    int,
+    typer.Option(
+        "--lead-pages",
+        help="recall, --recall-lead: how many of the lead head's best pages every head recalls (at most "
+        "--recall-ratio of the budget in tokens).",
+    ),
+]
 ChoiceTokens = Annotated[
     int,
     typer.Option(
@@ -332,6 +350,8 @@ CACHE_OPTIONS = {
     "choice_tokens": ChoiceTokens,
     "recall_place": RecallPlace,
     "recall_layers": RecallLayers,
+    "recall_lead": RecallLead,
+    "lead_pages": LeadPages,
     "page_score": PageScore,
     "archive_max": ArchiveMax,
     "archive": Archive,

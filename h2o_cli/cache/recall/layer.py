@@ -14,6 +14,7 @@ from h2o_cli.cache.layer import STEPS, Call, CallPath, H2OLayer, query_weights
 from h2o_cli.cache.positions import placed_order, rolling_positions, rotate, unrotate
 from h2o_cli.cache.recall.archive import PageArchive
 from h2o_cli.cache.recall.c_step import RecallCStep
+from h2o_cli.cache.recall.lead import LeadRanking
 from h2o_cli.cache.recall.step import RecallCounts, recall_is_full, rolling_step_positions
 from h2o_cli.cache.step import step_attention
 from h2o_cli.errors import UsageError
@@ -49,6 +50,8 @@ class RecallLayer(H2OLayer):
     step_keys_by_map = False
     fused_kernels = False  # the Triton kernels know nothing of the recall slots
     asks = 0  # the current chunk's last `asks` tokens are a question: their queries alone choose (H2OCache.asking)
+    lead: LeadRanking | None = None  # `--recall-lead`: the ranking every head recalls from after a question
+    answering = False  # with a lead: from a question to the next chunk of text (its pages are recalled)
 
     def add_archive(
         self,
@@ -119,7 +122,13 @@ class RecallLayer(H2OLayer):
         chunk, store, decay = query.shape[1], self.store, self.policy.decay_per_query
         n_kv, active, first = store.n_kv_heads, store.active, store.tokens_seen - chunk
         slots, hits = self.recall_index.shape[1], 0
-        if slots:  # pass 1: the chunk's queries choose archived tokens, read back into the recall slots
+        if self.lead is not None and (self.asks > 1 or chunk > 1):  # a question starts an answer,
+            self.answering = self.asks > 1  # and a chunk of text ends it
+        leading = self.answering and self.lead.archive is not self.archive
+        if slots and leading:  # the lead's pages (docs/spec.md, recall: lead head); this layer scores none
+            chosen, valid = self.lead.choose(self.archive, store.token_index[:, :active], first, slots)
+            hits = self._read_back(chosen, valid)
+        elif slots:  # pass 1: the chunk's queries choose archived tokens, read back into the recall slots
             # A question ending the chunk (H2OCache.asking) chooses with its own queries alone; a chunk of
             # text with at most `choice_tokens` of its tokens' (evenly spaced, its last among them). A question
             # scores every archived page.
@@ -130,6 +139,9 @@ class RecallLayer(H2OLayer):
             chosen, valid = self.archive.choose(
                 grouped, store.token_index[:, :active], first, slots, weighed, question=asked
             )
+            if self.answering:  # the lead layer: its scores are carried now, every head takes its pages
+                self.lead.ready = True
+                chosen, valid = self.lead.choose(self.archive, store.token_index[:, :active], first, slots)
             hits = self._read_back(chosen, valid)
         self.counts.add((self.recall_index >= 0).sum(), hits)
         # Pass 2: E_q = S ∪ R ∪ {chunk tokens <= q}; R is older than the chunk, so every query sees all of it.
@@ -178,8 +190,12 @@ class RecallLayer(H2OLayer):
         active, n_kv, head_dim = store.active, store.n_kv_heads, store.head_dim  # active == length: packed
         resident = store.token_index[:, :active]
         slots = self.recall_index.shape[1]
-        full = recall_is_full(archive.held(), store.length, slots)
-        if slots:
+        full = not self.answering and recall_is_full(archive.held(), store.length, slots)
+        if slots and self.answering:
+            self._lead_scores(query, call)
+            chosen, valid = self.lead.choose(archive, resident, store.tokens_seen - 1, slots)
+            self.counts.add(valid.sum(), self._read_back(chosen, valid))
+        elif slots:
             page_query = self._step_page_query(query, call.cos, call.sin)
             chosen, valid = archive.choose_one(page_query, resident, slots)
             hits = self._read_back(chosen, valid, full)
@@ -209,11 +225,15 @@ class RecallLayer(H2OLayer):
 
     def prepare_fixed(self) -> None:
         """As `H2OLayer.prepare_fixed`, with room for the recall slots' positions, the page score's mean
-        rotation taken once, and the statistics kept on the device. A file archive, or original positions
-        with `--page-score positional` (whose distances grow with the tokens seen), cannot take the fixed
-        step: `UsageError`."""
+        rotation taken once, and the statistics kept on the device. A file archive, original positions
+        with `--page-score positional` (whose distances grow with the tokens seen), or a lead head cannot
+        take the fixed step: `UsageError`."""
         super().prepare_fixed()
         policy, archive, device = self.policy, self.archive, self.store.keys.device
+        if self.lead is not None:
+            raise UsageError(
+                "the fixed decode step (--compile) does not take a lead head yet: --recall-lead none"
+            )
         if archive.region is not None:
             raise UsageError(
                 "the fixed decode step (--compile) needs the recall archive in RAM: --archive ram"
@@ -305,7 +325,16 @@ class RecallLayer(H2OLayer):
         store, policy = self.store, self.policy
         buffers = self._c_buffers
         most = 0  # recall slots of the fullest head
-        if self.recall_index.shape[1]:
+        slots = self.recall_index.shape[1]
+        if slots and self.answering:  # the lead's pages, chosen and read by torch; C attends over them
+            self._lead_scores(query, call, buffers.scores)
+            resident = store.token_index.masked_fill(~store.valid, -1)
+            chosen, valid = self.lead.choose(self.archive, resident, store.tokens_seen, slots)
+            hits = self._read_back(chosen, valid)
+            buffers.counts.copy_(valid.sum(dim=1))
+            most = int(buffers.counts.max())
+            self.counts.add(int(buffers.counts.sum()), hits)
+        elif slots:
             bounds = buffers.scores.bounds(self._step_page_query(query, call.cos, call.sin))
             recalled, hits = buffers.choose(bounds)
             most = buffers.most
@@ -328,6 +357,14 @@ class RecallLayer(H2OLayer):
             entries=position + 1,
         )
         return output.to(query.dtype).view(1, 1, -1, store.head_dim)
+
+    def _lead_scores(self, query: torch.Tensor, call: Call, scores=None) -> None:
+        """An answer step of the lead layer: carry its page scores on (`PageArchive.step_bounds`, or the C
+        step's `StepScores.bounds`) for the ranking every layer reads; any other layer scores nothing."""
+        if self.lead.archive is self.archive:
+            page_query = self._step_page_query(query, call.cos, call.sin)
+            (scores.bounds if scores is not None else self.archive.step_bounds)(page_query)
+            self.lead.ready = True
 
     @property
     def _contiguous(self) -> bool:
@@ -405,6 +442,7 @@ class RecallLayer(H2OLayer):
 
     def reset(self) -> None:
         super().reset()
+        self.answering = False
         self.archive.reset()
         self.recall_index.fill_(-1)
         self.counts.reset()

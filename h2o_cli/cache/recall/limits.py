@@ -56,6 +56,41 @@ def recall_layer_list(setting: str, n_layers: int | None = None) -> tuple[int, .
     return tuple(sorted(layers))
 
 
+def recall_lead_head(
+    setting: str,
+    n_layers: int | None = None,
+    n_kv_heads: int | None = None,
+    calibrated: tuple[int, int] | None = None,
+    model: str = "this model",
+) -> tuple[int, int] | None:
+    """`--recall-lead`: the (layer, KV head) whose page ranking every head recalls from after a question, or
+    None for `none`. `auto` is the model's `calibrated` head (None until the model is known; a usage error for
+    a model without one); `LAYER.HEAD` names one, numbered from 0 (checked against the model once known)."""
+    text = str(setting).strip().lower()
+    if text == "none":
+        return None
+    if text == "auto":
+        if n_layers is not None and calibrated is None:
+            raise UsageError(
+                f"--recall-lead auto: {model} has no calibrated lead head; name one as LAYER.HEAD "
+                "(scripts/retrieval_heads.py ranks them) or give --recall-lead none"
+            )
+        return calibrated
+    match = re.fullmatch(r"(\d+)\.(\d+)", text)
+    if not match:
+        raise UsageError(
+            f"--recall-lead {setting!r}: give none, auto, or a layer and KV head from 0 as LAYER.HEAD, e.g. 18.2"
+        )
+    layer, head = int(match[1]), int(match[2])
+    if n_layers is not None and layer >= n_layers:
+        raise UsageError(f"--recall-lead {setting}: the model has {n_layers} layers (0-{n_layers - 1})")
+    if n_kv_heads is not None and head >= n_kv_heads:
+        raise UsageError(
+            f"--recall-lead {setting}: the model has {n_kv_heads} KV heads a layer (0-{n_kv_heads - 1})"
+        )
+    return layer, head
+
+
 def step_pages(shortlist: int, step_shortlist: int) -> int:
     """The pages an answer step scores (its carried best): `--step-shortlist`, or `--shortlist` for 0; 0
     (every page) when `--shortlist` is 0."""
@@ -77,11 +112,13 @@ def check_recall_options(
     step_shortlist: int = 0,
     recall_place: str = "index",
     recall_layers: str = "all",
+    recall_lead: str = "none",
+    lead_pages: int = 8,
 ) -> None:
     """One-line usage errors for `--recall-ratio`, `--page-size`, `--archive-max`, `--archive`,
     `--archive-bits`, `--page-score`, `--block-size`, `--shortlist`, `--page-carry`, `--chunk-weight`,
-    `--choice-tokens`, `--step-shortlist`, `--recall-place`, `--recall-layers` (whatever the policy; the layers
-    against the model when the cache is built). A cap in bytes is checked
+    `--choice-tokens`, `--step-shortlist`, `--recall-place`, `--recall-layers`, `--recall-lead`, `--lead-pages`
+    (whatever the policy; the layers and the lead head against the model when the cache is built). A cap in bytes is checked
     against a page when the cache is built."""
     if not 0 <= recall_ratio <= 1:  # also NaN
         raise UsageError(f"--recall-ratio {recall_ratio} must lie in [0, 1]")
@@ -117,6 +154,14 @@ def check_recall_options(
     if recall_place not in RECALL_PLACES:
         raise UsageError(f"--recall-place {recall_place!r} is unknown; choose {', '.join(RECALL_PLACES)}")
     recall_layer_list(recall_layers)
+    if recall_lead_head(recall_lead) is not None or str(recall_lead).strip().lower() == "auto":
+        if page_score != "attention" or not page_carry:
+            raise UsageError(
+                f"--recall-lead {recall_lead} ranks pages by the lead head's carried attention: it needs "
+                "--page-score attention and --page-carry above 0 (the defaults)"
+            )
+    if lead_pages < 1:
+        raise UsageError(f"--lead-pages {lead_pages} must be at least 1 (pages of the lead head's ranking)")
 
 
 def summary_block(page_size: int, block_size: int | None) -> int:

@@ -1,0 +1,77 @@
+"""`--recall-lead`: after a question, every recalling head recalls the pages one head ranks best (docs/spec.md,
+recall: lead head).
+
+Past the model's window each head's own page choice mostly brings back digits and footnote marks, and the
+answer copies them; one retrieval head's ranking, given to every head, finds the fact (docs/results.md).
+`LeadRanking` is that ranking, shared by every `RecallLayer` of a cache: the lead layer updates its carried
+page scores at its own call, and every layer reads them when it chooses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from h2o_cli.cache.recall.archive import NOTHING, PageArchive, order_key
+
+
+class LeadRanking:
+    """The lead head's page ranking: KV head `head` of the layer whose archive is `archive` ranks ring pages
+    by its carried attention scores (`PageArchive.carried`), and every recalling head takes its candidates of
+    the best `pages` of them.
+
+    A layer below the lead reads the ranking of the lead layer's latest call (the question's first read, or
+    the answer step before); `ready` is False from a new question until the lead layer has read it, and a
+    layer recalls nothing while it is."""
+
+    def __init__(self, archive: PageArchive, head: int, pages: int) -> None:
+        self.archive, self.head, self.pages = archive, head, pages
+        self.ready = False
+
+    def choose(
+        self, archive: PageArchive, resident: torch.Tensor, before: int, slots: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pass 1 of a recall step under the lead: up to `slots` archived tokens per KV head of one layer.
+
+        archive: the layer's own (its ring holds the same tokens in the same slots as the lead's); resident:
+        [n_kv_heads, n] token indices of S (-1 = empty); `before`: the call's first token. A candidate is an
+        archived token older than `before` not in the head's S. The lead's best `pages` ring pages (larger
+        carried score first, ties the older page) among those with a positive score and a candidate in some
+        head; each head's candidates of them in that order, oldest first inside a page. Returns archive slots
+        [n_kv_heads, slots] and which of them hold a chosen token, as `PageArchive.choose` (all invalid while
+        the ranking is not `ready`)."""
+        n_kv, size, device = archive.n_kv_heads, archive.page_size, resident.device
+        chosen = torch.zeros(n_kv, slots, dtype=torch.int64, device=device)
+        valid = torch.zeros(n_kv, slots, dtype=torch.bool, device=device)
+        used = min(archive.pages, -(-archive.tokens // size))
+        if not self.ready or not used or not slots:
+            return chosen, valid
+        lead = self.archive
+        page_start = lead.token_index.view(lead.pages, size)[:used, 0]
+        score = lead.carried[self.head, :used].to(device)
+        key = order_key(score, page_start.to(device), (page_start != NOTHING).to(device) & (score > 0))
+        held = resident.sort(dim=1).values
+        offsets = torch.arange(size, device=device)
+        # The best pages rarely lack a candidate (the recent window, held by every head): look at a few more
+        # than `pages`, and at twice as many until enough have one or every page is looked at.
+        look = min(used, 2 * self.pages + 16)
+        while True:
+            ranked = torch.topk(key, look, sorted=True)
+            pages = ranked.indices[ranked.values > torch.iinfo(torch.int64).min]
+            in_order = (pages.unsqueeze(1) * size + offsets).flatten()  # [pages * size] ring slots
+            tokens = archive.token_index[in_order].to(device)
+            place = torch.searchsorted(held, tokens.expand(n_kv, -1).contiguous())
+            in_s = held.gather(1, place.clamp_max_(held.shape[1] - 1)) == tokens
+            usable = (tokens >= 0) & (tokens < before) & ~in_s  # [n_kv, pages * size]
+            with_candidate = usable.view(n_kv, -1, size).any(dim=2).any(dim=0)  # [pages]
+            if int(with_candidate.sum()) >= self.pages or look == used:
+                break
+            look = min(used, 2 * look)
+        keep = with_candidate.nonzero().flatten()[: self.pages]
+        columns = (keep.unsqueeze(1) * size + offsets).flatten()
+        in_order, usable = in_order[columns], usable[:, columns]
+        # Each head's usable slots first, in reading order (a stable sort of "not usable").
+        order = torch.sort((~usable).to(torch.int8), dim=1, stable=True).indices[:, :slots]
+        count = order.shape[1]
+        chosen[:, :count] = in_order[order]
+        valid[:, :count] = usable.gather(1, order)
+        return chosen, valid
