@@ -1,0 +1,201 @@
+"""`recall --recall-lead` (docs/spec.md, recall: lead head): after a question every recalling head recalls the
+candidates of the lead head's best pages. Checked call by call against a plain-Python ranking of the same
+inputs (the lead's carried scores, the archive's ring, each head's resident set), with the ranking a layer
+below the lead reads taken from the lead layer's call before; the question read twice; the C step against
+the torch step; and the usage errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config
+from h2o_kernels import native
+
+from h2o_cli.cache import H2OCache
+from h2o_cli.cache.recall.lead import LeadRanking
+from h2o_cli.config import CacheSettings
+from h2o_cli.errors import UsageError
+from h2o_cli.generation import Sampling, generate_ids
+from h2o_cli.models.presets import calibrated_lead
+from h2o_cli.prompting import NewChunk
+from h2o_cli.streaming import prefill
+
+LEAD = "1.1"  # the tiny model's second layer, KV head 1: layer 0 reads its ranking of the call before
+TEXT, QUESTION, ANSWER = 230, 6, 8
+CHOOSE = LeadRanking.choose
+
+
+def lead_settings(kernels: str = "torch", **extra) -> CacheSettings:
+    return CacheSettings(
+        budget=40, policy="recall", chunk=16, page_size=4, archive_max=512, recall_lead=LEAD, lead_pages=3,
+        kernels=kernels, **extra,
+    )  # fmt: skip
+
+
+def expected_tokens(
+    ring: list[int], scores: list[float], resident, before: int, slots: int, pages: int, size: int
+):
+    """Each head's recalled token indices by the contract, in plain Python: ring pages holding a page (its first
+    slot written) with a positive lead score and, for some head, a candidate (an archived token older than
+    `before` not in that head's S), by score (ties: the older page), the best `pages`; each head's candidates
+    of them in that order, oldest first in a page, the first `slots`."""
+    heads = [set(row) - {-1} for row in resident]
+
+    def candidate(slot: int, head: int) -> bool:
+        return 0 <= ring[slot] < before and ring[slot] not in heads[head]
+
+    ranked = [
+        page
+        for page in range(len(ring) // size)
+        if ring[page * size] != -1
+        and scores[page] > 0
+        and any(
+            candidate(slot, head)
+            for slot in range(page * size, page * size + size)
+            for head in range(len(heads))
+        )
+    ]
+    ranked.sort(key=lambda page: (-scores[page], ring[page * size]))
+    top = ranked[:pages]
+    return [
+        [
+            ring[slot]
+            for page in top
+            for slot in range(page * size, page * size + size)
+            if candidate(slot, head)
+        ][:slots]
+        for head in range(len(heads))
+    ]
+
+
+def answer_with_lead(model, settings: CacheSettings, monkeypatch) -> tuple[list[dict], H2OCache, list[int]]:
+    """Text, a question, a greedy answer through a lead cache; every `LeadRanking.choose` call recorded with
+    its inputs and what it chose (token indices per head)."""
+    calls: list[dict] = []
+
+    def recorded(self, archive, resident, before, slots):
+        chosen, valid = CHOOSE(self, archive, resident, before, slots)
+        tokens = torch.where(valid, archive.token_index[chosen], -1)
+        calls.append(
+            dict(
+                lead=archive is self.archive, ready=self.ready, before=before, slots=slots,
+                ring=archive.token_index.tolist(), scores=self.archive.carried[self.head].tolist(),
+                resident=resident.tolist(), chosen=[[t for t in row if t >= 0] for row in tokens.tolist()],
+            )
+        )  # fmt: skip
+        return chosen, valid
+
+    monkeypatch.setattr(LeadRanking, "choose", recorded)
+    generator = torch.Generator().manual_seed(3)
+    text = torch.randint(0, 128, (TEXT,), generator=generator).tolist()
+    question = NewChunk(torch.randint(0, 128, (QUESTION,), generator=generator).tolist())
+    cache = H2OCache(model, settings)
+    logits, stats = prefill(model, cache, [text, question], settings.chunk)
+    stats.reraise()
+    answer = list(generate_ids(model, cache, logits, Sampling(max_new_tokens=ANSWER)))
+    return calls, cache, answer
+
+
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_every_head_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch, kernels):
+    if kernels == "native" and native.compiler() is None:
+        pytest.skip("no C compiler")
+    _, model = tiny_pair
+    settings = lead_settings(kernels)
+    calls, cache, answer = answer_with_lead(model, settings, monkeypatch)
+    slots = cache.policy.recall_slots
+    # The text chooses as ever; the question (read twice) and each answer step ask the lead, in both layers.
+    assert len(calls) == 2 * (2 + ANSWER) and len(answer) == ANSWER
+    assert [call["lead"] for call in calls] == [False, True] * (len(calls) // 2)
+    assert not calls[0]["ready"] and calls[0]["chosen"] == [[], []]  # the first read: layer 0 has no ranking
+    recalled = 0
+    for number, call in enumerate(calls):
+        if not call["ready"]:
+            continue
+        wanted = expected_tokens(call["ring"], call["scores"], call["resident"], call["before"], slots, 3, 4)
+        assert call["chosen"] == wanted, number
+        recalled += sum(map(len, wanted))
+        if not call["lead"]:  # layer 0 reads the lead layer's ranking of the call before
+            assert call["scores"] == calls[number - 1]["scores"], number
+        # The question ends the chunk of the text's last tokens (`chunks_of`); then a step per answer token.
+        first = TEXT // settings.chunk * settings.chunk if number < 4 else TEXT + QUESTION + number // 2 - 2
+        assert call["before"] == first, number
+    assert recalled > 0
+    # Read twice, archived once.
+    assert cache.tokens_seen == TEXT + QUESTION + ANSWER
+    assert all(layer.archive.tokens == cache.tokens_seen for layer in cache.layers)
+
+
+def test_a_chunk_of_text_ends_the_answer(tiny_pair, monkeypatch):
+    _, model = tiny_pair
+    calls, cache, _ = answer_with_lead(model, lead_settings(), monkeypatch)
+    count = len(calls)
+    more = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():  # a new turn of text: each layer's own choice again
+        model(input_ids=more, cache=cache, use_cache=True)
+    assert len(calls) == count and not any(layer.answering for layer in cache.layers)
+
+
+def test_the_c_step_recalls_as_the_torch_step(tiny_pair, monkeypatch):
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    _, model = tiny_pair
+    runs = [answer_with_lead(model, lead_settings(kernels), monkeypatch) for kernels in ("torch", "native")]
+    (torch_calls, _, torch_answer), (c_calls, c_cache, c_answer) = runs
+    assert c_answer == torch_answer
+    assert [call["chosen"] for call in c_calls] == [call["chosen"] for call in torch_calls]
+    assert any(layer._c_buffers is not None for layer in c_cache.layers)
+
+
+@pytest.mark.parametrize(
+    ("values", "words"),
+    [
+        (
+            dict(recall_lead="18"),
+            "--recall-lead '18': give none, auto, or a layer and KV head from 0 as LAYER.HEAD",
+        ),
+        (
+            dict(recall_lead="1.1", page_score="positional"),
+            "it needs --page-score attention and --page-carry",
+        ),
+        (dict(recall_lead="auto", page_carry=0.0), "it needs --page-score attention and --page-carry"),
+        (dict(recall_lead="1.1", lead_pages=0), "--lead-pages 0 must be at least 1"),
+    ],
+)
+def test_bad_lead_settings_are_usage_errors(values, words):
+    with pytest.raises(UsageError, match=words):
+        CacheSettings(**{"budget": 64, "policy": "recall", **values})
+
+
+@pytest.mark.parametrize(
+    ("values", "words"),
+    [
+        (dict(recall_lead="2.0"), r"--recall-lead 2.0: the model has 2 layers \(0-1\)"),
+        (dict(recall_lead="1.2"), r"--recall-lead 1.2: the model has 2 KV heads a layer \(0-1\)"),
+        (dict(recall_lead="auto"), "--recall-lead auto: this model has no calibrated lead head; name one"),
+        (dict(recall_lead="1.0", recall_layers="0"), "--recall-lead 1.0: layer 1 does not recall"),
+    ],
+)
+def test_a_lead_the_model_lacks_is_a_usage_error(values, words):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(tiny_config()).eval()
+    with pytest.raises(UsageError, match=words):
+        H2OCache(model, CacheSettings(budget=16, chunk=8, policy="recall", **values))
+
+
+def test_the_fixed_step_refuses_a_lead(tiny_pair):
+    _, model = tiny_pair
+    cache = H2OCache(model, lead_settings())
+    with pytest.raises(UsageError, match="--compile.*--recall-lead none"):
+        cache.fix_steps()
+
+
+def test_the_embedded_model_has_a_calibrated_lead():
+    for name in (
+        "smollm2-135m",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ):
+        assert calibrated_lead(name) == (18, 2), name
+    assert calibrated_lead("llama-7b") is None and calibrated_lead("/tmp/my-model") is None
