@@ -101,9 +101,7 @@ class CacheSettings:
         "index"  # recall, rolling: R ranked among S by token index, or in one block (contiguous)
     )
     recall_layers: str = "all"  # recall: the layers that recall (e.g. 6,17,18,20-23); the others keep S alone
-    recall_lead: str = (
-        "none"  # recall: after a question, every head recalls one head's best pages (L.H, auto)
-    )
+    recall_lead: str = "auto"  # recall: after a question, every head recalls one head's best pages
     lead_pages: int = 8  # recall, --recall-lead: how many of the lead head's best pages every head recalls
     page_score: str = "attention"  # recall: pages ranked by the attention they get, or by summary bounds (positional, unrotated)
     archive_max: int | str = (

@@ -6,6 +6,8 @@ the torch step; and the usage errors."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import tiny_config
@@ -158,7 +160,7 @@ def test_the_c_step_recalls_as_the_torch_step(tiny_pair, monkeypatch):
             dict(recall_lead="1.1", page_score="positional"),
             "it needs --page-score attention and --page-carry",
         ),
-        (dict(recall_lead="auto", page_carry=0.0), "it needs --page-score attention and --page-carry"),
+        (dict(recall_lead="1.1", page_carry=0.0), "it needs --page-score attention and --page-carry"),
         (dict(recall_lead="1.1", lead_pages=0), "--lead-pages 0 must be at least 1"),
     ],
 )
@@ -172,7 +174,6 @@ def test_bad_lead_settings_are_usage_errors(values, words):
     [
         (dict(recall_lead="2.0"), r"--recall-lead 2.0: the model has 2 layers \(0-1\)"),
         (dict(recall_lead="1.2"), r"--recall-lead 1.2: the model has 2 KV heads a layer \(0-1\)"),
-        (dict(recall_lead="auto"), "--recall-lead auto: this model has no calibrated lead head; name one"),
         (dict(recall_lead="1.0", recall_layers="0"), "--recall-lead 1.0: layer 1 does not recall"),
     ],
 )
@@ -184,11 +185,37 @@ def test_a_lead_the_model_lacks_is_a_usage_error(values, words):
         H2OCache(model, CacheSettings(budget=16, chunk=8, policy="recall", **values))
 
 
+def test_auto_is_the_models_calibrated_lead_where_pages_carry_attention(tiny_pair, monkeypatch):
+    _, model = tiny_pair
+    settings = CacheSettings(budget=40, policy="recall", chunk=16, page_size=4)  # recall_lead auto
+    assert H2OCache(model, settings).lead is None  # a model without a calibrated head: each head's own choice
+    monkeypatch.setattr(
+        model, "h2o_lead_head", (1, 0), raising=False
+    )  # as `load_model` sets it from a preset
+    cache = H2OCache(model, settings)
+    assert (cache.lead.layer, cache.lead.head) == (1, 0) and cache.lead.archive is cache.layers[1].archive
+    assert all(layer.lead is cache.lead for layer in cache.layers)
+    assert cache.archive_summary()["recall_lead"] == "1.0"
+    for other in (
+        dict(page_score="unrotated"),
+        dict(page_carry=0.0),
+        dict(recall_layers="0"),
+        dict(recall_lead="none"),
+    ):
+        assert H2OCache(model, replace(settings, **other)).lead is None, other
+
+
 def test_the_fixed_step_refuses_a_lead(tiny_pair):
     _, model = tiny_pair
     cache = H2OCache(model, lead_settings())
-    with pytest.raises(UsageError, match="--compile.*--recall-lead none"):
+    with pytest.raises(UsageError, match="--compile.*--recall-lead 1.1 needs none"):
         cache.fix_steps()
+    with pytest.MonkeyPatch.context() as patch:  # `auto` leaves its lead out for the fixed step
+        patch.setattr(model, "h2o_lead_head", (1, 1), raising=False)
+        cache = H2OCache(model, replace(lead_settings(), recall_lead="auto"))
+        assert cache.lead is not None
+        cache.fix_steps()
+        assert cache.lead is None and all(layer.lead is None for layer in cache.layers)
 
 
 def test_the_embedded_model_has_a_calibrated_lead():

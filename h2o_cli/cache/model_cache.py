@@ -28,7 +28,6 @@ from h2o_cli.cache.threads import DecodeThreads
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import ContextOverflowError, UsageError
 from h2o_cli.memory import ModelShape
-from h2o_cli.models.presets import calibrated_lead
 from h2o_cli.policies import make_policy
 
 
@@ -147,13 +146,15 @@ class H2OCache(Cache):
         super().__init__(layers=layers)
 
     def _lead_ranking(self, model, layers: list[H2OLayer]) -> LeadRanking | None:
-        """`--recall-lead`: the lead head's `LeadRanking`, given to every recalling layer; None without one."""
-        name = getattr(model, "h2o_name", None)
+        """`--recall-lead`: the lead head's `LeadRanking`, given to every recalling layer; None without one. `auto`
+        takes the model's `h2o_lead_head` (what `h2o_cli.models.load_model` sets from its preset)."""
+        calibrated = getattr(model, "h2o_lead_head", None)
         policy, shape = self._policy, self.shape
-        lead = policy.lead_head(shape.n_layers, shape.n_kv_heads, calibrated_lead(name), name or "this model")
+        name = getattr(model, "h2o_name", None) or "this model"
+        lead = policy.lead_head(shape.n_layers, shape.n_kv_heads, calibrated, name)
         if lead is None:
             return None
-        ranking = LeadRanking(layers[lead[0]].archive, lead[1], policy.lead_pages)
+        ranking = LeadRanking(layers[lead[0]].archive, lead[1], policy.lead_pages, lead[0])
         for layer in layers:
             if isinstance(layer, RecallLayer):
                 layer.lead = ranking
@@ -200,7 +201,13 @@ class H2OCache(Cache):
     def fix_steps(self) -> None:
         """Prepare the fixed decode step (h2o_cli.cache.fixed_step), which `fixed_step` then switches on: check
         that this cache can take it and size the RoPE tables once for the largest position it can reach (so a
-        captured step never regrows them). Raises `UsageError` where it cannot run."""
+        captured step never regrows them). Raises `UsageError` where it cannot run. The fixed step takes no lead
+        head: `--recall-lead auto` leaves it out here, a named one is a `UsageError`."""
+        if self.lead is not None and self._policy.recall_lead.strip().lower() == "auto":
+            self.lead = None
+            for layer in self.layers:
+                if isinstance(layer, RecallLayer):
+                    layer.lead, layer.answering = None, False
         for layer in self.layers:
             store = layer.store
             if store.compute_dtype not in FIXED_DTYPES:
@@ -365,7 +372,7 @@ class H2OCache(Cache):
         `archive_bytes` (all layers, preallocated) = `archive_ram_bytes` (token index, summaries, and the K/V of
         a RAM archive) + `archive_disk_bytes` (the K/V of a file archive); `archive_token_bytes` per token;
         `archive_tokens` (tokens held), `archive_reach` = `archive_oldest` (the oldest token still recallable);
-        `recall_slots` and their bytes; `choice_bytes` (what the page choice keeps in RAM beside them: carried
+        `recall_slots` and their bytes; `recall_lead` (the lead head as LAYER.HEAD, or none); `choice_bytes` (what the page choice keeps in RAM beside them: carried
         scores, section summaries, the shortlist's held keys, scratch); `recalled_per_step` (tokens per KV head,
         mean over layers and steps), of which `recall_hits` were already in the recall slots and
         `archive_reads_per_step` were read."""
@@ -391,6 +398,7 @@ class H2OCache(Cache):
             "archive_reach": archive.oldest,
             "archive_oldest": archive.oldest,
             "recall_slots": self.policy.recall_slots,
+            "recall_lead": "none" if self.lead is None else f"{self.lead.layer}.{self.lead.head}",
             "recall_slot_bytes": sum(
                 tensor.nbytes
                 for layer in layers

@@ -5,7 +5,7 @@ from __future__ import annotations
 from h2o_cli.cache.families import SUPPORTED_FAMILIES
 from h2o_cli.errors import UnsupportedModelError, UsageError
 from h2o_cli.models.device import pick_device, pick_dtype
-from h2o_cli.models.presets import DEFAULT_MODEL
+from h2o_cli.models.presets import DEFAULT_MODEL, calibrated_lead
 from h2o_cli.models.quant import quant_backend, quantization_config, torch_int8
 from h2o_cli.models.sources import load_config, local_folder, not_found, offline, resolve
 from h2o_cli.private import h2o_home, private_folder
@@ -68,6 +68,7 @@ def load_model(
         model = torch_int8(model)
     model.eval()
     model.h2o_name = name
+    model.h2o_lead_head = calibrated_lead(name)  # what `--recall-lead auto` names (h2o_cli.cache)
     model.h2o_quant = quant
     model.h2o_quant_backend = backend
     enable(model)

@@ -38,7 +38,7 @@ class RecallPolicy(HeavyHitterPolicy):
     page_score: str = "attention"
     recall_place: str = "index"
     recall_layers: str = "all"
-    recall_lead: str = "none"
+    recall_lead: str = "auto"
     lead_pages: int = 8
 
     def __post_init__(self) -> None:
@@ -109,7 +109,16 @@ class RecallPolicy(HeavyHitterPolicy):
         self, n_layers: int, n_kv_heads: int, calibrated: tuple[int, int] | None, model: str
     ) -> tuple[int, int] | None:
         """The (layer, KV head) of `--recall-lead` for a model of `n_layers` layers and `n_kv_heads` KV heads
-        (`calibrated`: the model's own, for `auto`), or None; it must be a recalling layer."""
+        (`calibrated`: the model's own, for `auto`), or None; it must be a recalling layer. `auto` names none
+        where pages are not ranked by carried attention (`--page-score`, `--page-carry 0`) or its layer does
+        not recall."""
+        if self.recall_lead.strip().lower() == "auto" and (
+            self.page_score != "attention"
+            or not self.page_carry
+            or calibrated is None
+            or calibrated[0] not in self.recalling_layers(n_layers)
+        ):
+            return None
         lead = recall_lead_head(self.recall_lead, n_layers, n_kv_heads, calibrated, model)
         if lead is not None and lead[0] not in self.recalling_layers(n_layers):
             raise UsageError(

@@ -232,7 +232,8 @@ class RecallLayer(H2OLayer):
         policy, archive, device = self.policy, self.archive, self.store.keys.device
         if self.lead is not None:
             raise UsageError(
-                "the fixed decode step (--compile) does not take a lead head yet: --recall-lead none"
+                f"the fixed decode step (--compile) does not take a lead head yet: --recall-lead "
+                f"{self.policy.recall_lead} needs none (or auto, which leaves it out)"
             )
         if archive.region is not None:
             raise UsageError(

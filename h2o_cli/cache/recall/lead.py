@@ -17,14 +17,14 @@ from h2o_cli.cache.recall.archive import NOTHING, PageArchive, order_key
 class LeadRanking:
     """The lead head's page ranking: KV head `head` of the layer whose archive is `archive` ranks ring pages
     by its carried attention scores (`PageArchive.carried`), and every recalling head takes its candidates of
-    the best `pages` of them.
+    the best `pages` of them; `layer` is that layer's number.
 
     A layer below the lead reads the ranking of the lead layer's latest call (the question's first read, or
     the answer step before); `ready` is False from a new question until the lead layer has read it, and a
     layer recalls nothing while it is."""
 
-    def __init__(self, archive: PageArchive, head: int, pages: int) -> None:
-        self.archive, self.head, self.pages = archive, head, pages
+    def __init__(self, archive: PageArchive, head: int, pages: int, layer: int = 0) -> None:
+        self.archive, self.head, self.pages, self.layer = archive, head, pages, layer
         self.ready = False
 
     def choose(

@@ -64,17 +64,12 @@ def recall_lead_head(
     model: str = "this model",
 ) -> tuple[int, int] | None:
     """`--recall-lead`: the (layer, KV head) whose page ranking every head recalls from after a question, or
-    None for `none`. `auto` is the model's `calibrated` head (None until the model is known; a usage error for
-    a model without one); `LAYER.HEAD` names one, numbered from 0 (checked against the model once known)."""
+    None for `none`. `auto` is the model's `calibrated` head, or None for a model without one; `LAYER.HEAD`
+    names one, numbered from 0 (checked against the model once known)."""
     text = str(setting).strip().lower()
     if text == "none":
         return None
     if text == "auto":
-        if n_layers is not None and calibrated is None:
-            raise UsageError(
-                f"--recall-lead auto: {model} has no calibrated lead head; name one as LAYER.HEAD "
-                "(scripts/retrieval_heads.py ranks them) or give --recall-lead none"
-            )
         return calibrated
     match = re.fullmatch(r"(\d+)\.(\d+)", text)
     if not match:
@@ -154,7 +149,7 @@ def check_recall_options(
     if recall_place not in RECALL_PLACES:
         raise UsageError(f"--recall-place {recall_place!r} is unknown; choose {', '.join(RECALL_PLACES)}")
     recall_layer_list(recall_layers)
-    if recall_lead_head(recall_lead) is not None or str(recall_lead).strip().lower() == "auto":
+    if recall_lead_head(recall_lead) is not None:  # `auto` leaves a lead out where the scores do not carry
         if page_score != "attention" or not page_carry:
             raise UsageError(
                 f"--recall-lead {recall_lead} ranks pages by the lead head's carried attention: it needs "
