@@ -26,21 +26,25 @@ from recall_grid import settings_of  # scripts/ is on sys.path when run as a scr
 from h2o_cli.cache import H2OCache
 from h2o_cli.generation import Sampling, generate_ids
 from h2o_cli.models import load_model
+from h2o_cli.prompting import NewChunk
 from h2o_cli.streaming import prefill
 
 BOOK = Path("gutenberg_books/war_and_peace_pg2600.txt")
 
 
 def read(
-    model, ids: list[int], spec: str, budget: int, chunk: int, decode: int
+    model, ids: list[int], spec: str, budget: int, chunk: int, decode: int, question: list[int] | None = None
 ) -> tuple[H2OCache, object, float]:
-    """Stream `ids` into a new cache for `spec`. Returns the cache, the last logits and the read's tokens/s."""
+    """Stream `ids` (then `question`, as `h2o stream --prompt` asks one) into a new cache for `spec`. Returns
+    the cache, the last logits and the read's tokens/s (the question's tokens counted)."""
     # The archive sized to the text, as `h2o stream FILE` sizes it (in RAM up to 1 GiB, as there)
-    cache = H2OCache(model, settings_of(spec, budget, chunk), span=len(ids) + decode)
+    pieces = [ids] + ([NewChunk(question)] if question else [])
+    tokens = sum(map(len, pieces))
+    cache = H2OCache(model, settings_of(spec, budget, chunk), span=tokens + decode)
     started = time.perf_counter()
-    logits, stats = prefill(model, cache, [ids], chunk)
+    logits, stats = prefill(model, cache, pieces, chunk)
     stats.reraise()
-    return cache, logits, len(ids) / (time.perf_counter() - started)
+    return cache, logits, tokens / (time.perf_counter() - started)
 
 
 def interleaved_decode(model, states: dict, decode: int, block: int) -> dict[str, list[float]]:
@@ -72,18 +76,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--runs", nargs="+", default=["h2o", "recall"])
     parser.add_argument("--book", type=Path, default=None)
+    parser.add_argument(
+        "--question",
+        default=None,
+        help="end the read with this question, as `h2o stream --prompt` asks one (a recall lead head then answers)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     book = args.book or Path(os.environ.get("H2O_DATA", "../shared/data")) / BOOK
     model, tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32")
     ids = tokenizer(book.read_text(encoding="utf-8")[: args.context * 8])["input_ids"][: args.context]
+    question = tokenizer(args.question, add_special_tokens=False)["input_ids"] if args.question else None
     reads: dict[str, list[float]] = {spec: [] for spec in args.runs}
     decodes: dict[str, list[float]] = {spec: [] for spec in args.runs}
     load = os.getloadavg()[0]
     for _ in range(args.rounds):
         states = {}
         for spec in args.runs:
-            cache, logits, speed = read(model, ids, spec, args.budget, args.chunk, args.decode + 1)
+            cache, logits, speed = read(model, ids, spec, args.budget, args.chunk, args.decode + 1, question)
             states[spec] = (cache, logits)
             reads[spec].append(speed)
         for spec, speeds in interleaved_decode(model, states, args.decode, args.block).items():
@@ -92,7 +102,7 @@ def main() -> None:
     base = args.runs[0]
     print(f"`python scripts/bench_recall.py --context {args.context} --budget {args.budget} --chunk {args.chunk} "
           f"--decode {args.decode} --block {args.block} --rounds {args.rounds} --threads {args.threads} "
-          f"--runs {' '.join(args.runs)}` — {platform.processor() or platform.machine()}, torch threads "
+          f"--runs {' '.join(args.runs)}" + (f" --question {args.question!r}" if args.question else "") + f"` — {platform.processor() or platform.machine()}, torch threads "
           f"{args.threads}, load average {load:.1f} at the start; reads: median over rounds; decode: median over "
           "blocks, and of the per-block ratios (interquartile range)\n")  # fmt: skip
     print(f"| run | read tok/s (chunk {args.chunk}) | vs {base} | decode tok/s | vs {base} |")
