@@ -171,17 +171,15 @@ def prefill(
         for ids in chunks_of(pieces, chunk, max_tokens):
             input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
             asks = getattr(ids, "asks", 0)
-            if asks > 1 and isinstance(cache, H2OCache) and cache.lead is not None:
-                # Read the question once for the lead head's ranking, put the cache back, read it again.
+            asking = asks and isinstance(cache, H2OCache)
+            again = asking and asks > 1 and cache.lead is not None
+            if again:  # read the question once for the lead head's ranking, put the cache back, read it again
                 state = cache.state()
                 with cache.asking(asks):
                     model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
                 cache.restore(state)
-                with cache.asking(asks, again=True):
-                    output = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-            else:
-                with cache.asking(asks) if asks and isinstance(cache, H2OCache) else nullcontext():
-                    output = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            with cache.asking(asks, again=again) if asking else nullcontext():
+                output = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
             last = output.logits[0, -1].float()
             stats.tokens += len(ids)
             stats.seconds = time.perf_counter() - stats.started

@@ -203,7 +203,7 @@ class H2OCache(Cache):
         that this cache can take it and size the RoPE tables once for the largest position it can reach (so a
         captured step never regrows them). Raises `UsageError` where it cannot run. The fixed step takes no lead
         head: `--recall-lead auto` leaves it out here, a named one is a `UsageError`."""
-        if self.lead is not None and self._policy.recall_lead.strip().lower() == "auto":
+        if self.lead is not None and self._policy.lead_auto:
             self.lead = None
             for layer in self.layers:
                 if isinstance(layer, RecallLayer):

@@ -105,6 +105,11 @@ class RecallPolicy(HeavyHitterPolicy):
         S alone: `h2o` with budget `resident` (what a recalling layer is with R empty), and no archive."""
         return recall_layer_list(self.recall_layers, n_layers)
 
+    @property
+    def lead_auto(self) -> bool:
+        """Whether `--recall-lead` is `auto` (the model's calibrated head, where it can lead)."""
+        return self.recall_lead.strip().lower() == "auto"
+
     def lead_head(
         self, n_layers: int, n_kv_heads: int, calibrated: tuple[int, int] | None, model: str
     ) -> tuple[int, int] | None:
@@ -112,7 +117,7 @@ class RecallPolicy(HeavyHitterPolicy):
         (`calibrated`: the model's own, for `auto`), or None; it must be a recalling layer. `auto` names none
         where pages are not ranked by carried attention (`--page-score`, `--page-carry 0`) or its layer does
         not recall."""
-        if self.recall_lead.strip().lower() == "auto" and (
+        if self.lead_auto and (
             self.page_score != "attention"
             or not self.page_carry
             or calibrated is None

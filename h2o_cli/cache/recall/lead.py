@@ -42,7 +42,7 @@ class LeadRanking:
         n_kv, size, device = archive.n_kv_heads, archive.page_size, resident.device
         chosen = torch.zeros(n_kv, slots, dtype=torch.int64, device=device)
         valid = torch.zeros(n_kv, slots, dtype=torch.bool, device=device)
-        used = min(archive.pages, -(-archive.tokens // size))
+        used = archive.span // size
         if not self.ready or not used or not slots:
             return chosen, valid
         lead = self.archive
