@@ -38,7 +38,7 @@ def main() -> int:
     from rich.console import Console
 
     from h2o_cli.chat import ChatSession, take_snapshot
-    from h2o_cli.cli.chat import CHAT_CHUNK
+    from h2o_cli.cli.chat import default_chunk
     from h2o_cli.cli.common import quiet_transformers
     from h2o_cli.cli.panel import PanelView, render_panel
     from h2o_cli.config import CacheSettings
@@ -47,7 +47,7 @@ def main() -> int:
 
     quiet_transformers()
     model, tokenizer = load_model(args.model)
-    settings = CacheSettings(budget=args.budget, policy=args.policy, chunk=CHAT_CHUNK)
+    settings = CacheSettings(budget=args.budget, policy=args.policy, chunk=default_chunk(args.policy))
     session = ChatSession(
         model, tokenizer, settings.resolved(context_window(model)), Sampling(max_new_tokens=args.new_tokens)
     )

@@ -107,7 +107,7 @@ def code_tokens(session, code: str) -> list[int]:
 
 def main() -> None:
     from h2o_cli.chat import ChatSession
-    from h2o_cli.cli.chat import CHAT_CHUNK
+    from h2o_cli.cli.chat import default_chunk
     from h2o_cli.config import CacheSettings
     from h2o_cli.eval.data import data_dir
     from h2o_cli.models import load_model
@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--question", default=QUESTION)
     parser.add_argument("--out", type=Path)
     parser.add_argument(
-        "--chunk", type=int, default=CHAT_CHUNK, help="the cache's chunk (`h2o chat`'s default)"
+        "--chunk", type=int, default=None, help="the cache's chunk (default: `h2o chat`'s for the policy)"
     )
     parser.add_argument(
         "--reply-tokens", type=int, default=32, help="most tokens of each reply to a book turn"
@@ -137,7 +137,8 @@ def main() -> None:
     ids = tokenizer((data_dir() / BOOK).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
     offset = rng.randrange(0, len(ids) - 2 * args.tokens)
     for policy in args.policies.split(","):
-        settings = CacheSettings(budget=args.budget, policy=policy, chunk=args.chunk)
+        chunk = args.chunk or default_chunk(policy)
+        settings = CacheSettings(budget=args.budget, policy=policy, chunk=chunk)
         session = ChatSession(model, tokenizer, settings)
         started, probes = time.perf_counter(), []
 
@@ -149,7 +150,7 @@ def main() -> None:
             session, ids[offset:], tokenizer, args.tokens, args.turn_tokens, code, args.fact, args.question,
             watch if args.probe and policy == "recall" else None, args.reply_tokens,
         )  # fmt: skip
-        row = {"policy": policy, "budget": args.budget, "chunk": args.chunk, "seed": args.seed, "fact": args.fact, "code": code, "answer": said,
+        row = {"policy": policy, "budget": args.budget, "chunk": chunk, "seed": args.seed, "fact": args.fact, "code": code, "answer": said,
                "correct": code in said, "tokens_read": session.cache.tokens_seen, "book_turns": turns,
                "reply_tokens": args.reply_tokens, "replies": replies[:3],
                "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip

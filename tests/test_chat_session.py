@@ -194,3 +194,51 @@ def test_failed_policy_change_keeps_the_conversation(tiny_chat, home_dir):
 def home_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("H2O_HOME", str(tmp_path))
     return tmp_path
+
+
+def test_turn_parts_split_a_message_at_its_last_paragraph(smollm):
+    from h2o_cli.chat.framing import turn_parts, turn_text
+
+    _, tokenizer = smollm
+    history = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    message = "First part of a text.\n\nSecond part.\n\nWhat did the text say?\n"
+    text, question = turn_parts(tokenizer, "Be brief.", history, message)
+    assert text + question == turn_text(tokenizer, "Be brief.", history, message)
+    assert text.endswith("Second part.\n\n") and question.startswith("What did the text say?")
+    assert "First part" in text and "<|im_start|>assistant" in question
+    one = turn_parts(tokenizer, None, [], "Name a colour.")
+    assert one == ("", turn_text(tokenizer, None, [], "Name a colour."))
+
+
+def test_a_recall_chat_asks_each_turns_question_and_the_lead_ranks_the_answer(tiny_chat, monkeypatch):
+    """Each user turn's last paragraph (with the assistant header) is read as a question, as `h2o stream
+    --prompt` reads one: a `recall` cache chooses with it, and with a lead head every answer step takes the
+    lead's pages; the text of the turn and the end-of-turn text are read as text."""
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.cache.recall.lead import LeadRanking
+    from h2o_cli.chat.framing import turn_parts
+    from h2o_cli.cli.chat import default_chunk
+
+    model, tokenizer = tiny_chat
+    asked, chosen = [], []
+    asking, choose = H2OCache.asking, LeadRanking.choose
+    monkeypatch.setattr(H2OCache, "asking", lambda self, tokens, again=False: (
+        asked.append((tokens, again)), asking(self, tokens, again))[1])  # fmt: skip
+    monkeypatch.setattr(
+        LeadRanking, "choose", lambda self, *a: (chosen.append(self.ready), choose(self, *a))[1]
+    )
+    settings = CacheSettings(budget=24, policy="recall", chunk=default_chunk("recall") // 2, page_size=4,
+                             recall_lead="1.1", lead_pages=2)  # fmt: skip
+    session = ChatSession(model, tokenizer, settings, Sampling(5))
+    assert session.cache.lead is not None
+    message = f"{WORDS}\n\nWhat ran past the mill?"
+    _, question = turn_parts(tokenizer, None, [], message)
+    session.ask(message)
+    # The question's tokens, read twice (the lead's ranking, then the kept read); the turn's text is not asked.
+    ids = tokenizer(question, add_special_tokens=False)["input_ids"]
+    assert asked == [(len(ids), False), (len(ids), True)]
+    assert chosen and any(chosen)  # the lead ranked what every head recalled while answering
+    count = len(chosen)
+    session.ask("And then?")
+    assert asked[-2:] == [(asked[-1][0], False), (asked[-1][0], True)] and len(chosen) > count
+    assert len(session.ids) == session.cache.tokens_seen

@@ -226,3 +226,46 @@ def test_the_embedded_model_has_a_calibrated_lead():
     ):
         assert calibrated_lead(name) == (18, 2), name
     assert calibrated_lead("llama-7b") is None and calibrated_lead("/tmp/my-model") is None
+
+
+def read_calls(
+    model, settings: CacheSettings, reads: list[tuple[list[int], int]]
+) -> tuple[list, torch.Tensor]:
+    """Forward calls through a fresh cache, each (ids, question tokens ending them) read by `prefill` (an asking
+    chunk twice with a lead). Returns layer 0's chunk attends as (size, asks), and the last logits [vocab]."""
+    from h2o_cli.cache.recall.layer import RecallLayer
+
+    seen, attend = [], RecallLayer._chunk_attend
+    cache = H2OCache(model, settings)
+
+    def recorded(self, query, scaling):
+        if self is cache.layers[0]:
+            seen.append((query.shape[1], self.asks))
+        return attend(self, query, scaling)
+
+    logits = None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RecallLayer, "_chunk_attend", recorded)
+        for ids, asks in reads:
+            pieces = [ids[: len(ids) - asks], NewChunk(ids[len(ids) - asks :])] if asks else [ids]
+            logits, stats = prefill(model, cache, [piece for piece in pieces if piece], 256)
+            stats.reraise()
+    return seen, logits
+
+
+@pytest.mark.parametrize("lead", [LEAD, "none"])
+def test_a_question_cut_by_the_free_slots_is_read_whole(tiny_pair, lead):
+    """A call longer than the free slots is read in sub-chunks; one ending in a question ends its text where the
+    question starts, so the question is a sub-chunk of its own (its queries choose, the lead ranks): the same
+    reads as the text and the question sent as two calls."""
+    _, model = tiny_pair
+    settings = replace(lead_settings(), recall_lead=lead)  # budget 40: 16 slots free once full
+    ids = torch.randint(0, 128, (118,), generator=torch.Generator().manual_seed(5)).tolist()
+    text, more, question = ids[:100], ids[100:112], ids[112:]  # then 12 + 6 tokens: more than 16
+    reads = 2 if lead != "none" else 1  # with a lead the question's call is read twice
+    one, one_logits = read_calls(model, settings, [(text, 0), (more + question, len(question))])
+    two, two_logits = read_calls(model, settings, [(text, 0), (more, 0), (question, len(question))])
+    assert one[-2 * reads :] == [(12, 0), (6, 6)] * reads
+    assert two[-1 - reads :] == [(12, 0)] + [(6, 6)] * reads
+    # The model's own layers run on 18 rows instead of 12 and 6: float32 rounding, nothing else.
+    torch.testing.assert_close(one_logits, two_logits, rtol=1e-5, atol=1e-5)

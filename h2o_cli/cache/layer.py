@@ -68,6 +68,7 @@ class H2OLayer(CacheLayerMixin):
     is_compileable = False
     step_keys_by_map = True  # the decode step unrotates the new keys by a matmul (False: as the chunk path)
     fused_kernels = True  # the chunk path may run on the Triton kernels
+    asks = 0  # the call's last `asks` tokens are a question (H2OCache.asking): only `recall` reads it
 
     def __init__(
         self,
@@ -221,7 +222,10 @@ class H2OLayer(CacheLayerMixin):
 
         query: [1, n_heads, chunk, head_dim] rotated by the model. Returns [1, chunk, n_heads, head_dim].
         A call longer than the free slots is processed in sub-chunks that fit (write, attend, accumulate,
-        evict, next), exactly as if the caller had sent those smaller chunks: the buffers never grow.
+        evict, next), exactly as if the caller had sent those smaller chunks: the buffers never grow. A
+        question ending the call (`asks`, read by `recall` layers only) is not cut there: the text before it
+        ends a sub-chunk where the question starts, and the question is a sub-chunk of its own when it fits
+        the free slots (else it is read as text); the sub-chunks before it are text (`asks` 0).
         """
         call, self._call = self._call, None
         if call.path is CallPath.FIXED_STEP:
@@ -237,14 +241,21 @@ class H2OLayer(CacheLayerMixin):
         attend_written = self._triton_attend if call.path is CallPath.TRITON else self._chunk_attend
         cos, sin = call.cos.to(query.dtype), call.sin.to(query.dtype)
         query = unrotate(query[0], cos, sin)  # [n_heads, chunk, head_dim]
-        outputs, start = [], 0
-        while start < call.chunk:
-            size = min(call.chunk - start, store.slots - store.length)
-            assert size > 0, "eviction leaves at least the spare slots free"
-            part = slice(start, start + size)
-            store.write(call.keys[:, part], call.values[:, part])
-            outputs.append(attend_written(query[:, part].contiguous(), scaling))
-            start += size
+        outputs, start, asks = [], 0, self.asks
+        question = call.chunk - asks if self.policy.recalls else 0  # the offset where the question starts
+        try:
+            while start < call.chunk:
+                size = min(call.chunk - start, store.slots - store.length)
+                assert size > 0, "eviction leaves at least the spare slots free"
+                if start < question < start + size < call.chunk:
+                    size = question - start  # end the text where the question starts
+                self.asks = asks if start + size == call.chunk and size >= asks else 0
+                part = slice(start, start + size)
+                store.write(call.keys[:, part], call.values[:, part])
+                outputs.append(attend_written(query[:, part].contiguous(), scaling))
+                start += size
+        finally:
+            self.asks = asks
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     def _new_position(self) -> int:

@@ -39,6 +39,20 @@ def turn_text(tokenizer, system: str | None, history: list[dict], user_text: str
     return head + user_text + after
 
 
+def turn_parts(tokenizer, system: str | None, history: list[dict], user_text: str) -> tuple[str, str]:
+    """`turn_text` in two: (text, question). The question is the message's last paragraph (after its last
+    blank line; the whole message when it has none) with the assistant header: what a `recall` cache chooses
+    with, as `h2o stream --prompt` asks after a document. `text` is the rest ("" for a one-paragraph message)."""
+    whole = turn_text(tokenizer, system, history, user_text)
+    body = user_text.rstrip()
+    cut = body.rfind("\n\n")
+    if cut < 0:
+        return "", whole
+    start = whole.rfind(user_text)  # the message sits between the template's head and its tail
+    split = start + cut + 2 if start >= 0 else 0
+    return whole[:split], whole[split:]
+
+
 def answer_suffix(tokenizer, system: str | None) -> str:
     """Text the template puts after an assistant answer (`<|im_end|>\\n` for ChatML); fed to close a turn."""
     if not getattr(tokenizer, "chat_template", None):

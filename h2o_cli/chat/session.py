@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 
 from h2o_cli.cache import H2OCache
-from h2o_cli.chat.framing import answer_suffix, stop_ids, turn_text
+from h2o_cli.chat.framing import answer_suffix, stop_ids, turn_parts
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import InputError
 from h2o_cli.generation import Sampling, TextStreamer, generate_ids
 from h2o_cli.private import write_private
+from h2o_cli.prompting import NewChunk
 from h2o_cli.streaming import prefill
 
 # Tokens per forward call when feeding a turn. The cache attends them `settings.chunk` at a time (its spare
@@ -88,11 +89,12 @@ class ChatSession:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _feed(self, ids: list[int]) -> torch.Tensor | None:
-        """Run ids through the cache in chunks; returns the logits after the last one. A read cut short
-        (Ctrl-C, context overflow) raises: a turn is fed whole or the caller hears why."""
-        logits, stats = prefill(self.model, self.cache, [ids], FEED_CALL_TOKENS)
-        self.ids.extend(ids[: stats.tokens])
+    def _feed(self, pieces: list[list[int]]) -> torch.Tensor | None:
+        """Run id lists through the cache in chunks (a `NewChunk` piece is a question: `streaming.chunks_of`);
+        returns the logits after the last id. A read cut short (Ctrl-C, context overflow) raises: a turn is fed
+        whole or the caller hears why."""
+        logits, stats = prefill(self.model, self.cache, pieces, FEED_CALL_TOKENS)
+        self.ids.extend([token for piece in pieces for token in piece][: stats.tokens])
         stats.reraise()
         return logits
 
@@ -102,16 +104,19 @@ class ChatSession:
             raise InputError("empty message; type some text")
         self.stop_requested = False
         stats = self.last = AnswerStats()
-        new_text = turn_text(self.tokenizer, self.system, self.history, user_text)
-        prompt_ids = self._encode(new_text)
+        # The message's last paragraph and the assistant header are its question (chat.framing.turn_parts):
+        # a `recall` cache chooses what to bring back with their queries, as for `h2o stream --prompt`.
+        parts = [part for part in turn_parts(self.tokenizer, self.system, self.history, user_text) if part]
+        pieces = [self._encode(part) for part in parts]
         if not self.turns and not getattr(self.tokenizer, "chat_template", None):
-            prompt_ids = self.tokenizer(new_text)["input_ids"]  # plain text: the tokenizer's own BOS
+            pieces[0] = self.tokenizer(parts[0])["input_ids"]  # plain text: the tokenizer's own BOS
+        pieces[-1] = NewChunk(pieces[-1])
         started = time.perf_counter()
         user_turn = Turn("user", user_text, self.cache.tokens_seen)
         self.turns.append(user_turn)
-        logits = self._feed(prompt_ids)
+        logits = self._feed(pieces)
         user_turn.end = self.cache.tokens_seen
-        stats.prompt_tokens = len(prompt_ids)
+        stats.prompt_tokens = sum(map(len, pieces))
         stats.prefill_seconds = time.perf_counter() - started
         answer = Turn("assistant", "", self.cache.tokens_seen)
         self.turns.append(answer)
@@ -141,7 +146,7 @@ class ChatSession:
             stats.decode_seconds = time.perf_counter() - started
             answer.content = streamer.printed
             if self._suffix:
-                self._feed(self._encode(self._suffix))
+                self._feed([self._encode(self._suffix)])
             answer.end = self.cache.tokens_seen
             self.stop_requested = False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from typing import Annotated
 
 import typer
@@ -13,10 +14,26 @@ from h2o_cli.cli import options as opt
 from h2o_cli.cli.common import load
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import InputError
+from h2o_cli.policy_registry import policy_class
 
 # Spare cache slots beside the budget: a chat reads a turn in 256-token forward calls and the cache attends
 # them 16 at a time, so at budget 32 it holds 48 slots per head, not 288.
 CHAT_CHUNK = 16
+# With `recall` a turn's question (its last paragraph, up to this many tokens with the template) is read
+# whole, so its queries choose what comes back (docs/spec.md, recall: which queries choose; lead head).
+CHAT_RECALL_CHUNK = 64
+
+ChatChunk = Annotated[
+    int,
+    typer.Option(
+        "--chunk",
+        min=1,
+        help=f"Tokens the cache attends at a time: its spare slots beside the budget. Default {CHAT_CHUNK}, or "
+        f"{CHAT_RECALL_CHUNK} with --policy recall, so that a message's question (its last paragraph) is read "
+        "whole and chooses what recall brings back. budget + chunk must fit in the context window.",
+        show_default=False,
+    ),
+]
 
 EXAMPLES = """
 Examples:
@@ -29,8 +46,9 @@ Examples:
 """
 
 
-@opt.cache_options(budget=opt.DEFAULTS["budget"], chunk=CHAT_CHUNK)
+@opt.cache_options(options={"chunk": ChatChunk}, budget=opt.DEFAULTS["budget"], chunk=CHAT_CHUNK)
 def chat(
+    context: typer.Context,
     settings: CacheSettings,
     system: Annotated[str | None, typer.Option("--system", "-s", help="System message.")] = None,
     model: opt.Model = opt.DEFAULTS["model"],
@@ -68,6 +86,8 @@ def chat(
     message = _read_stdin() if one_shot else None
     lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant, device_map)
     settings = settings.resolved(context_window(lm))
+    if _default(context, "chunk"):
+        settings = replace(settings, chunk=default_chunk(settings.policy))
     session = ChatSession(lm, tokenizer, settings, sampling, system, compiled=compiled)
     if one_shot:
         try:
@@ -81,6 +101,18 @@ def chat(
 
     show_panel = not no_panel and sys.stderr.isatty() and sys.stdin.isatty()
     ChatLoop(session, show_panel, model).run()
+
+
+def default_chunk(policy: str) -> int:
+    """`h2o chat`'s `--chunk` when none is given: `CHAT_RECALL_CHUNK` for a policy that recalls, else
+    `CHAT_CHUNK`."""
+    return CHAT_RECALL_CHUNK if policy_class(policy).recalls else CHAT_CHUNK
+
+
+def _default(context: typer.Context, option: str) -> bool:
+    """Whether the command line left `option` at its default (not given, nor set from the environment)."""
+    source = context.get_parameter_source(option)
+    return source is None or source.name in ("DEFAULT", "DEFAULT_MAP")
 
 
 def _read_stdin() -> str:

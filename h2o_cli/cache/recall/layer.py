@@ -49,7 +49,6 @@ class RecallLayer(H2OLayer):
     # hence the page choice are bit for bit the chunk path's.
     step_keys_by_map = False
     fused_kernels = False  # the Triton kernels know nothing of the recall slots
-    asks = 0  # the current chunk's last `asks` tokens are a question: their queries alone choose (H2OCache.asking)
     lead: LeadRanking | None = None  # `--recall-lead`: the ranking every head recalls from after a question
     answering = False  # with a lead: from a question to the next chunk of text (its pages are recalled)
 
