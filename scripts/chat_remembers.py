@@ -36,9 +36,10 @@ def converse(session, book_ids: list[int], tokenizer, tokens: int, turn_tokens: 
     reply may take `reply_tokens`: cut shorter, the cut replies become a pattern the model repeats."""
     from h2o_cli.generation import Sampling
 
-    session.sampling = Sampling(max_new_tokens=8)
-    session.ask(fact.format(code=code))
+    # The fact's reply may take `reply_tokens` too: cut at 8 tokens, "The code of your locker is" (without the
+    # number) became the pattern the later replies and the answer copied.
     session.sampling = Sampling(max_new_tokens=reply_tokens)
+    session.ask(fact.format(code=code))
     start, turns, replies = 0, 0, []
     while session.cache.tokens_seen < tokens:
         part = tokenizer.decode(book_ids[start : start + turn_tokens])
