@@ -131,3 +131,25 @@ def test_full_cache_finds_the_needle_with_the_chat_prompt(smollm):
     cache = CachePool(model, CacheSettings(budget=0.2, policy="full")).cache_for(len(ids), 32)
     answer = greedy_answer(model, tokenizer, cache, ids, 32, 256, ("\n\n",))
     assert contains_answer(answer, NEEDLE_ANSWERS), answer
+
+
+def test_a_long_task_asks_its_question_after_the_document(smollm, monkeypatch):
+    """A long task reads the document, then its question as a question (as `h2o stream --prompt` asks one): a
+    `recall` cache chooses with the question's queries and its lead ranks the answer's pages."""
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.eval import runner
+    from h2o_cli.eval.long_tasks import LongExample
+    from h2o_cli.prompting import document_frame
+
+    model, tokenizer = smollm
+    before, after = document_frame(tokenizer, "Question: What is the pass key?\nAnswer:")
+    prompt = before + "The pass key is 71432. " + "The grass is green. " * 30 + after
+    monkeypatch.setattr(runner, "examples", lambda *a: iter([LongExample(prompt, ("71432",), question=after)]))
+    asked, asking = [], H2OCache.asking
+    monkeypatch.setattr(H2OCache, "asking", lambda self, tokens, again=False: (
+        asked.append((tokens, again)), asking(self, tokens, again))[1])  # fmt: skip
+    settings = CacheSettings(budget=64, policy="recall", chunk=64)
+    (row,) = runner.run_long(model, tokenizer, "hotpotqa", settings, 1, None)
+    question = len(tokenizer(after, add_special_tokens=False)["input_ids"])
+    assert asked == [(question, False), (question, True)]  # read twice: the lead ranks, then the kept read
+    assert row["n"] == 1

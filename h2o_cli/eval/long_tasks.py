@@ -3,7 +3,9 @@
 - `hotpotqa`: 10-document HotpotQA distractor questions in the lost-in-the-middle QA prompt.
 - `kv-retrieval`: lost-in-the-middle JSON key-value retrieval (75 keys), gold pair moved to the middle.
 - `needle`: the Paul Graham needle-in-a-haystack over a length x depth grid.
-Each example is `LongExample(prompt, answers, cell)`; `cell` names its grid point (needle) or "".
+Each example is `LongExample(prompt, answers, cell, question)`; `cell` names its grid point (needle) or "", and
+`question` is the prompt's tail from the question on, which the runner reads as a question (as `h2o stream
+--prompt` does: a `recall` cache chooses with its queries).
 Each prompt is a document and a question about it, framed by `h2o_cli.prompting.document_frame` (the read-then-
 answer framing `h2o stream --prompt` uses too): with a chat template (an instruct model) they are one user message
 in that template, as lost-in-the-middle did for its chat models.
@@ -40,6 +42,7 @@ class LongExample:
     prompt: str
     answers: tuple[str, ...]
     cell: str = ""
+    question: str = ""  # the prompt's tail that is its question (the frame's `after`); "" for none
 
 
 def hotpotqa_examples(tokenizer, path=None) -> Iterator[LongExample]:
@@ -49,7 +52,8 @@ def hotpotqa_examples(tokenizer, path=None) -> Iterator[LongExample]:
             for number, (title, sentences) in enumerate(item["context"], start=1)
         )
         before, after = document_frame(tokenizer, QA_QUESTION.format(question=item["question"]))
-        yield LongExample(before + QA_DOCUMENT.format(search_results=documents) + after, (item["answer"],))
+        prompt = before + QA_DOCUMENT.format(search_results=documents) + after
+        yield LongExample(prompt, (item["answer"],), question=after)
 
 
 def kv_examples(tokenizer, path=None) -> Iterator[LongExample]:
@@ -58,7 +62,7 @@ def kv_examples(tokenizer, path=None) -> Iterator[LongExample]:
         records.insert(len(records) // 2, [item["key"], item["value"]])
         body = "{" + ",\n ".join(f"{json.dumps(key)}: {json.dumps(value)}" for key, value in records) + "}"
         before, after = document_frame(tokenizer, KV_QUESTION.format(key=item["key"]))
-        yield LongExample(before + KV_DOCUMENT.format(records=body) + after, (item["value"],))
+        yield LongExample(before + KV_DOCUMENT.format(records=body) + after, (item["value"],), question=after)
 
 
 def needle_examples(
@@ -77,7 +81,7 @@ def needle_examples(
                 period = context.rfind(".", 0, cut)
                 cut = period + 1 if period >= 0 else cut
             prompt = before + context[:cut] + NEEDLE + context[cut:] + after
-            yield LongExample(prompt, NEEDLE_ANSWERS, f"{length}x{depth}%")
+            yield LongExample(prompt, NEEDLE_ANSWERS, f"{length}x{depth}%", after)
 
 
 def examples(task: str, tokenizer, path=None) -> Iterator[LongExample]:

@@ -144,13 +144,19 @@ def run_long(
     pool = CachePool(model, spec)
     cells: dict[str, dict[str, list]] = defaultdict(lambda: {"hit": [], "em": [], "budget": []})
     for number, example in enumerate(itertools.islice(examples(task, tokenizer, data), limit)):
-        ids = tokenizer(example.prompt)["input_ids"][-(pool.window - MAX_NEW_TOKENS[task]) :]
-        cache = pool.cache_for(len(ids), MAX_NEW_TOKENS[task])
-        answer = greedy_answer(model, tokenizer, cache, ids, MAX_NEW_TOKENS[task], spec.chunk, ("\n\n",))
+        # The document, then its question (read as one, as `h2o stream --prompt` asks); a prompt longer than the
+        # window loses the document's first tokens.
+        document = example.prompt[: len(example.prompt) - len(example.question)]
+        question = tokenizer(example.question, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(document)["input_ids"][-(pool.window - MAX_NEW_TOKENS[task] - len(question)) :]
+        cache = pool.cache_for(len(ids) + len(question), MAX_NEW_TOKENS[task])
+        answer = greedy_answer(
+            model, tokenizer, cache, ids, MAX_NEW_TOKENS[task], spec.chunk, ("\n\n",), question
+        )
         cell = cells[example.cell]
         cell["hit"].append(contains_answer(answer, example.answers))
         cell["em"].append(exact_match(answer.strip().split("\n")[0], example.answers))
-        cell["budget"].append(budget_used(cache, len(ids)))
+        cell["budget"].append(budget_used(cache, len(ids) + len(question)))
         if on_example is not None:
             on_example(number + 1)
     rows = []

@@ -25,7 +25,8 @@ from h2o_cli.cache.families import context_window
 from h2o_cli.config import CacheSettings
 from h2o_cli.generation import Sampling, TextStreamer, generate_ids
 from h2o_cli.policies import make_policy, policy_class
-from h2o_cli.streaming import chunks_of, forward_chunk
+from h2o_cli.prompting import NewChunk
+from h2o_cli.streaming import chunks_of, forward_chunk, prefill
 
 
 class CachePool:
@@ -167,9 +168,16 @@ def greedy_answer(
     max_new_tokens: int,
     chunk: int,
     until: Sequence[str] = (),
+    question: Sequence[int] = (),
 ) -> str:
-    """Greedy text after `context`, cut at the first stop string (or the tokenizer's end token)."""
-    logits = prefill_logits(model, cache, context, chunk)
+    """Greedy text after `context` and `question`, cut at the first stop string (or the tokenizer's end
+    token). `question`: ids read as a question after the context (`prompting.NewChunk`, as `h2o stream
+    --prompt` reads one: a `recall` cache chooses with their queries)."""
+    if question:
+        logits, stats = prefill(model, cache, [list(context), NewChunk(question)], chunk)
+        stats.reraise()
+    else:
+        logits = prefill_logits(model, cache, context, chunk)
     streamer = TextStreamer(tokenizer)
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     text = ""
