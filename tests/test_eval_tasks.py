@@ -144,7 +144,9 @@ def test_a_long_task_asks_its_question_after_the_document(smollm, monkeypatch):
     model, tokenizer = smollm
     before, after = document_frame(tokenizer, "Question: What is the pass key?\nAnswer:")
     prompt = before + "The pass key is 71432. " + "The grass is green. " * 30 + after
-    monkeypatch.setattr(runner, "examples", lambda *a: iter([LongExample(prompt, ("71432",), question=after)]))
+    monkeypatch.setattr(
+        runner, "examples", lambda *a: iter([LongExample(prompt, ("71432",), question=after)])
+    )
     asked, asking = [], H2OCache.asking
     monkeypatch.setattr(H2OCache, "asking", lambda self, tokens, again=False: (
         asked.append((tokens, again)), asking(self, tokens, again))[1])  # fmt: skip
