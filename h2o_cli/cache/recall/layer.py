@@ -419,8 +419,10 @@ class RecallLayer(H2OLayer):
         wanted = archive.token_index.take(chosen)  # [n_kv, r] token indices
         if not full:
             wanted.masked_fill_(~valid, -1)
-        if torch.equal(wanted, self.recall_index):  # the slots hold these tokens in this order (as a lead's
-            return torch.tensor(wanted.numel()) if full else valid.sum()  # answer steps mostly do): all hits
+        # The slots hold these tokens in this order (as a lead's answer steps often do): all hits, nothing to
+        # read. Not on the fixed step, which takes no branch on the data (a captured graph).
+        if not self.fixed and torch.equal(wanted, self.recall_index):
+            return torch.tensor(wanted.numel()) if full else valid.sum()
         held, order = self.recall_index.sort(dim=1)
         place = torch.searchsorted(held, wanted).clamp_max_(held.shape[1] - 1)
         hit = held.gather(1, place) == wanted
