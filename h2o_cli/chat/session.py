@@ -107,9 +107,11 @@ class ChatSession:
         # The message's last paragraph and the assistant header are its question (chat.framing.turn_parts):
         # a `recall` cache chooses what to bring back with their queries, as for `h2o stream --prompt`.
         parts = [part for part in turn_parts(self.tokenizer, self.system, self.history, user_text) if part]
-        pieces = [self._encode(part) for part in parts]
-        if not self.turns and not getattr(self.tokenizer, "chat_template", None):
-            pieces[0] = self.tokenizer(parts[0])["input_ids"]  # plain text: the tokenizer's own BOS
+        bos = not self.turns and not getattr(self.tokenizer, "chat_template", None)  # plain text: its own BOS
+        pieces = [
+            self.tokenizer(part, add_special_tokens=bos and not n)["input_ids"]
+            for n, part in enumerate(parts)
+        ]
         pieces[-1] = NewChunk(pieces[-1])
         started = time.perf_counter()
         user_turn = Turn("user", user_text, self.cache.tokens_seen)

@@ -173,11 +173,8 @@ def greedy_answer(
     """Greedy text after `context` and `question`, cut at the first stop string (or the tokenizer's end
     token). `question`: ids read as a question after the context (`prompting.NewChunk`, as `h2o stream
     --prompt` reads one: a `recall` cache chooses with their queries)."""
-    if question:
-        logits, stats = prefill(model, cache, [list(context), NewChunk(question)], chunk)
-        stats.reraise()
-    else:
-        logits = prefill_logits(model, cache, context, chunk)
+    logits, stats = prefill(model, cache, [list(context), NewChunk(question)], chunk)
+    stats.reraise()
     streamer = TextStreamer(tokenizer)
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     text = ""
