@@ -153,7 +153,7 @@ def choice_bytes(shape: ModelShape, capacity: int, page_size: int, shortlist: in
     held = n_kv * shortlist * (page_size * shape.head_dim * 2 + 8)  # the keys, and each column's page
     carried = pages * (n_kv * 4 + 8)
     summaries = n_kv * sections * 2 * shape.head_dim * 4
-    scratch = 9 * capacity + pages * (49 + 8 * n_kv)
+    scratch = 10 * capacity + pages * (49 + 8 * n_kv)
     return shape.n_layers * (held + carried + summaries + scratch)
 
 

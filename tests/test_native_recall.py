@@ -257,17 +257,21 @@ def test_int8_or_16bit_archives_keep_the_torch_step(tiny_pair, options):
 
 @needs_compiler
 @pytest.mark.model
-@pytest.mark.parametrize("positions", ["rolling", "original"])
-def test_c_recall_step_on_the_embedded_model(smollm, excerpt, positions, monkeypatch):
+@pytest.mark.parametrize(
+    ("positions", "lead"), [("rolling", "none"), ("original", "none"), ("rolling", "18.2")]
+)
+def test_c_recall_step_on_the_embedded_model(smollm, excerpt, positions, lead, monkeypatch):
     """The embedded model reads a text through a torch-step cache; every layer call is also given, with the
     same inputs, to the same layer of a C-step cache: the same recalled tokens and resident sets, outputs and
-    scores to float tolerance, over 160 decode calls on a ring of 128 tokens that wraps. Both take the page
+    scores to float tolerance, over 160 decode calls on a ring of 128 tokens that wraps (with a lead head: a
+    question of 16 tokens, then 144 answer steps, each layer recalling the lead's pages). Both take the page
     scores from torch: real keys tie (a page's score equals another's to the last bit), and the C scores'
     float rounding would break such a tie the other way; they are checked on the model below."""
     monkeypatch.setattr(native, "has_step_scores", lambda: False)
     model, tokenizer = smollm
     ids = tokenizer(excerpt)["input_ids"][:320]
-    options = dict(budget=64, policy="recall", chunk=32, page_size=4, archive_max=128, positions=positions)
+    options = dict(budget=64, policy="recall", chunk=32, page_size=4, archive_max=128, positions=positions,
+                   recall_lead=lead)  # fmt: skip
     leading = H2OCache(model, CacheSettings(**options, kernels="torch"))
     shadow = H2OCache(model, CacheSettings(**options, kernels="native"))
     compared = []
@@ -289,14 +293,22 @@ def test_c_recall_step_on_the_embedded_model(smollm, excerpt, positions, monkeyp
             return want
 
         theirs.update, theirs.attend = update, attend
+    first = 160
     with torch.no_grad():
         for start in range(0, 160, 32):
             model(torch.tensor([ids[start : start + 32]]), cache=leading)
-        for step in range(160, 320):
+        if lead != "none":  # a question: the answer steps recall the lead's pages
+            first = 176
+            with leading.asking(16), shadow.asking(16):
+                model(torch.tensor([ids[160:first]]), cache=leading)
+        for step in range(first, 320):
             model(torch.tensor([ids[step : step + 1]]), cache=leading)
-    assert compared.count(1) == 160 * len(leading.layers)
+    assert compared.count(1) == (320 - first) * len(leading.layers)
     assert all(isinstance(layer._c_buffers, RecallCStep) for layer in shadow.layers)
     assert shadow.layers[0].archive.tokens > 2 * shadow.layers[0].archive.capacity
+    if lead != "none":
+        assert all(layer.answering for layer in shadow.layers)
+        assert min(layer.recalled_total for layer in shadow.layers) > 0
 
 
 @needs_compiler

@@ -14,6 +14,7 @@ from conftest import tiny_config
 from h2o_kernels import native
 
 from h2o_cli.cache import H2OCache
+from h2o_cli.cache.recall.c_step import RecallCStep
 from h2o_cli.cache.recall.lead import LeadRanking
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
@@ -25,6 +26,7 @@ from h2o_cli.streaming import prefill
 LEAD = "1.1"  # the tiny model's second layer, KV head 1: layer 0 reads its ranking of the call before
 TEXT, QUESTION, ANSWER = 230, 6, 8
 CHOOSE = LeadRanking.choose
+C_CHOOSE = RecallCStep.lead_choose
 
 
 def lead_settings(kernels: str = "torch", **extra) -> CacheSettings:
@@ -71,8 +73,8 @@ def expected_tokens(
 
 
 def answer_with_lead(model, settings: CacheSettings, monkeypatch) -> tuple[list[dict], H2OCache, list[int]]:
-    """Text, a question, a greedy answer through a lead cache; every `LeadRanking.choose` call recorded with
-    its inputs and what it chose (token indices per head)."""
+    """Text, a question, a greedy answer through a lead cache; every `LeadRanking.choose` call (and the C
+    step's `RecallCStep.lead_choose`) recorded with its inputs and what it chose (token indices per head)."""
     calls: list[dict] = []
 
     def recorded(self, archive, resident, before, slots):
@@ -83,11 +85,28 @@ def answer_with_lead(model, settings: CacheSettings, monkeypatch) -> tuple[list[
                 lead=archive is self.archive, ready=self.ready, before=before, slots=slots,
                 ring=archive.token_index.tolist(), scores=self.archive.carried[self.head].tolist(),
                 resident=resident.tolist(), chosen=[[t for t in row if t >= 0] for row in tokens.tolist()],
+                c_step=False,
             )
         )  # fmt: skip
         return chosen, valid
 
+    def recorded_c(self, ranked, pages):  # the C step's: the same record, its choice read from the slots
+        store = self.store
+        layer = next(layer for layer in cache.layers if layer.__dict__.get("_c_buffers") is self)
+        resident = store.token_index.masked_fill(~store.valid, -1)
+        lead = layer.lead
+        record = dict(
+            lead=layer.archive is lead.archive, ready=lead.ready, before=store.tokens_seen,
+            slots=self.recall, ring=layer.archive.token_index.tolist(),
+            scores=lead.archive.carried[lead.head].tolist(), resident=resident.tolist(), c_step=True,
+        )  # fmt: skip
+        result = C_CHOOSE(self, ranked, pages)
+        record["chosen"] = [[t for t in row if t >= 0] for row in layer.recall_index.tolist()]
+        calls.append(record)
+        return result
+
     monkeypatch.setattr(LeadRanking, "choose", recorded)
+    monkeypatch.setattr(RecallCStep, "lead_choose", recorded_c)
     generator = torch.Generator().manual_seed(3)
     text = torch.randint(0, 128, (TEXT,), generator=generator).tolist()
     question = NewChunk(torch.randint(0, 128, (QUESTION,), generator=generator).tolist())
@@ -123,6 +142,8 @@ def test_every_head_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch, ke
         first = TEXT // settings.chunk * settings.chunk if number < 4 else TEXT + QUESTION + number // 2 - 2
         assert call["before"] == first, number
     assert recalled > 0
+    # The C step's answer steps choose in C (S is full), the torch step's in torch.
+    assert any(call["c_step"] for call in calls) == (kernels == "native")
     # Read twice, archived once.
     assert cache.tokens_seen == TEXT + QUESTION + ANSWER
     assert all(layer.archive.tokens == cache.tokens_seen for layer in cache.layers)

@@ -1,12 +1,15 @@
-/* The `recall` archive's C twins: one token's write (`archive_token`) and a one-token step's pass 1 from the page
- * bounds on (`archive_choose`).
+/* The `recall` archive's C twins: one token's write (`archive_token`), a one-token step's pass 1 from the page
+ * bounds on (`archive_choose`), and an answer step's pass 1 under a lead head (`archive_lead_choose`).
  *
  * `archive_token` is `PageArchive.write` of one token (h2o_cli/cache/recall/archive.py), bit for bit.
  * `archive_choose` is `PageArchive.choose_one` from the page bounds on and the read-back into the recall slots
  * (`RecallLayer._read_back`): the candidates (archived tokens not in S), the pages that hold one ranked by
  * bound then age, the first `recall` candidates in reading order put into the recall slots, and the hits. A hit's
  * K/V move inside the slots and only the others are read from the archive, so a step touches just the archive
- * pages that are new to the slots (a file archive's pages fault in, and are released, only for those).
+ * pages that are new to the slots (a file archive's pages fault in, and are released, only for those); a hit that
+ * stays in its slot (an answer step choosing what the one before chose) is not copied at all.
+ * `archive_lead_choose` is `LeadRanking.choose` (h2o_cli/cache/recall/lead.py) from the lead's ranking on, with
+ * the same read-back.
  * Its result is the torch path's exactly: the bounds come from torch (`best_page_bound`) and the rest is
  * integer work. float32 archive (in RAM or a mapped file); the cache side (h2o_cli/cache/recall/c_step.py) checks that.
  */
@@ -90,6 +93,66 @@ static void mark_resident(
     }
 }
 
+/* Fill head g's recall slots with the candidates (archived slots not `blocked`) of ring pages `page[0]`,
+ * `page[stride]`, ... (`top` of them) in that order, oldest first inside a page, the first `recall` of them: a
+ * hit's K/V (a token the slots held before) move inside the slots (or stay, when its slot is the same), the others
+ * are read from the archive; the slots past them are zero with index -1 (as they were past the ones filled before,
+ * which come first). Returns the hits; *count is how many slots hold a token. */
+static int64_t fill_recall(
+    int64_t g, int64_t head_dim, int64_t capacity, int64_t page_size, const int64_t *restrict archive_index,
+    const float *restrict archive_keys, const float *restrict archive_values, const uint8_t *restrict blocked,
+    const int64_t *restrict page, int64_t stride, int64_t top, int64_t recall, float *restrict recall_keys,
+    float *restrict recall_values, int64_t *restrict recall_index, int64_t *restrict previous,
+    int64_t *restrict chosen, float *restrict moved, int64_t *restrict count_out)
+{
+    int64_t *held = recall_index + g * recall;
+    float *restrict head_keys = recall_keys + g * recall * head_dim;
+    float *restrict head_values = recall_values + g * recall * head_dim;
+    const int64_t size = head_dim * (int64_t)sizeof(float);
+    int64_t hits = 0, count = 0, before = 0;
+    /* previous[ring slot] = the recall slot that holds its token (-1: none) */
+    for (int64_t i = 0; i < recall; i++)
+        if (held[i] >= 0) {
+            previous[held[i] % capacity] = i;
+            before = i + 1;
+        }
+    /* chosen[i]: the ring slot of slot i's token; -1 - it where the token stays in slot i (nothing to move) */
+    for (int64_t rank = 0; rank < top && count < recall; rank++)
+        for (int64_t o = 0; o < page_size && count < recall; o++) {
+            const int64_t s = page[rank * stride] * page_size + o;
+            if (archive_index[s] < 0 || blocked[s]) continue;
+            /* a hit: the recall slot's K/V are this token's (the archive's own numbers); else read them */
+            const int64_t from = previous[s];
+            const int hit = from >= 0 && held[from] == archive_index[s];
+            hits += hit;
+            if (hit && from == count) {
+                chosen[count++] = -1 - s;
+                continue;
+            }
+            float *restrict k = moved + count * head_dim, *restrict v = moved + (recall + count) * head_dim;
+            if (hit) {
+                __builtin_memcpy(k, head_keys + from * head_dim, size);
+                __builtin_memcpy(v, head_values + from * head_dim, size);
+            } else {
+                __builtin_memcpy(k, archive_keys + (g * capacity + s) * head_dim, size);
+                __builtin_memcpy(v, archive_values + (g * capacity + s) * head_dim, size);
+            }
+            chosen[count++] = s;
+        }
+    for (int64_t i = 0; i < recall; i++)
+        if (held[i] >= 0) previous[held[i] % capacity] = -1;
+    for (int64_t i = 0; i < count; i++)  /* every slot is read above before any is written here */
+        if (chosen[i] >= 0) {
+            __builtin_memcpy(head_keys + i * head_dim, moved + i * head_dim, size);
+            __builtin_memcpy(head_values + i * head_dim, moved + (recall + i) * head_dim, size);
+        }
+    for (int64_t i = count * head_dim; i < before * head_dim; i++) head_keys[i] = head_values[i] = 0.0f;
+    for (int64_t i = 0; i < recall; i++)
+        held[i] = i < count ? archive_index[chosen[i] >= 0 ? chosen[i] : -1 - chosen[i]] : -1;
+    *count_out = count;
+    return hits;
+}
+
 /* Returns the hits summed over heads (chosen tokens that the recall slots held before); counts[g] is how many
  * recall slots of head g now hold a token (they come first; the rest are zero with index -1).
  * The archived tokens per page are counted once for all heads; a head then marks its resident tokens (and the
@@ -136,39 +199,80 @@ int64_t archive_choose(
         const int64_t top = ranked < recall ? ranked : recall;
         if (top < ranked) select_top(pages, ranked, top);
         sort_desc(pages, top);
-        int64_t *held = recall_index + g * recall;
-        float *restrict head_keys = recall_keys + g * recall * head_dim;
-        float *restrict head_values = recall_values + g * recall * head_dim;
-        /* previous[ring slot] = the recall slot that holds its token (-1: none) */
-        for (int64_t i = 0; i < recall; i++)
-            if (held[i] >= 0) previous[held[i] % capacity] = i;
-        int64_t count = 0;
-        for (int64_t rank = 0; rank < top && count < recall; rank++)
-            for (int64_t o = 0; o < page_size && count < recall; o++) {
-                const int64_t s = pages[rank].item * page_size + o;
-                if (archive_index[s] < 0 || blocked[s]) continue;
-                /* a hit: the recall slot's K/V are this token's (the archive's own numbers); else read them */
-                const int64_t from = previous[s];
-                const int64_t size = head_dim * (int64_t)sizeof(float);
-                float *restrict k = moved + count * head_dim, *restrict v = moved + (recall + count) * head_dim;
-                if (from >= 0 && held[from] == archive_index[s]) {
-                    hits++;
-                    __builtin_memcpy(k, head_keys + from * head_dim, size);
-                    __builtin_memcpy(v, head_values + from * head_dim, size);
-                } else {
-                    __builtin_memcpy(k, archive_keys + (g * capacity + s) * head_dim, size);
-                    __builtin_memcpy(v, archive_values + (g * capacity + s) * head_dim, size);
-                }
-                chosen[count++] = s;
-            }
-        for (int64_t i = 0; i < recall; i++)
-            if (held[i] >= 0) previous[held[i] % capacity] = -1;
+        int64_t count;
+        hits += fill_recall(g, head_dim, capacity, page_size, archive_index, archive_keys, archive_values, blocked,
+                            &pages[0].item, 2, top, recall, recall_keys, recall_values, recall_index, previous,
+                            chosen, moved, &count);
         mark_resident(0, new_token, token_index + g * slots, valid + g * slots, active, capacity, page_size, span,
                       archive_index, blocked, marked); /* S and the archive are unchanged since: the same slots */
-        __builtin_memcpy(head_keys, moved, count * head_dim * sizeof(float));
-        __builtin_memcpy(head_values, moved + recall * head_dim, count * head_dim * sizeof(float));
-        for (int64_t i = count * head_dim; i < recall * head_dim; i++) head_keys[i] = head_values[i] = 0.0f;
-        for (int64_t i = 0; i < recall; i++) held[i] = i < count ? archive_index[chosen[i]] : -1;
+        counts[g] = count;
+        totals[0] += count;
+        if (count > totals[1]) totals[1] = count;
+    }
+    return hits;
+}
+
+/* Pass 1 of a one-token step under a lead head (`LeadRanking.choose`, h2o_cli/cache/recall/lead.py) with the read
+ * into the recall slots as `archive_choose` reads. `ranked` [n_ranked]: the lead's ring pages with a written first
+ * slot and a positive score, best first (the ranking every layer shares, made once per lead score). A candidate of
+ * head g is an archived token older than `new_token` (the step's own, archived) not in g's S. The first
+ * `lead_pages` ranked pages below `used` that hold a candidate of some head are taken, and each head's recall slots
+ * are filled with its candidates of them in that order. Returns the hits; counts and totals as archive_choose's. */
+int64_t archive_lead_choose(
+    int64_t n_kv, int64_t head_dim, int64_t slots, int64_t active,
+    const int64_t *restrict token_index, const uint8_t *restrict valid, /* S: [n_kv, slots] */
+    int64_t new_token, int64_t capacity, int64_t page_size, int64_t used,
+    const int64_t *restrict archive_index,                                    /* [capacity], -1 = empty */
+    const float *restrict archive_keys, const float *restrict archive_values, /* [n_kv, capacity, head_dim] */
+    const int64_t *restrict ranked, int64_t n_ranked, int64_t lead_pages,
+    int64_t recall,
+    float *restrict recall_keys, float *restrict recall_values, /* [n_kv, recall, head_dim] */
+    int64_t *restrict recall_index,                              /* [n_kv, recall], -1 = empty */
+    uint8_t *restrict held_by,   /* [capacity] scratch, 0 between calls: the heads whose S holds the slot's token */
+    uint8_t *restrict blocked,   /* [capacity] scratch: 0 everywhere between calls */
+    int64_t *restrict previous,  /* [capacity] scratch: -1 everywhere between calls */
+    int64_t *restrict taken,     /* [lead_pages] scratch */
+    int64_t *restrict chosen,    /* [recall] scratch */
+    float *restrict moved,       /* [2, recall, head_dim] scratch */
+    int64_t *restrict marked,    /* [capacity / page_size] scratch: 0 between calls */
+    int64_t *restrict counts,    /* [n_kv] */
+    int64_t *restrict totals)    /* [2]: recall slots filled over all heads, and the most of one head */
+{
+    const int64_t span = used * page_size;
+    int64_t hits = 0, pages = 0;
+    totals[0] = totals[1] = 0;
+    /* held_by: how many heads hold each archived slot's token in S (n_kv <= 255: the caller checks) */
+    for (int64_t g = 0; g < n_kv; g++)
+        for (int64_t s = 0; s < active; s++) {
+            if (!valid[g * slots + s]) continue;
+            const int64_t t = token_index[g * slots + s], at = t % capacity;
+            if (at < span && archive_index[at] == t) held_by[at]++;
+        }
+    for (int64_t r = 0; r < n_ranked && pages < lead_pages; r++) {
+        const int64_t p = ranked[r];
+        if (p >= used) continue;
+        int64_t some = 0;
+        for (int64_t o = 0; o < page_size && !some; o++) {
+            const int64_t s = p * page_size + o, t = archive_index[s];
+            some = t >= 0 && t < new_token && held_by[s] < n_kv;
+        }
+        if (some) taken[pages++] = p;
+    }
+    for (int64_t g = 0; g < n_kv; g++)
+        for (int64_t s = 0; s < active; s++)
+            if (valid[g * slots + s]) {
+                const int64_t at = token_index[g * slots + s] % capacity;
+                if (at < span) held_by[at] = 0;
+            }
+    for (int64_t g = 0; g < n_kv; g++) {
+        mark_resident(1, new_token, token_index + g * slots, valid + g * slots, active, capacity, page_size, span,
+                      archive_index, blocked, marked);
+        int64_t count;
+        hits += fill_recall(g, head_dim, capacity, page_size, archive_index, archive_keys, archive_values, blocked,
+                            taken, 1, pages, recall, recall_keys, recall_values, recall_index, previous, chosen,
+                            moved, &count);
+        mark_resident(0, new_token, token_index + g * slots, valid + g * slots, active, capacity, page_size, span,
+                      archive_index, blocked, marked);
         counts[g] = count;
         totals[0] += count;
         if (count > totals[1]) totals[1] = count;

@@ -39,8 +39,9 @@ logger = logging.getLogger("h2o_kernels")
 _INT, _PTR, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # step.c's `cache_step`: sizes, the call's inputs, the store's 8 buffers, the step's scalars, R's, the outputs.
 STEP_ARGTYPES = [_INT] * 5 + [_PTR] * 12 + [_INT] * 4 + [_FLOAT] + [_INT] + [_PTR] * 5 + [_INT] + [_PTR] * 3
-# archive.c: `archive_choose` and `archive_token`.
+# archive.c: `archive_choose`, `archive_lead_choose` and `archive_token`.
 CHOOSE_ARGTYPES = [_INT] * 4 + [_PTR] * 2 + [_INT] * 4 + [_PTR] * 4 + [_INT] + [_PTR] * 11
+LEAD_ARGTYPES = [_INT] * 4 + [_PTR] * 2 + [_INT] * 4 + [_PTR] * 4 + [_INT] * 3 + [_PTR] * 12
 ARCHIVE_ARGTYPES = [_INT] * 6 + [_PTR] * 6
 SCORES_ARGTYPES = [_INT] * 7 + [ctypes.c_float] * 2 + [_INT] + [_PTR] * 14
 NO_RECALL = (0, None, None, None, None, None)  # `step`'s recall arguments for R = ∅
@@ -108,6 +109,8 @@ def library() -> ctypes.CDLL:
     lib.h2o_exp_nonpositive.restype = None
     lib.archive_choose.argtypes = CHOOSE_ARGTYPES
     lib.archive_choose.restype = _INT
+    lib.archive_lead_choose.argtypes = LEAD_ARGTYPES
+    lib.archive_lead_choose.restype = _INT
     lib.archive_token.argtypes = ARCHIVE_ARGTYPES
     lib.archive_token.restype = None
     lib.archive_step_scores.argtypes = SCORES_ARGTYPES
@@ -246,6 +249,41 @@ def archive_choose(
     return library().archive_choose(
         n_kv, head_dim, slots, active, *store, new_token, capacity, page_size, used,
         *archive, bound.data_ptr(), recall, *recall_slots, *scratch, counts.data_ptr(), totals,
+    )  # fmt: skip
+
+
+def archive_lead_choose(
+    head_dim: int,
+    store: tuple[int, int],
+    slots: int,
+    active: int,
+    new_token: int,
+    capacity: int,
+    page_size: int,
+    used: int,
+    archive: tuple[int, ...],
+    ranked: torch.Tensor,
+    lead_pages: int,
+    recall: int,
+    recall_slots: tuple[int, ...],
+    scratch: tuple[int, ...],
+    counts: torch.Tensor,
+    totals,
+) -> int:
+    """Pass 1 of a one-token recall step under a lead head (archive.c's `archive_lead_choose`):
+    `LeadRanking.choose` and the read into the recall slots, for the token the step is about to write
+    (`new_token`, already archived). ranked: [n] int64, the lead's ring pages with a written first slot and a
+    positive score, best first (`LeadRanking.ranked`); `used`: the ring pages this archive has written; store,
+    archive, recall_slots, counts and totals as `archive_choose`'s; scratch: the addresses of [capacity] uint8
+    (0 between calls), [capacity] uint8 (0 between calls), [capacity] int64 (-1 between calls),
+    [lead_pages] int64, [max(recall, 1)] int64, [2, max(recall, 1), head_dim] float32 and [pages] int64 (0
+    between calls) buffers. Returns the hits summed over KV heads."""
+    n_kv = counts.shape[0]
+    assert n_kv <= 255 and ranked.dtype == torch.int64 and ranked.is_contiguous()
+    return library().archive_lead_choose(
+        n_kv, head_dim, slots, active, *store, new_token, capacity, page_size, used,
+        *archive, ranked.data_ptr(), ranked.numel(), lead_pages, recall, *recall_slots, *scratch,
+        counts.data_ptr(), totals,
     )  # fmt: skip
 
 

@@ -135,6 +135,7 @@ class PageArchive:
         # page that holds another page since starts again from 0).
         self.carried = torch.zeros(n_kv_heads, self.pages, dtype=torch.float32, device=device)
         self.carried_start = torch.full((self.pages,), NOTHING, dtype=torch.int64, device=device)
+        self.scored = 0  # how many times the carried scores were written (`LeadRanking.ranked` keys on it)
         # Per block: [high, low] side by side (one matmul scores both); `high` and `low` are views of it.
         blocks = capacity // block_size
         self.summary = torch.zeros(n_kv_heads, blocks, 2 * head_dim, dtype=torch.float32, device=device)
@@ -542,6 +543,7 @@ class PageArchive:
                 scores *= min(chunk, self.chunk_weight)
             self.carried[:, :pages] = scores
             self.carried_start[:pages] = page_start
+            self.scored += 1
         return scores
 
     def shortlisted(

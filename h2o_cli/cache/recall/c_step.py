@@ -32,6 +32,7 @@ class RecallCStep(CStep):
         self.store_index_pointers = (store.token_index.data_ptr(), store.valid.data_ptr())
         self.recall = recall = layer.recall_index.shape[1]
         self.blocked = torch.zeros(archive.capacity, dtype=torch.uint8)  # 0 between calls
+        self.held_by = torch.zeros(archive.capacity, dtype=torch.uint8)  # `lead_choose`'s: 0 between calls
         self.previous = torch.full((archive.capacity,), -1, dtype=torch.int64)  # -1 between calls
         self.pages = torch.empty(archive.pages, 2, dtype=torch.int64)
         self.chosen = torch.empty(max(recall, 1), dtype=torch.int64)
@@ -46,11 +47,12 @@ class RecallCStep(CStep):
         self.order = torch.empty(2 * store.slots + 3 * recall, dtype=torch.int64)
         self.recall_arguments = (recall, *self.recall_pointers, self.counts.data_ptr(), self.order.data_ptr())
         self.scores = StepScores(archive)  # `PageArchive.step_bounds`, in C where it can
+        self.taken = torch.empty(0, dtype=torch.int64)  # `lead_choose`'s: the lead's pages it takes
 
     def nbytes(self) -> int:
         """Bytes of these buffers and scratch (the store's step scratch, the choice's, `StepScores.nbytes`)."""
-        buffers = (self.scratch, self.victims, self.blocked, self.previous, self.pages, self.chosen, self.moved,
-                   self.per_page, self.counts, self.order)  # fmt: skip
+        buffers = (self.scratch, self.victims, self.blocked, self.held_by, self.previous, self.pages, self.chosen,
+                   self.moved, self.per_page, self.counts, self.order, self.taken)  # fmt: skip
         return sum(tensor.nbytes for tensor in buffers) + self.scores.nbytes()
 
     def archive_token(self, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -74,6 +76,25 @@ class RecallCStep(CStep):
             bound, store.head_dim, self.store_index_pointers, store.slots, store.active, store.tokens_seen,
             archive.capacity, archive.page_size, self.archive_pointers, self.recall, self.recall_pointers,
             self.choose_scratch, self.counts, self.totals,
+        )  # fmt: skip
+        archive.release()
+        return self.totals[0], hits
+
+    def lead_choose(self, ranked: torch.Tensor, pages: int) -> tuple[int, int]:
+        """`choose` under a lead head: `LeadRanking.choose` and the read into the recall slots, from the lead's
+        ranking `ranked` ([n] int64 ring pages, best first: `LeadRanking.ranked`) and its page count `pages`.
+        Returns (tokens recalled, hits) summed over KV heads; `counts` and `most` as `choose`'s."""
+        store, archive = self.store, self.archive
+        if self.taken.numel() < pages:
+            self.taken = torch.empty(pages, dtype=torch.int64)
+        blocked, previous, _, chosen, moved, per_page = self.choose_scratch
+        marked = per_page + archive.pages * self.per_page.itemsize  # its second row
+        hits = native.archive_lead_choose(
+            store.head_dim, self.store_index_pointers, store.slots, store.active, store.tokens_seen,
+            archive.capacity, archive.page_size, archive.span // archive.page_size, self.archive_pointers,
+            ranked, pages, self.recall, self.recall_pointers,
+            (self.held_by.data_ptr(), blocked, previous, self.taken.data_ptr(), chosen, moved, marked),
+            self.counts, self.totals,
         )  # fmt: skip
         archive.release()
         return self.totals[0], hits
@@ -136,5 +157,6 @@ class StepScores:
             query, archive.capacity, size, used, shortlist, archive.carry, head_dim**-0.5, archive.tokens,
             self.archive_pointers, self.carried_pointers, pointers[:4], pointers[4:], bound,
         )  # fmt: skip
+        archive.scored += 1
         archive.release()
         return bound

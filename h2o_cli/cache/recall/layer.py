@@ -320,20 +320,18 @@ class RecallLayer(H2OLayer):
     def _c_step(self, call: Call, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """`_torch_step` as C calls for a full S: the page bounds (`StepScores.bounds`: in C when a step scores
         with carried scores, else by torch), then `RecallCStep.choose` (the rest of `choose_one` and the read
-        into the recall slots), the query map for the position that leaves, and `RecallCStep.run` (write,
+        into the recall slots; while answering under a lead, `RecallCStep.lead_choose` from the lead's
+        ranking, sorted once for every layer, instead), the query map for the position that leaves, and `RecallCStep.run` (write,
         attention over S ∪ R, S's scores, eviction). The same recalled tokens as the torch step, the rest to float rounding."""
         store, policy = self.store, self.policy
         buffers = self._c_buffers
         most = 0  # recall slots of the fullest head
         slots = self.recall_index.shape[1]
-        if slots and self.answering:  # the lead's pages, chosen and read by torch; C attends over them
+        if slots and self.answering:  # the lead's pages, from its ranking sorted once for every layer
             self._lead_scores(query, call, buffers.scores)
-            resident = store.token_index.masked_fill(~store.valid, -1)
-            chosen, valid = self.lead.choose(self.archive, resident, store.tokens_seen, slots)
-            hits = self._read_back(chosen, valid)
-            buffers.counts.copy_(valid.sum(dim=1))
-            most = int(buffers.counts.max())
-            self.counts.add(int(buffers.counts.sum()), hits)
+            recalled, hits = buffers.lead_choose(self.lead.ranked(), self.lead.pages)
+            most = buffers.most
+            self.counts.add(recalled, hits)
         elif slots:
             bounds = buffers.scores.bounds(self._step_page_query(query, call.cos, call.sin))
             recalled, hits = buffers.choose(bounds)

@@ -26,6 +26,25 @@ class LeadRanking:
     def __init__(self, archive: PageArchive, head: int, pages: int, layer: int = 0) -> None:
         self.archive, self.head, self.pages, self.layer = archive, head, pages, layer
         self.ready = False
+        self._ranked: tuple[tuple[int, int, int], torch.Tensor] | None = None  # (the lead's state, `ranked`)
+
+    def ranked(self) -> torch.Tensor:
+        """The lead's ring pages with a written first slot and a positive carried score, best first (the larger
+        score; ties: the older page): [n] int64, empty while the ranking is not `ready`. Sorted once per state
+        of the lead's archive (tokens written, scores carried, epoch), so one sort serves every layer: the C
+        step's `RecallCStep.lead_choose` takes the first of them that hold a candidate, as `choose` does."""
+        lead = self.archive
+        if not self.ready:
+            return torch.empty(0, dtype=torch.int64)
+        state = (lead.epoch, lead.tokens, lead.scored)
+        if self._ranked is None or self._ranked[0] != state:
+            used = lead.span // lead.page_size
+            page_start = lead.token_index.view(lead.pages, lead.page_size)[:used, 0]
+            score = lead.carried[self.head, :used]
+            key = order_key(score, page_start, (page_start != NOTHING) & (score > 0))
+            values, pages = torch.sort(key, descending=True)
+            self._ranked = (state, pages[values > torch.iinfo(torch.int64).min].contiguous())
+        return self._ranked[1]
 
     def choose(
         self, archive: PageArchive, resident: torch.Tensor, before: int, slots: int
