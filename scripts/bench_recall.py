@@ -1,11 +1,12 @@
 """What `recall` costs against `h2o` at the same budget (decode and stream tokens/s).
 
-One process, one model; rounds alternate the policies, so both see the same machine load. Per round: each
-policy streams `--context` tokens of a book through its own cache in chunks (tokens/s of that read); then every
-cache greedy-decodes `--decode` tokens, the policies taking turns in blocks of `--block` tokens (each block
-timed), so slow drifts of a shared machine fall on all of them alike. Prints a markdown table: read tokens/s
-(median over rounds), decode tokens/s (median over blocks), and each against the first run — for decode the
-median of the per-block ratios, with their interquartile range.
+One process, one model; the policies take turns, so all see the same machine load. Per round: each policy
+streams `--context` tokens of a book through its own cache in chunks, the caches taking turns in blocks of
+`--read-block` tokens (each block timed); then every cache greedy-decodes `--decode` tokens, taking turns in
+blocks of `--block` tokens. So slow drifts of a shared machine fall on all of them alike. Prints a markdown
+table: read tokens/s (all tokens over all the read's time), decode tokens/s (median over blocks), and each
+against the first run — the read's ratio of the totals with the interquartile range of the per-block ratios,
+decode's median of the per-block ratios with theirs.
 
     python scripts/bench_recall.py --context 4096 --budget 410 --decode 64 --block 8 --rounds 1 --threads 1 \
         --runs h2o recall recall:archive_max=4096
@@ -32,19 +33,35 @@ from h2o_cli.streaming import prefill
 BOOK = Path("gutenberg_books/war_and_peace_pg2600.txt")
 
 
-def read(
-    model, ids: list[int], spec: str, budget: int, chunk: int, decode: int, question: list[int] | None = None
-) -> tuple[H2OCache, object, float]:
-    """Stream `ids` (then `question`, as `h2o stream --prompt` asks one) into a new cache for `spec`. Returns
-    the cache, the last logits and the read's tokens/s (the question's tokens counted)."""
+def interleaved_read(
+    model,
+    ids: list[int],
+    specs: list[str],
+    budget: int,
+    chunk: int,
+    decode: int,
+    block: int,
+    question: list[int] | None = None,
+) -> tuple[dict, dict[str, list[float]]]:
+    """Stream `ids` (then `question`, as `h2o stream --prompt` asks one) into a new cache for each spec, the
+    caches taking turns in blocks of `block` tokens (a multiple of `chunk`, so each cache reads the chunks one
+    read would; the question ends the last block). Returns {spec: (cache, last logits)} and each spec's
+    (tokens, seconds) per block (the question's tokens counted in the last)."""
+    assert block % chunk == 0, "a block is whole chunks"
+    tokens = len(ids) + len(question or [])
     # The archive sized to the text, as `h2o stream FILE` sizes it (in RAM up to 1 GiB, as there)
-    pieces = [ids] + ([NewChunk(question)] if question else [])
-    tokens = sum(map(len, pieces))
-    cache = H2OCache(model, settings_of(spec, budget, chunk), span=tokens + decode)
-    started = time.perf_counter()
-    logits, stats = prefill(model, cache, pieces, chunk)
-    stats.reraise()
-    return cache, logits, tokens / (time.perf_counter() - started)
+    caches = {spec: H2OCache(model, settings_of(spec, budget, chunk), span=tokens + decode) for spec in specs}
+    blocks = [[ids[start : start + block]] for start in range(0, len(ids), block)]
+    if question:
+        blocks[-1].append(NewChunk(question))
+    logits, speeds = {}, {spec: [] for spec in specs}
+    for pieces in blocks:
+        for spec, cache in caches.items():
+            started = time.perf_counter()
+            logits[spec], stats = prefill(model, cache, pieces, chunk)
+            stats.reraise()
+            speeds[spec].append((sum(map(len, pieces)), time.perf_counter() - started))
+    return {spec: (cache, logits[spec]) for spec, cache in caches.items()}, speeds
 
 
 def interleaved_decode(model, states: dict, decode: int, block: int) -> dict[str, list[float]]:
@@ -72,6 +89,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--block", type=int, default=8, help="decode tokens per turn of each policy")
+    parser.add_argument("--read-block", type=int, default=4096, help="read tokens per turn (whole chunks)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--runs", nargs="+", default=["h2o", "recall"])
@@ -87,33 +105,41 @@ def main() -> None:
     model, tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32")
     ids = tokenizer(book.read_text(encoding="utf-8")[: args.context * 8])["input_ids"][: args.context]
     question = tokenizer(args.question, add_special_tokens=False)["input_ids"] if args.question else None
-    reads: dict[str, list[float]] = {spec: [] for spec in args.runs}
+    reads: dict[str, list[tuple[int, float]]] = {spec: [] for spec in args.runs}
     decodes: dict[str, list[float]] = {spec: [] for spec in args.runs}
     load = os.getloadavg()[0]
     for _ in range(args.rounds):
-        states = {}
+        states, speeds = interleaved_read(
+            model, ids, args.runs, args.budget, args.chunk, args.decode + 1, args.read_block, question
+        )
         for spec in args.runs:
-            cache, logits, speed = read(model, ids, spec, args.budget, args.chunk, args.decode + 1, question)
-            states[spec] = (cache, logits)
-            reads[spec].append(speed)
+            reads[spec].extend(speeds[spec])
         for spec, speeds in interleaved_decode(model, states, args.decode, args.block).items():
             decodes[spec].extend(speeds)
         del states
     base = args.runs[0]
     print(f"`python scripts/bench_recall.py --context {args.context} --budget {args.budget} --chunk {args.chunk} "
-          f"--decode {args.decode} --block {args.block} --rounds {args.rounds} --threads {args.threads} "
+          f"--decode {args.decode} --block {args.block} --read-block {args.read_block} --rounds {args.rounds} --threads {args.threads} "
           f"--runs {' '.join(args.runs)}" + (f" --question {args.question!r}" if args.question else "") + f"` — {platform.processor() or platform.machine()}, torch threads "
-          f"{args.threads}, load average {load:.1f} at the start; reads: median over rounds; decode: median over "
-          "blocks, and of the per-block ratios (interquartile range)\n")  # fmt: skip
-    print(f"| run | read tok/s (chunk {args.chunk}) | vs {base} | decode tok/s | vs {base} |")
+          f"{args.threads}, load average {load:.1f} at the start; reads: all tokens over all their time, with "
+          "the per-block ratios' interquartile range; decode: median over blocks, and of the per-block ratios "
+          "(interquartile range)\n")  # fmt: skip
+    print(f"| run | read tok/s (chunk {args.chunk}) | vs {base} (IQR of blocks) | decode tok/s | vs {base} |")
     print("|---|---|---|---|---|")
-    for spec in args.runs:
-        read_speed = statistics.median(reads[spec])
-        ratio = statistics.median(reads[spec]) / statistics.median(reads[base])
-        pairs = [new / old for new, old in zip(decodes[spec], decodes[base], strict=True)]
+
+    def speed(blocks):
+        return sum(tokens for tokens, _ in blocks) / sum(seconds for _, seconds in blocks)
+
+    def quartiles(pairs: list[float]) -> str:
         low, _, high = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else (pairs[0],) * 3
-        print(f"| {spec} | {read_speed:.1f} | {ratio:.2f}x | {statistics.median(decodes[spec]):.2f} | "
-              f"{statistics.median(pairs):.2f}x ({low:.2f}-{high:.2f}) |")  # fmt: skip
+        return f"({low:.2f}-{high:.2f})"
+
+    for spec in args.runs:
+        read_pairs = [old[1] / new[1] for new, old in zip(reads[spec], reads[base], strict=True)]
+        pairs = [new / old for new, old in zip(decodes[spec], decodes[base], strict=True)]
+        print(f"| {spec} | {speed(reads[spec]):.1f} | {speed(reads[spec]) / speed(reads[base]):.2f}x "
+              f"{quartiles(read_pairs)} | {statistics.median(decodes[spec]):.2f} | "
+              f"{statistics.median(pairs):.2f}x {quartiles(pairs)} |")  # fmt: skip
 
 
 if __name__ == "__main__":
