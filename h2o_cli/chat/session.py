@@ -191,8 +191,9 @@ class ChatSession:
     def set_budget(self, budget: int) -> None:
         self.rebuild(replace(self.settings, budget=budget))
 
-    def set_policy(self, policy: str) -> None:
-        self.rebuild(replace(self.settings, policy=policy))
+    def set_policy(self, policy: str, chunk: int | None = None) -> None:
+        """Switch to `policy` (and to `chunk` spare slots, when given) by `rebuild`."""
+        self.rebuild(replace(self.settings, policy=policy, chunk=chunk or self.settings.chunk))
 
     def decode_token(self, token_index: int) -> str:
         return self.tokenizer.decode([self.ids[token_index]]) if 0 <= token_index < len(self.ids) else ""

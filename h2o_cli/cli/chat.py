@@ -86,7 +86,8 @@ def chat(
     message = _read_stdin() if one_shot else None
     lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant, device_map)
     settings = settings.resolved(context_window(lm))
-    if _default(context, "chunk"):
+    chunk_given = not _default(context, "chunk")
+    if not chunk_given:
         settings = replace(settings, chunk=default_chunk(settings.policy))
     session = ChatSession(lm, tokenizer, settings, sampling, system, compiled=compiled)
     if one_shot:
@@ -100,7 +101,7 @@ def chat(
     from h2o_cli.cli.chat_repl import ChatLoop
 
     show_panel = not no_panel and sys.stderr.isatty() and sys.stdin.isatty()
-    ChatLoop(session, show_panel, model).run()
+    ChatLoop(session, show_panel, model, chunk_given=chunk_given).run()
 
 
 def default_chunk(policy: str) -> int:

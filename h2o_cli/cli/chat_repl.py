@@ -22,7 +22,8 @@ HELP = """\
   /help              this list
   /stats             cache and speed figures
   /budget N          keep N tokens per KV head (or a fraction of the context window); re-reads the chat
-  /policy NAME       h2o, local, sink, tova or full; re-reads the chat
+  /policy NAME       h2o, local, sink, tova, full or recall; re-reads the chat (recall with 64 spare
+                     slots, the others with 16, unless --chunk was given)
   /reset             forget the conversation
   /save FILE         write the transcript (.json, otherwise Markdown)
   /panel on|off      show or hide the live cache panel; /panel layer N or /panel all picks the view;
@@ -77,8 +78,11 @@ class TerminalReader:
 class ChatLoop:
     """Reads messages and commands until /exit or Ctrl-D; the transcript is written after every turn."""
 
-    def __init__(self, session, show_panel: bool, model_name: str, reader=None) -> None:
+    def __init__(
+        self, session, show_panel: bool, model_name: str, reader=None, chunk_given: bool = False
+    ) -> None:
         self.session = session
+        self.chunk_given = chunk_given  # `--chunk` on the command line: /policy keeps it
         self.show_panel = show_panel
         self.view = PanelView()
         self.model_name = model_name
@@ -195,12 +199,22 @@ class ChatLoop:
         stderr.print(f"budget {tokens} tokens per KV head; {self.session.cache.tokens_seen:,} tokens re-read")
 
     def _policy(self, argument: str) -> None:
+        from h2o_cli.cli.chat import default_chunk
         from h2o_cli.policies import policy_names
+        from h2o_cli.runtime import context_window
 
         if argument not in policy_names():
             raise UsageError(f"/policy needs one of {', '.join(policy_names())}")
-        self._rebuild(f"/policy {argument}", self.session.set_policy, argument)
-        stderr.print(f"policy {argument}; {self.session.cache.tokens_seen:,} tokens re-read")
+        chunk = None
+        if not self.chunk_given:  # the new policy's chat chunk, as far as budget + chunk fit the window
+            settings = self.session.settings
+            room = context_window(self.session.model) - settings.budget
+            chunk = min(default_chunk(argument), max(room, settings.chunk))
+        self._rebuild(f"/policy {argument}", lambda name: self.session.set_policy(name, chunk), argument)
+        stderr.print(
+            f"policy {argument} ({self.session.settings.chunk} spare slots); "
+            f"{self.session.cache.tokens_seen:,} tokens re-read"
+        )
 
     def _rebuild(self, command: str, change, value) -> None:
         """Re-read the conversation into a new cache; on failure or Ctrl-C the chat goes on as it was."""
