@@ -248,12 +248,14 @@ def test_a_recall_chat_asks_each_turns_question_and_the_lead_ranks_the_answer(ti
 def test_policy_takes_the_chat_chunk_of_the_new_policy(tiny_chat, home_dir, chunk_given, chunks):
     """`/policy recall` reads questions whole (chat's 64 spare slots for recall, here the 48 that fit the
     64-token window beside the budget; 16 back on h2o), unless the command line gave `--chunk`: it stays."""
+    from h2o_cli.cli.chat import default_chunk
     from h2o_cli.cli.chat_repl import ChatLoop, LineReader
 
     model, tokenizer = tiny_chat
     session = ChatSession(model, tokenizer, CacheSettings(budget=16, chunk=8), Sampling(2))
     session.ask("Hello.")
-    loop = ChatLoop(session, False, "tiny", reader=LineReader(), chunk_given=chunk_given)
+    chunk_of = None if chunk_given else default_chunk
+    loop = ChatLoop(session, False, "tiny", reader=LineReader(), chunk_of=chunk_of)
     seen = []
     for policy in ("recall", "h2o"):
         loop.command(f"/policy {policy}")

@@ -101,7 +101,7 @@ def chat(
     from h2o_cli.cli.chat_repl import ChatLoop
 
     show_panel = not no_panel and sys.stderr.isatty() and sys.stdin.isatty()
-    ChatLoop(session, show_panel, model, chunk_given=chunk_given).run()
+    ChatLoop(session, show_panel, model, chunk_of=None if chunk_given else default_chunk).run()
 
 
 def default_chunk(policy: str) -> int:

@@ -78,11 +78,9 @@ class TerminalReader:
 class ChatLoop:
     """Reads messages and commands until /exit or Ctrl-D; the transcript is written after every turn."""
 
-    def __init__(
-        self, session, show_panel: bool, model_name: str, reader=None, chunk_given: bool = False
-    ) -> None:
+    def __init__(self, session, show_panel: bool, model_name: str, reader=None, chunk_of=None) -> None:
         self.session = session
-        self.chunk_given = chunk_given  # `--chunk` on the command line: /policy keeps it
+        self.chunk_of = chunk_of  # policy name -> its chat chunk, which /policy takes (None: keep the chunk)
         self.show_panel = show_panel
         self.view = PanelView()
         self.model_name = model_name
@@ -199,17 +197,16 @@ class ChatLoop:
         stderr.print(f"budget {tokens} tokens per KV head; {self.session.cache.tokens_seen:,} tokens re-read")
 
     def _policy(self, argument: str) -> None:
-        from h2o_cli.cli.chat import default_chunk
         from h2o_cli.policies import policy_names
         from h2o_cli.runtime import context_window
 
         if argument not in policy_names():
             raise UsageError(f"/policy needs one of {', '.join(policy_names())}")
         chunk = None
-        if not self.chunk_given:  # the new policy's chat chunk, as far as budget + chunk fit the window
+        if self.chunk_of is not None:  # the new policy's chat chunk, as far as budget + chunk fit the window
             settings = self.session.settings
             room = context_window(self.session.model) - settings.budget
-            chunk = min(default_chunk(argument), max(room, settings.chunk))
+            chunk = min(self.chunk_of(argument), max(room, settings.chunk))
         self._rebuild(f"/policy {argument}", lambda name: self.session.set_policy(name, chunk), argument)
         stderr.print(
             f"policy {argument} ({self.session.settings.chunk} spare slots); "

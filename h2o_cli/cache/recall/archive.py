@@ -543,7 +543,8 @@ class PageArchive:
                 scores *= min(chunk, self.chunk_weight)
             self.carried[:, :pages] = scores
             self.carried_start[:pages] = page_start
-            self.scored += 1
+            if not fixed:  # the fixed step changes no Python value (a captured graph); it takes no lead
+                self.scored += 1
         return scores
 
     def shortlisted(
