@@ -59,7 +59,9 @@ class CompiledStep:
         cache = self.cache
         input_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([[cache.tokens_seen]], dtype=torch.long, device=self.device)
-        with cache.fixed_step():
+        # no autograd: a model's weights require grad unless frozen, and a graph kept for a backward pass
+        # would hold every step's activations (on CUDA, in the graph's memory pool, until it runs out)
+        with torch.no_grad(), cache.fixed_step():
             logits = self._forward(input_ids, position_ids)
         return logits.clone() if logits.device.type == "cuda" else logits  # a CUDA graph reuses its output
 

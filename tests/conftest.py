@@ -126,6 +126,17 @@ def tiny_pair():
     return reference, model
 
 
+def word_tokenizer(size: int):
+    """A word-level tokenizer of `size` ids ("w0" .. "w{size-1}"), for lm-eval models of a tiny random Llama."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{number}": number for number in range(size)}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="w1", bos_token="w2", pad_token="w1")
+
+
 @pytest.fixture(scope="session")
 def smollm():
     """The embedded SmolLM2-135M (model, tokenizer); converted once into $H2O_HOME."""

@@ -219,15 +219,16 @@ def test_inductor_decode_equals_eager(smollm, prompt, policy):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", POLICIES)
-def test_cuda_graph_decode_equals_eager(prompt, policy):
-    """On CUDA, replayed as a CUDA graph (`mode="reduce-overhead"`, what `--compile` runs there)."""
+def test_cuda_graph_decode_equals_eager(tiny_pair, policy):
+    """On CUDA, replayed as a CUDA graph (`mode="reduce-overhead"`, what `--compile` runs there). The tiny
+    random Llama: a GPU machine need not hold the embedded model's file."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from h2o_cli.models import load_model
-
-    model, _ = load_model("smollm2-135m", device="cuda", dtype="float32")
-    settings = CacheSettings(budget=32, chunk=16, policy=policy)
-    eager, captured, _ = decode_both(model, prompt.cuda(), settings, 64, None)  # reduce-overhead
+    model = copy.deepcopy(tiny_pair[1]).cuda()
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(3)).cuda()
+    settings = CacheSettings(budget=32, chunk=16, policy=policy, page_size=2)
+    eager, captured, _ = decode_both(model, ids, settings, 64, None)  # reduce-overhead
+    assert captured.report().evictions > 0
     assert_same_cache(eager, captured)
 
 
@@ -298,6 +299,19 @@ def test_stream_ppl_compile_flag_gives_the_eager_perplexity():
 
 
 @pytest.mark.heavy  # dynamo traces the whole forward: seconds
+def test_captured_step_keeps_no_autograd_graph(tiny_pair):
+    """A model whose weights require grad (any model not frozen): the step's logits carry no autograd graph,
+    so nothing of a step's activations outlives it (with one, a CUDA graph's pool grew until it ran out)."""
+    _, model = tiny_pair
+    assert all(weight.requires_grad for weight in model.parameters())
+    cache = H2OCache(model, CacheSettings(budget=12, chunk=4, policy="h2o"))
+    with torch.inference_mode():
+        model(torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(2)), cache=cache)
+    step = CompiledStep(model, cache, compile=False)
+    logits = step(5)
+    assert not logits.requires_grad and logits.grad_fn is None
+
+
 def test_generate_ids_on_the_captured_step_gives_the_same_answer(tiny_pair):
     """`generate_ids` (what `stream` and `chat` answer with) through `CompiledStep`: the same greedy ids as
     through the model's forward, after a chunked prompt, and the cache's report continues exactly."""

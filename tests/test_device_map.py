@@ -7,8 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_stream, tiny_config
-from test_eval_cost import word_tokenizer
+from conftest import run_stream, tiny_config, word_tokenizer
 
 from h2o_cli.config import CacheSettings
 

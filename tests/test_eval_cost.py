@@ -10,22 +10,11 @@ import sys
 
 import pytest
 import torch
-from conftest import FIXTURES, REPO, tiny_config
+from conftest import FIXTURES, REPO, tiny_config, word_tokenizer
 
 from h2o_cli.config import CacheSettings
 
 pytest.importorskip("lm_eval")
-
-
-def word_tokenizer(size: int):
-    """A word-level tokenizer of `size` ids ("w0" .. "w{size-1}"), for lm-eval models of a tiny random Llama."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{number}": number for number in range(size)}
-    inner = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="w1", bos_token="w2", pad_token="w1")
 
 
 def random_requests(count: int, seed: int) -> list[tuple[tuple[str, str], list[int], list[int]]]:
