@@ -9,7 +9,8 @@ Two parts, each row guarded (a row that fails or runs past its time limit prints
   random weights (speed does not depend on them), contexts 4K/16K/32K read in chunks, then greedy decode:
   plain transformers (sdpa + `DynamicCache`; static cache + `torch.compile`), h2o at 10 % (torch path; Triton
   decode; captured: the fixed decode step under `CompiledStep`, its K/V kept in bf16 and its attention and
-  scores computed in float32), and h2o on 4-bit weights (bitsandbytes nf4). Per row: prefill and decode
+  scores computed in float32), `recall` at the same budget (its archive on the GPU, each head's own page
+  choice), and h2o on 4-bit weights (bitsandbytes nf4). Per row: prefill and decode
   tok/s, peak GPU memory (`torch.cuda.max_memory_allocated`, reset per row), the cache's own bytes.
 
 The timing is `h2o_cli.bench_speed`'s (`fill`, `greedy_decode`, `PlainSide`): the loop `h2o bench` runs on a CPU.
@@ -43,6 +44,7 @@ VARIANTS = (
     "plain static cache + torch.compile",
     "h2o 10% captured/compiled",
     "h2o 10% torch path, 4-bit weights",
+    "recall 10% torch path",
 )
 COLUMNS = ("variant", "context", "kept", "prefill tok/s", "decode tok/s", "peak GPU GiB", "cache MiB", "note")
 
@@ -329,10 +331,12 @@ def model_rows(args, contexts: list[int], deadline: float) -> tuple[list[dict], 
         finally:
             os.environ.pop("H2O_KERNELS", None)
 
-    def h2o_filled(context: int) -> tuple[object, int, float]:
-        """A fresh h2o cache that read `context` ids on the torch path: (cache, next token, prefill seconds)."""
+    def h2o_filled(context: int, policy: str = "h2o") -> tuple[object, int, float]:
+        """A fresh cache of `policy` that read `context` ids on the torch path: (cache, next token, prefill
+        seconds)."""
         budget = h2o_budget(context, args.fraction)
-        cache = H2OCache(model, make_settings(model, str(budget), chunk=chunk, kernels="auto"))
+        settings = make_settings(model, str(budget), policy, chunk=chunk, kernels="auto")
+        cache = H2OCache(model, settings, archive_span=context + tokens + 8)  # recall: archive this text
         started = time.perf_counter()
         token = on_kernels("torch", lambda: fill(model, cache, ids[:context], chunk))
         return cache, token, time.perf_counter() - started
@@ -450,6 +454,23 @@ def model_rows(args, contexts: list[int], deadline: float) -> tuple[list[dict], 
 
     for context in contexts:
         run(VARIANTS[4], context, lambda context=context: captured_row(context), scale=2.5)
+
+    def recall_row(context: int) -> dict:
+        """`recall` at the same budget (resident + recalled), on the torch path: every token also written to
+        an archive on the GPU, each head choosing its own pages (no lead head is known for this model)."""
+        from h2o_cli.cache.recall.layer import RecallLayer
+
+        cache, token, prefill_s = h2o_filled(context, "recall")
+        speed, token = on_kernels("torch", lambda: greedy_decode(model, cache, token, tokens))
+        archive = sum(layer.archive.nbytes() for layer in cache.layers if isinstance(layer, RecallLayer))
+        if context == contexts[-1]:
+            memory[VARIANTS[6]] = cache.nbytes() + archive
+        return {"kept": h2o_budget(context, args.fraction), "prefill tok/s": context / prefill_s,
+                "decode tok/s": speed, "cache MiB": (cache.nbytes() + archive) / 2**20,
+                "note": f"archive {archive / 2**20:,.1f} MiB of it"}  # fmt: skip
+
+    for context in contexts:  # before the 4-bit rows, which quantise the model in place
+        run(VARIANTS[6], context, lambda context=context: recall_row(context))
 
     def quantized() -> dict:
         quantize_4bit(model, dtype)

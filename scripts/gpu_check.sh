@@ -4,7 +4,7 @@
 #   1b. the `gpu`-marked tests: a CUDA + CPU device-map split streaming like one device, and the captured
 #      decode step (CUDA graphs) equal to eager                                                   T_GPU_TESTS (60 s)
 #   2. scripts/gpu_bench.py: fused Triton vs torch vs SDPA per attention call (at most 60 s), then plain
-#      transformers vs h2o 10 % on a random-weight Llama-2-7B shape in bf16 at 4K/16K/32K (see its
+#      transformers vs h2o 10 % (and recall) on a random-weight Llama-2-7B shape in bf16 at 4K/16K/32K (see its
 #      docstring)                                                                                  T_BENCH (330 s)
 #      Its model part starts no row after BENCH_DEADLINE s (270, from its start) and stops a row after
 #      ROW_LIMIT s (60; the first compiled row gets 2.5x for the compile).
