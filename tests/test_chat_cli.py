@@ -303,3 +303,15 @@ def test_a_recall_chat_reads_questions_whole_unless_told_its_chunk(loaded, home,
     result = CliRunner().invoke(app, args, input="Hello\n")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["chunk"] == chunk
+
+
+@pytest.mark.parametrize(
+    ("flags", "place"), [([], "index"), (["--recall-place", "contiguous"], "contiguous")]
+)
+def test_a_recall_chat_reports_where_it_places_what_it_recalls(loaded, home, flags, place):
+    """`chat --policy recall --json` says where recalled tokens sit (`recall_place`): ranked by token index
+    unless --recall-place says otherwise."""
+    args = ["chat", "--policy", "recall", *flags, "--budget", "64", "-n", "1", "--json", "--threads", "1"]
+    result = CliRunner().invoke(app, args, input="Hello\n")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["recall_place"] == place

@@ -399,6 +399,7 @@ class H2OCache(Cache):
             "archive_oldest": archive.oldest,
             "recall_slots": self.policy.recall_slots,
             "recall_lead": "none" if self.lead is None else f"{self.lead.layer}.{self.lead.head}",
+            "recall_place": self.policy.recall_place,
             "recall_slot_bytes": sum(
                 tensor.nbytes
                 for layer in layers
