@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import REPO
 
 from h2o_cli.chat import ChatSession, take_snapshot
 from h2o_cli.config import CacheSettings
@@ -264,27 +265,26 @@ def test_policy_takes_the_chat_chunk_of_the_new_policy(tiny_chat, home_dir, chun
     assert seen == chunks
 
 
-def test_a_recall_chat_brings_back_a_fact_every_head_evicted(smollm, excerpt):
+def test_a_recall_chat_brings_back_a_fact_every_head_evicted(smollm, excerpt, monkeypatch):
     """A fact from the first turn, then three turns of a book (~1,400 tokens on a 256-token budget): at the
     question's first answer step no head keeps the fact's digits resident, and the lead head's pages have
     brought all of them back into most heads' recall slots (observed 77 %). Whether the 135M model then
-    answers with them is the model's part (docs/results.md: it copies its replies' pattern instead)."""
+    answers with them is the model's part (docs/results.md: it copies its replies' pattern instead).
+    The conversation is scripts/chat_remembers.py's, answered one token long."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from chat_remembers import code_tokens, converse
+
     model, tokenizer = smollm
-    session = ChatSession(model, tokenizer, CacheSettings(budget=256, policy="recall", chunk=64), Sampling(8))
-    session.ask("Remember this for later: the code of my locker is 60494.")
-    fact = session.turns[0]
-    code = torch.tensor(
-        [index for index in range(fact.start, fact.end) if tokenizer.decode([int(session.ids[index])]).strip()
-         in "60494" and tokenizer.decode([int(session.ids[index])]).strip()]
-    )  # fmt: skip
-    assert tokenizer.decode([int(session.ids[int(index)]) for index in code]).replace(" ", "") == "60494"
+    session = ChatSession(model, tokenizer, CacheSettings(budget=256, policy="recall", chunk=64))
     ids = tokenizer(excerpt, add_special_tokens=False)["input_ids"]
-    third = len(ids) // 3
-    for part in range(3):
-        text = tokenizer.decode(ids[part * third : (part + 1) * third])
-        session.ask(f"Here is the next part of a book I am reading:\n\n{text}\n\nReply with OK.")
-    session.sampling = Sampling(1)
-    session.ask("What is the code of my locker? Answer with the number only.")
+
+    def one_token_answer(session):
+        session.sampling = Sampling(1)
+
+    _, turns, _ = converse(session, ids, tokenizer, 1200, len(ids) // 3, "60494", before_question=one_token_answer,
+                           reply_tokens=8)  # fmt: skip
+    code = torch.tensor(code_tokens(session, "60494"))
+    assert turns == 3 and len(code) == 5
     resident = recalled = heads = 0
     for layer in session.cache.layers:
         resident += int((torch.isin(layer.store.token_index, code).sum(dim=1) == len(code)).sum())

@@ -298,7 +298,6 @@ def test_stream_ppl_compile_flag_gives_the_eager_perplexity():
     assert compiled_report["ppl"] == pytest.approx(eager_report["ppl"], rel=1e-5)
 
 
-@pytest.mark.heavy  # dynamo traces the whole forward: seconds
 def test_captured_step_keeps_no_autograd_graph(tiny_pair):
     """A model whose weights require grad (any model not frozen): the step's logits carry no autograd graph,
     so nothing of a step's activations outlives it (with one, a CUDA graph's pool grew until it ran out)."""
@@ -312,6 +311,7 @@ def test_captured_step_keeps_no_autograd_graph(tiny_pair):
     assert not logits.requires_grad and logits.grad_fn is None
 
 
+@pytest.mark.heavy  # dynamo traces the whole forward: seconds
 def test_generate_ids_on_the_captured_step_gives_the_same_answer(tiny_pair):
     """`generate_ids` (what `stream` and `chat` answer with) through `CompiledStep`: the same greedy ids as
     through the model's forward, after a chunked prompt, and the cache's report continues exactly."""
