@@ -341,16 +341,24 @@ def model_rows(args, contexts: list[int], deadline: float) -> tuple[list[dict], 
         token = on_kernels("torch", lambda: fill(model, cache, ids[:context], chunk))
         return cache, token, time.perf_counter() - started
 
-    def h2o_row(context: int, name: str, keep: bool = False) -> dict:
-        cache, token, prefill_s = h2o_filled(context)
+    def h2o_row(context: int, name: str, keep: bool = False, policy: str = "h2o") -> dict:
+        """A fresh cache of `policy` on the torch path; with `recall` its archive (on the GPU) counts in the
+        cache's bytes, and each head chooses its own pages (no lead head is known for this model)."""
+        from h2o_cli.cache.recall.layer import RecallLayer
+
+        cache, token, prefill_s = h2o_filled(context, policy)
         speed, token = on_kernels("torch", lambda: greedy_decode(model, cache, token, tokens))
         if keep:
             kept.update(context=context, cache=cache, token=token)
+        archive = sum(layer.archive.nbytes() for layer in cache.layers if isinstance(layer, RecallLayer))
         if context == contexts[-1]:
-            memory[name] = cache.nbytes()
+            memory[name] = cache.nbytes() + archive
         budget = h2o_budget(context, args.fraction)
-        return {"kept": budget, "prefill tok/s": context / prefill_s, "decode tok/s": speed,
-                "cache MiB": cache.nbytes() / 2**20}  # fmt: skip
+        row = {"kept": budget, "prefill tok/s": context / prefill_s, "decode tok/s": speed,
+               "cache MiB": (cache.nbytes() + archive) / 2**20}  # fmt: skip
+        if archive:
+            row["note"] = f"archive {archive / 2**20:,.1f} MiB of it"
+        return row
 
     def triton_row(context: int) -> dict:
         from h2o_kernels import dispatch
@@ -455,22 +463,8 @@ def model_rows(args, contexts: list[int], deadline: float) -> tuple[list[dict], 
     for context in contexts:
         run(VARIANTS[4], context, lambda context=context: captured_row(context), scale=2.5)
 
-    def recall_row(context: int) -> dict:
-        """`recall` at the same budget (resident + recalled), on the torch path: every token also written to
-        an archive on the GPU, each head choosing its own pages (no lead head is known for this model)."""
-        from h2o_cli.cache.recall.layer import RecallLayer
-
-        cache, token, prefill_s = h2o_filled(context, "recall")
-        speed, token = on_kernels("torch", lambda: greedy_decode(model, cache, token, tokens))
-        archive = sum(layer.archive.nbytes() for layer in cache.layers if isinstance(layer, RecallLayer))
-        if context == contexts[-1]:
-            memory[VARIANTS[6]] = cache.nbytes() + archive
-        return {"kept": h2o_budget(context, args.fraction), "prefill tok/s": context / prefill_s,
-                "decode tok/s": speed, "cache MiB": (cache.nbytes() + archive) / 2**20,
-                "note": f"archive {archive / 2**20:,.1f} MiB of it"}  # fmt: skip
-
     for context in contexts:  # before the 4-bit rows, which quantise the model in place
-        run(VARIANTS[6], context, lambda context=context: recall_row(context))
+        run(VARIANTS[6], context, lambda context=context: h2o_row(context, VARIANTS[6], policy="recall"))
 
     def quantized() -> dict:
         quantize_4bit(model, dtype)
