@@ -13,9 +13,12 @@ rest of a C step's choice (archive.c's `archive_choose`: which pages hold a cand
 scores, the read into 410 recall slots, with 410 resident tokens, all of them the newest). Per layer, and the
 step for all 30 layers. One thread. The C scores are timed twice: one layer's call repeated (its held keys stay
 in the CPU's caches) and 30 layers' calls in turn (`--layers`; each holds its own keys, as a decode step reads
-30 layers' worth, the per-layer median of the sweeps): the second is what a step pays.
+30 layers' worth, the per-layer median of the sweeps): the second is what a step pays. The every-block bound,
+the shortlist and its mass are taken under `--choosing` tokens' queries (1, a step's, by default; 32 for what a
+256-token chunk of text chooses with, `--choice-tokens`).
 
     python scripts/bench_choice.py --tokens 8192,32768,131072 --repeat 30
+    python scripts/bench_choice.py --tokens 32768,131072 --choosing 32 --repeat 10
 """
 
 from __future__ import annotations
@@ -75,6 +78,23 @@ def c_choose(archive: PageArchive, recall: int = 410, resident: int = 410):
     return run
 
 
+def product_times(tokens: int, choosing: int, shortlist: int, repeat: int) -> str:
+    """The chunk choice's two matrix products at `tokens` archived tokens, float32 against bfloat16 (what a
+    half-precision choice would cost where the CPU multiplies bfloat16 fast, e.g. AMX): the flat bound's
+    summaries [n_kv, blocks of 4, 2 * d] x queries, and the shortlist's keys x queries."""
+    m = GROUP * choosing
+    shapes = {"bound": ((N_KV, tokens // 4, 2 * HEAD_DIM), (N_KV, 2 * HEAD_DIM, m)),
+              "mass": ((N_KV, m, HEAD_DIM), (N_KV, HEAD_DIM, shortlist * 16))}  # fmt: skip
+    cells = []
+    for name, (left, right) in shapes.items():
+        times = []
+        for kind in (torch.float32, torch.bfloat16):  # the operands converted before the clock starts
+            a, b = torch.randn(left).to(kind), torch.randn(right).to(kind)
+            times.append(median_ms(lambda a=a, b=b: torch.bmm(a, b), repeat))
+        cells.append(f"{name} product {times[0]:.2f} ms float32, {times[1]:.2f} ms bfloat16")
+    return f"{tokens:,} tokens, {m} queries per KV head: " + "; ".join(cells)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -83,12 +103,17 @@ def main() -> None:
     parser.add_argument("--shortlist", type=int, default=512)
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--question", type=int, default=20, help="tokens of a question (its queries score)")
+    parser.add_argument(
+        "--choosing", type=int, default=1,
+        help="tokens whose queries pick the shortlist and score its mass (1: a step; 32: a chunk of text's)",
+    )  # fmt: skip
     parser.add_argument("--layers", type=int, default=30, help="layers whose C scores are timed in turn")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     print(f"{platform.machine()}, {platform.processor() or 'cpu'}, torch threads 1, load average "
-          f"{os.getloadavg()[0]:.1f} at the start; medians of {args.repeat} steps, one layer\n")  # fmt: skip
+          f"{os.getloadavg()[0]:.1f} at the start; medians of {args.repeat} steps, one layer; bound, shortlist "
+          f"and mass under {args.choosing} token(s)' queries\n")  # fmt: skip
     print("| archive tokens | pages | every block bounded (ms) | shortlist picked (ms) | shortlist mass (ms) "
           "| step choice, torch (ms) | step choice, C (ms) | C, layers in turn (ms per layer) | C × 30 layers (ms) "
           "| question, every page (ms) "
@@ -99,15 +124,16 @@ def main() -> None:
                               shortlist=args.shortlist, carry=0.9)  # fmt: skip
         archive.write(torch.randn(N_KV, tokens, HEAD_DIM), torch.randn(N_KV, tokens, HEAD_DIM))
         query = torch.randn(N_KV, GROUP, HEAD_DIM)
+        choosing = torch.randn(N_KV, GROUP * args.choosing, HEAD_DIM)
         pages = tokens // 16
-        summary = median_ms(lambda: archive.summary_bounds(query, pages), args.repeat)  # noqa: B023
+        summary = median_ms(lambda: archive.summary_bounds(choosing, pages), args.repeat)  # noqa: B023
         start = archive.token_index.view(pages, 16)[:, 0]
         if pages > args.shortlist:
-            pick = median_ms(lambda: archive.shortlisted(query, pages, start), args.repeat)  # noqa: B023
-            picked = archive.shortlisted(query, pages, start)
+            pick = median_ms(lambda: archive.shortlisted(choosing, pages, start), args.repeat)  # noqa: B023
+            picked = archive.shortlisted(choosing, pages, start)
         else:  # every page is scored
             pick, picked = 0.0, torch.arange(pages).expand(N_KV, -1)
-        mass = median_ms(lambda: archive.attention_mass(query, pages, picked), args.repeat)  # noqa: B023
+        mass = median_ms(lambda: archive.attention_mass(choosing, pages, picked), args.repeat)  # noqa: B023
         step = median_ms(lambda: archive.step_bounds(query), args.repeat)  # noqa: B023
         c_step = swept = choose = float("nan")
         if native.available():
@@ -128,6 +154,10 @@ def main() -> None:
             f"| {tokens:,} | {pages:,} | {summary:.2f} | {pick:.2f} | {mass:.2f} | {step:.2f} | {c_step:.2f} "
             f"| {swept:.2f} | {swept * LAYERS:.0f} | {question:.1f} | {choose:.2f} |"
         )
+    if args.choosing > 1:
+        print()
+        for tokens in args.tokens:
+            print(product_times(tokens, args.choosing, args.shortlist, args.repeat))
 
 
 if __name__ == "__main__":
