@@ -77,15 +77,15 @@ def answer_with_lead(model, settings: CacheSettings, monkeypatch) -> tuple[list[
     step's `RecallCStep.lead_choose`) recorded with its inputs and what it chose (token indices per head)."""
     calls: list[dict] = []
 
-    def recorded(self, archive, resident, before, slots):
-        chosen, valid = CHOOSE(self, archive, resident, before, slots)
+    def recorded(self, archive, resident, before, slots, pages=None):
+        chosen, valid = CHOOSE(self, archive, resident, before, slots, pages)
         tokens = torch.where(valid, archive.token_index[chosen], -1)
         calls.append(
             dict(
                 lead=archive is self.archive, ready=self.ready, before=before, slots=slots,
                 ring=archive.token_index.tolist(), scores=self.archive.carried[self.head].tolist(),
                 resident=resident.tolist(), chosen=[[t for t in row if t >= 0] for row in tokens.tolist()],
-                c_step=False,
+                c_step=False, pages=pages,
             )
         )  # fmt: skip
         return chosen, valid
@@ -98,7 +98,7 @@ def answer_with_lead(model, settings: CacheSettings, monkeypatch) -> tuple[list[
         record = dict(
             lead=layer.archive is lead.archive, ready=lead.ready, before=store.tokens_seen,
             slots=self.recall, ring=layer.archive.token_index.tolist(),
-            scores=lead.archive.carried[lead.head].tolist(), resident=resident.tolist(), c_step=True,
+            scores=lead.archive.carried[lead.head].tolist(), resident=resident.tolist(), c_step=True, pages=None,
         )  # fmt: skip
         result = C_CHOOSE(self, ranked, pages)
         record["chosen"] = [[t for t in row if t >= 0] for row in layer.recall_index.tolist()]
@@ -147,6 +147,47 @@ def test_every_head_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch, ke
     # Read twice, archived once.
     assert cache.tokens_seen == TEXT + QUESTION + ANSWER
     assert all(layer.archive.tokens == cache.tokens_seen for layer in cache.layers)
+
+
+def test_with_lead_text_every_chunk_of_text_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch):
+    """`--lead-text`: a chunk of text in every layer but the lead's recalls the candidates of the lead's best
+    pages (enough to fill its recall slots), by the ranking of the lead layer's latest call (layer 0: the chunk before's; before the lead has
+    read one, nothing); the lead layer chooses its own (that is its ranking); a question is answered as ever."""
+    from h2o_cli.cache.recall.layer import RecallLayer
+
+    _, model = tiny_pair
+    ranked, attend = (
+        [],
+        RecallLayer._chunk_attend,
+    )  # the lead's carried scores after each of its layer's calls
+
+    def noted(self, query, scaling):
+        output = attend(self, query, scaling)
+        if self.archive is self.lead.archive:
+            ranked.append(self.archive.carried[self.lead.head].tolist())
+        return output
+
+    monkeypatch.setattr(RecallLayer, "_chunk_attend", noted)
+    settings = lead_settings(lead_text=True)  # 20 recall slots: the lead's best 5 pages of 4
+    calls, cache, answer = answer_with_lead(model, settings, monkeypatch)
+    slots, chunks = (
+        cache.policy.recall_slots,
+        TEXT // settings.chunk,
+    )  # then the text's last tokens and the question
+    text = [call for call in calls if call["pages"] == 5]
+    assert len(text) == chunks and not any(call["lead"] for call in text)  # layer 0 only
+    assert not text[0]["ready"] and text[0]["chosen"] == [[], []]
+    recalled = 0
+    for number, call in enumerate(text[1:], start=1):
+        assert call["ready"] and call["before"] == number * settings.chunk
+        assert call["scores"] == ranked[number - 1], number  # the lead layer's ranking of the chunk before
+        wanted = expected_tokens(call["ring"], call["scores"], call["resident"], call["before"], slots, 5, 4)
+        assert call["chosen"] == wanted, number
+        recalled += sum(map(len, wanted))
+    assert recalled > 0
+    # The question and the answer: the lead's `--lead-pages` in both layers, as without `--lead-text`.
+    assert len(calls) - len(text) == 2 * (2 + ANSWER) and len(answer) == ANSWER
+    assert all(call["pages"] is None for call in calls[len(text) :])
 
 
 def test_a_chunk_of_text_ends_the_answer(tiny_pair, monkeypatch):
@@ -216,7 +257,10 @@ def test_auto_is_the_models_calibrated_lead_where_pages_carry_attention(tiny_pai
     cache = H2OCache(model, settings)
     assert (cache.lead.layer, cache.lead.head) == (1, 0) and cache.lead.archive is cache.layers[1].archive
     assert all(layer.lead is cache.lead for layer in cache.layers)
-    assert cache.archive_summary()["recall_lead"] == "1.0"
+    assert cache.archive_summary()["recall_lead"] == "1.0" and cache.archive_summary()["lead_text"] is False
+    assert H2OCache(model, replace(settings, lead_text=True)).archive_summary()["lead_text"] is True
+    with_none = replace(settings, lead_text=True, recall_lead="none")  # no lead: nothing leads the text
+    assert H2OCache(model, with_none).archive_summary()["lead_text"] is False
     for other in (
         dict(page_score="unrotated"),
         dict(page_carry=0.0),

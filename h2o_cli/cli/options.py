@@ -238,6 +238,15 @@ LeadPages = Annotated[
         "--recall-ratio of the budget in tokens).",
     ),
 ]
+LeadText = Annotated[
+    bool,
+    typer.Option(
+        "--lead-text",
+        help="recall, --recall-lead: chunks of text too recall the lead head's best pages (enough to fill the "
+        "recall slots) in every layer but the lead's, instead of each head's own choice: only one layer scores "
+        "pages while text is read.",
+    ),
+]
 ChoiceTokens = Annotated[
     int,
     typer.Option(
@@ -353,6 +362,7 @@ CACHE_OPTIONS = {
     "recall_layers": RecallLayers,
     "recall_lead": RecallLead,
     "lead_pages": LeadPages,
+    "lead_text": LeadText,
     "page_score": PageScore,
     "archive_max": ArchiveMax,
     "archive": Archive,

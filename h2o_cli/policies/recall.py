@@ -40,6 +40,7 @@ class RecallPolicy(HeavyHitterPolicy):
     recall_layers: str = "all"
     recall_lead: str = "auto"
     lead_pages: int = 8
+    lead_text: bool = False
 
     def __post_init__(self) -> None:
         check_recall_options(
@@ -70,6 +71,12 @@ class RecallPolicy(HeavyHitterPolicy):
     def recall_slots(self) -> int:
         """Slots per KV head refilled from the archive at every step: `round(budget * recall_ratio)`."""
         return round(self.budget * self.recall_ratio)
+
+    @property
+    def text_lead_pages(self) -> int:
+        """With `--lead-text`, how many of the lead's best pages a chunk of text recalls: enough to fill the
+        recall slots, `ceil(recall_slots / page_size)`; 0 without it."""
+        return -(-self.recall_slots // self.page_size) if self.lead_text else 0
 
     @property
     def resident(self) -> int:

@@ -123,9 +123,14 @@ class RecallLayer(H2OLayer):
         slots, hits = self.recall_index.shape[1], 0
         if self.lead is not None and (self.asks > 1 or chunk > 1):  # a question starts an answer,
             self.answering = self.asks > 1  # and a chunk of text ends it
-        leading = self.answering and self.lead.archive is not self.archive
+        # With `--lead-text` a chunk of text takes the lead's pages too (enough to fill R), in the other layers.
+        text_pages = (
+            self.policy.text_lead_pages if self.lead is not None and chunk > 1 and not self.answering else 0
+        )
+        leading = (self.answering or text_pages) and self.lead.archive is not self.archive
         if slots and leading:  # the lead's pages (docs/spec.md, recall: lead head); this layer scores none
-            chosen, valid = self.lead.choose(self.archive, store.token_index[:, :active], first, slots)
+            resident = store.token_index[:, :active]
+            chosen, valid = self.lead.choose(self.archive, resident, first, slots, text_pages or None)
             hits = self._read_back(chosen, valid)
         elif slots:  # pass 1: the chunk's queries choose archived tokens, read back into the recall slots
             # A question ending the chunk (H2OCache.asking) chooses with its own queries alone; a chunk of
@@ -138,8 +143,9 @@ class RecallLayer(H2OLayer):
             chosen, valid = self.archive.choose(
                 grouped, store.token_index[:, :active], first, slots, weighed, question=asked
             )
-            if self.answering:  # the lead layer: its scores are carried now, every head takes its pages
+            if self.answering or text_pages:  # the lead layer: its carried scores rank for the others
                 self.lead.ready = True
+            if self.answering:  # and every head of it takes the lead's pages
                 chosen, valid = self.lead.choose(self.archive, store.token_index[:, :active], first, slots)
             hits = self._read_back(chosen, valid)
         self.counts.add((self.recall_index >= 0).sum(), hits)

@@ -47,7 +47,7 @@ class LeadRanking:
         return self._ranked[1]
 
     def choose(
-        self, archive: PageArchive, resident: torch.Tensor, before: int, slots: int
+        self, archive: PageArchive, resident: torch.Tensor, before: int, slots: int, pages: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pass 1 of a recall step under the lead: up to `slots` archived tokens per KV head of one layer.
 
@@ -55,10 +55,12 @@ class LeadRanking:
         [n_kv_heads, n] token indices of S (-1 = empty); `before`: the call's first token. A candidate is an
         archived token older than `before` not in the head's S. The lead's best `pages` ring pages (larger
         carried score first, ties the older page) among those with a positive score and a candidate in some
-        head; each head's candidates of them in that order, oldest first inside a page. Returns archive slots
-        [n_kv_heads, slots] and which of them hold a chosen token, as `PageArchive.choose` (all invalid while
-        the ranking is not `ready`)."""
+        head (`pages`: the ranking's own, `--lead-pages`, unless given: `--lead-text` asks a chunk of text for
+        enough to fill the slots); each head's candidates of them in that order, oldest first inside a page.
+        Returns archive slots [n_kv_heads, slots] and which of them hold a chosen token, as `PageArchive.choose`
+        (all invalid while the ranking is not `ready`)."""
         n_kv, size, device = archive.n_kv_heads, archive.page_size, resident.device
+        want = self.pages if pages is None else pages
         chosen = torch.zeros(n_kv, slots, dtype=torch.int64, device=device)
         valid = torch.zeros(n_kv, slots, dtype=torch.bool, device=device)
         used = archive.span // size
@@ -72,7 +74,7 @@ class LeadRanking:
         offsets = torch.arange(size, device=device)
         # The best pages rarely lack a candidate (the recent window, held by every head): look at a few more
         # than `pages`, and at twice as many until enough have one or every page is looked at.
-        look = min(used, 2 * self.pages + 16)
+        look = min(used, 2 * want + 16)
         while True:
             ranked = torch.topk(key, look, sorted=True)
             pages = ranked.indices[ranked.values > torch.iinfo(torch.int64).min]
@@ -82,10 +84,10 @@ class LeadRanking:
             in_s = held.gather(1, place.clamp_max_(held.shape[1] - 1)) == tokens
             usable = (tokens >= 0) & (tokens < before) & ~in_s  # [n_kv, pages * size]
             with_candidate = usable.view(n_kv, -1, size).any(dim=2).any(dim=0)  # [pages]
-            if int(with_candidate.sum()) >= self.pages or look == used:
+            if int(with_candidate.sum()) >= want or look == used:
                 break
             look = min(used, 2 * look)
-        keep = with_candidate.nonzero().flatten()[: self.pages]
+        keep = with_candidate.nonzero().flatten()[:want]
         columns = (keep.unsqueeze(1) * size + offsets).flatten()
         in_order, usable = in_order[columns], usable[:, columns]
         # Each head's usable slots first, in reading order (a stable sort of "not usable").
