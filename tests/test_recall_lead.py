@@ -190,6 +190,31 @@ def test_with_lead_text_every_chunk_of_text_recalls_the_lead_heads_best_pages(ti
     assert all(call["pages"] is None for call in calls[len(text) :])
 
 
+def test_with_lead_text_the_steps_that_continue_a_text_take_the_lead_heads_pages(tiny_pair, monkeypatch):
+    """Text with no question, then tokens generated after it: every step takes the lead's `--lead-pages` in
+    both layers (the layers but the lead's kept no scores of their own while the text was read)."""
+    _, model = tiny_pair
+    calls = []
+
+    def recorded(self, archive, resident, before, slots, pages=None):
+        calls.append((archive is self.archive, pages, before))
+        return CHOOSE(self, archive, resident, before, slots, pages)
+
+    monkeypatch.setattr(LeadRanking, "choose", recorded)
+    settings = lead_settings(lead_text=True)
+    cache = H2OCache(model, settings)
+    text = torch.randint(0, 128, (TEXT,), generator=torch.Generator().manual_seed(4)).tolist()
+    logits, stats = prefill(model, cache, [text], settings.chunk)
+    stats.reraise()
+    read = len(calls)
+    assert read and all(pages == 5 for _, pages, _ in calls)  # layer 0, every chunk of text but the first
+    assert all(layer.answering for layer in cache.layers)
+    answer = list(generate_ids(model, cache, logits, Sampling(max_new_tokens=ANSWER)))
+    steps = calls[read:]
+    assert len(answer) == ANSWER and len(steps) == 2 * ANSWER  # both layers, every step
+    assert [lead for lead, _, _ in steps] == [False, True] * ANSWER and all(p is None for _, p, _ in steps)
+
+
 def test_a_chunk_of_text_ends_the_answer(tiny_pair, monkeypatch):
     _, model = tiny_pair
     calls, cache, _ = answer_with_lead(model, lead_settings(), monkeypatch)

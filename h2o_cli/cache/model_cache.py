@@ -372,9 +372,9 @@ class H2OCache(Cache):
         `archive_bytes` (all layers, preallocated) = `archive_ram_bytes` (token index, summaries, and the K/V of
         a RAM archive) + `archive_disk_bytes` (the K/V of a file archive); `archive_token_bytes` per token;
         `archive_tokens` (tokens held), `archive_reach` = `archive_oldest` (the oldest token still recallable);
-        `recall_slots` and their bytes; `recall_lead` (the lead head as LAYER.HEAD, or none); `lead_text` (whether chunks of text recall the
-        lead's pages); `choice_bytes` (what the page choice keeps in RAM beside them: carried
-        scores, section summaries, the shortlist's held keys, scratch); `recalled_per_step` (tokens per KV head,
+        `recall_slots` and their bytes; `recall_lead` (the lead head as LAYER.HEAD, or none); `lead_text`
+        (whether chunks of text recall the lead's pages); `choice_bytes` (what the page choice keeps in RAM
+        beside them: carried scores, section summaries, the shortlist's held keys, scratch); `recalled_per_step` (tokens per KV head,
         mean over layers and steps), of which `recall_hits` were already in the recall slots and
         `archive_reads_per_step` were read."""
         layers = [layer for layer in self.layers if isinstance(layer, RecallLayer)]

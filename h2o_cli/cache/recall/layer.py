@@ -50,7 +50,9 @@ class RecallLayer(H2OLayer):
     step_keys_by_map = False
     fused_kernels = False  # the Triton kernels know nothing of the recall slots
     lead: LeadRanking | None = None  # `--recall-lead`: the ranking every head recalls from after a question
-    answering = False  # with a lead: from a question to the next chunk of text (its pages are recalled)
+    # With a lead: from a question to the next chunk of text (its pages are recalled); with `--lead-text` also
+    # from a chunk of text to the next chunk (the steps that continue it).
+    answering = False
 
     def add_archive(
         self,
@@ -148,6 +150,8 @@ class RecallLayer(H2OLayer):
             if self.answering:  # and every head of it takes the lead's pages
                 chosen, valid = self.lead.choose(self.archive, store.token_index[:, :active], first, slots)
             hits = self._read_back(chosen, valid)
+        if text_pages:  # the steps that continue the text take the lead's pages, as an answer's do
+            self.answering = True
         self.counts.add((self.recall_index >= 0).sum(), hits)
         # Pass 2: E_q = S ∪ R ∪ {chunk tokens <= q}; R is older than the chunk, so every query sees all of it.
         token_index = torch.cat([store.token_index[:, :active], self.recall_index], dim=1)
