@@ -30,22 +30,29 @@ BOOK = Path("gutenberg_books/moby_dick_pg2701.txt")
 
 
 def converse(session, book_ids: list[int], tokenizer, tokens: int, turn_tokens: int, code: str,
-             fact: str = FACT, question: str = QUESTION, before_question=None, reply_tokens: int = 32):  # fmt: skip
+             fact: str = FACT, question: str = QUESTION, before_question=None, reply_tokens: int = 32,
+             given_reply: str | None = None):  # fmt: skip
     """Feed the fact, the book's turns up to `tokens` tokens read, then the question: (answer, turns, the
     replies to the book's turns). `before_question(session)` is called just before the question is sent. Each
-    reply may take `reply_tokens`: cut shorter, the cut replies become a pattern the model repeats."""
+    reply may take `reply_tokens`: cut shorter, the cut replies become a pattern the model repeats. With
+    `given_reply`, every turn before the question is answered with that text instead of a generated reply
+    (read as `h2o chat --resume` reads a saved conversation)."""
     from h2o_cli.generation import Sampling
+
+    def exchange(message: str) -> str:
+        if given_reply is None:
+            return session.ask(message)
+        session.read_exchange(message, given_reply)
+        return given_reply
 
     # The fact's reply may take `reply_tokens` too: cut at 8 tokens, "The code of your locker is" (without the
     # number) became the pattern the later replies and the answer copied.
     session.sampling = Sampling(max_new_tokens=reply_tokens)
-    session.ask(fact.format(code=code))
+    exchange(fact.format(code=code))
     start, turns, replies = 0, 0, []
     while session.cache.tokens_seen < tokens:
         part = tokenizer.decode(book_ids[start : start + turn_tokens])
-        replies.append(
-            session.ask(f"Here is the next part of a book I am reading:\n\n{part}\n\nReply with OK.")
-        )
+        replies.append(exchange(f"Here is the next part of a book I am reading:\n\n{part}\n\nReply with OK."))
         start, turns = start + turn_tokens, turns + 1
     session.sampling = Sampling(max_new_tokens=24)  # "The code of my locker is 6049" took 12
     if before_question is not None:
@@ -129,6 +136,10 @@ def main() -> None:
     parser.add_argument(
         "--reply-tokens", type=int, default=32, help="most tokens of each reply to a book turn"
     )
+    parser.add_argument(
+        "--given-reply", default=None,
+        help="answer every turn before the question with this text (e.g. OK.) instead of generating",
+    )  # fmt: skip
     parser.add_argument("--probe", action="store_true", help="record where the code's tokens are (recall)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -149,11 +160,11 @@ def main() -> None:
 
         said, turns, replies = converse(
             session, ids[offset:], tokenizer, args.tokens, args.turn_tokens, code, args.fact, args.question,
-            watch if args.probe and policy == "recall" else None, args.reply_tokens,
+            watch if args.probe and policy == "recall" else None, args.reply_tokens, args.given_reply,
         )  # fmt: skip
         row = {"policy": policy, "budget": args.budget, "chunk": chunk, "seed": args.seed, "fact": args.fact, "code": code, "answer": said,
                "correct": code in said, "tokens_read": session.cache.tokens_seen, "book_turns": turns,
-               "reply_tokens": args.reply_tokens, "replies": replies[:3],
+               "reply_tokens": args.reply_tokens, "given_reply": args.given_reply, "replies": replies[:3],
                "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
         if probes:
             row["code_tokens"] = probes[0].tokens.tolist()

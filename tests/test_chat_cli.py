@@ -151,6 +151,28 @@ def test_one_shot_json(loaded, home):
     assert report["answer"] and report["budget_tokens"] == 32 and report["last_generated_tokens"] <= 4
 
 
+def test_resume_goes_on_with_a_saved_chat(loaded, home, tmp_path):
+    """`--resume FILE.json` reads the saved messages first; the new answer and transcript follow them."""
+    from h2o_cli.chat import ChatSession
+    from h2o_cli.config import CacheSettings
+    from h2o_cli.generation import Sampling
+
+    saved = ChatSession(*loaded, CacheSettings(budget=32, chunk=16), Sampling(4), system="You are terse.")
+    saved.ask("My name is Ana.")
+    path = saved.save(tmp_path / "chat.json")
+    args = ["chat", "--json", "--budget", "32", "-n", "4", "--resume", str(path)]
+    result = CliRunner().invoke(app, args, input="What is my name?\n")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["turns"] == 4 and report["tokens_seen"] > saved.cache.tokens_seen
+    assert f"resumed 2 messages ({saved.cache.tokens_seen:,} tokens)" in result.stderr
+    path.write_text('{"turns": [{"role": "assistant", "content": "Hi"}]}')
+    # Checked before the model loads: one line on stderr, exit code 1.
+    result = subprocess.run(MAIN + args, input=b"Hi\n", capture_output=True, env=_env(home), timeout=120)
+    assert result.returncode == 1 and result.stdout == b"" and len(result.stderr.strip().splitlines()) == 1
+    assert b"turn 1 of the transcript is not a user message" in result.stderr
+
+
 def test_empty_stdin_is_one_red_line(loaded, home):
     result = subprocess.run(MAIN + ["chat"], input=b"  \n", capture_output=True, env=_env(home), timeout=120)
     assert result.returncode == 1 and result.stdout == b""

@@ -141,6 +141,48 @@ def test_save_markdown_and_json(smollm, tmp_path):
     assert data["turns"][1]["start"] == data["turns"][0]["end"]
 
 
+def test_a_resumed_conversation_goes_on_as_the_one_it_was_saved_from(smollm, tmp_path):
+    """A saved JSON transcript read back (the answers as given) feeds the tokens the template renders for
+    the whole conversation, and the next answer is the one the original session gives."""
+    from h2o_cli.chat import read_transcript
+
+    _, tokenizer = smollm
+    original = _session(smollm, budget=512, new_tokens=8, system="You are terse.")
+    original.ask("My name is Ana and I live in Lisbon.")
+    original.ask("Name a colour.")
+    system, turns = read_transcript(original.save(tmp_path / "chat.json"))
+    resumed = _session(smollm, budget=512, new_tokens=8, system=system)
+    assert resumed.resume(turns) == 4
+    messages = [{"role": "system", "content": "You are terse."}] + original.history
+    assert tokenizer.decode(list(resumed.ids)) == tokenizer.apply_chat_template(messages, tokenize=False)
+    assert resumed.cache.tokens_seen == len(resumed.ids)
+    assert [(t.role, t.start, t.end) for t in resumed.turns] == [
+        (t.role, t.start, t.end) for t in original.turns
+    ]
+    question = "Where do I live?"
+    assert resumed.ask(question) == original.ask(question)
+
+
+def test_a_transcript_that_is_not_a_conversation_is_refused(smollm, tmp_path):
+    from h2o_cli.chat import read_transcript
+    from h2o_cli.errors import InputError
+
+    session = _session(smollm, budget=32)
+    with pytest.raises(InputError, match="turn 2 of the transcript is not an assistant message"):
+        session.resume([{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hi"}])
+    assert session.cache.tokens_seen == 0  # checked before anything is read
+    assert session.resume([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+                           {"role": "user", "content": "unanswered"}]) == 2  # fmt: skip
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(InputError, match="is not JSON"):
+        read_transcript(tmp_path / "bad.json")
+    with pytest.raises(InputError, match="cannot read the transcript"):
+        read_transcript(tmp_path / "missing.json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(InputError, match="holds no chat transcript"):
+        read_transcript(tmp_path / "list.json")
+
+
 def test_chat_keeps_few_spare_slots_and_reads_long_turns_in_fixed_buffers(smollm):
     """Regression: at budget 32 the chat held 256 spare slots beside the budget (the panel read "cache 13.4 MiB
     vs full KV 3.6 MiB"). `h2o chat` now keeps 16; a turn longer than that is split inside the cache."""

@@ -104,21 +104,8 @@ class ChatSession:
             raise InputError("empty message; type some text")
         self.stop_requested = False
         stats = self.last = AnswerStats()
-        # The message's last paragraph and the assistant header are its question (chat.framing.turn_parts):
-        # a `recall` cache chooses what to bring back with their queries, as for `h2o stream --prompt`.
-        parts = [part for part in turn_parts(self.tokenizer, self.system, self.history, user_text) if part]
-        bos = not self.turns and not getattr(self.tokenizer, "chat_template", None)  # plain text: its own BOS
-        pieces = [
-            self.tokenizer(part, add_special_tokens=bos and not n)["input_ids"]
-            for n, part in enumerate(parts)
-        ]
-        pieces[-1] = NewChunk(pieces[-1])
         started = time.perf_counter()
-        user_turn = Turn("user", user_text, self.cache.tokens_seen)
-        self.turns.append(user_turn)
-        logits = self._feed(pieces)
-        user_turn.end = self.cache.tokens_seen
-        stats.prompt_tokens = sum(map(len, pieces))
+        logits = self._read_message(user_text)
         stats.prefill_seconds = time.perf_counter() - started
         answer = Turn("assistant", "", self.cache.tokens_seen)
         self.turns.append(answer)
@@ -151,6 +138,56 @@ class ChatSession:
                 self._feed([self._encode(self._suffix)])
             answer.end = self.cache.tokens_seen
             self.stop_requested = False
+
+    def _read_message(self, user_text: str) -> torch.Tensor | None:
+        """Feed a user message, framed by the chat template up to the assistant header, and record its turn;
+        returns the logits after the header. The message's last paragraph and the header are read as its
+        question (`chat.framing.turn_parts`): a `recall` cache chooses what to bring back with their queries,
+        as for `h2o stream --prompt`."""
+        parts = [part for part in turn_parts(self.tokenizer, self.system, self.history, user_text) if part]
+        bos = not self.turns and not getattr(self.tokenizer, "chat_template", None)  # plain text: its own BOS
+        pieces = [
+            self.tokenizer(part, add_special_tokens=bos and not n)["input_ids"]
+            for n, part in enumerate(parts)
+        ]
+        pieces[-1] = NewChunk(pieces[-1])
+        user_turn = Turn("user", user_text, self.cache.tokens_seen)
+        self.turns.append(user_turn)
+        logits = self._feed(pieces)
+        user_turn.end = self.cache.tokens_seen
+        self.last.prompt_tokens = sum(map(len, pieces))
+        return logits
+
+    def read_exchange(self, user_text: str, answer: str) -> None:
+        """Add a user message and its answer as given, not generated: the message is read as `send` reads
+        it, the answer and the end-of-turn text as text. The cache then holds what it would hold had the
+        model answered `answer` (up to how the answer's text tokenizes)."""
+        if not user_text.strip():
+            raise InputError("empty message; type some text")
+        self.last = AnswerStats()
+        self._read_message(user_text)
+        start = self.cache.tokens_seen
+        self._feed([self._encode(answer + self._suffix)])
+        self.turns.append(Turn("assistant", answer, start, self.cache.tokens_seen))
+
+    def resume(self, turns: list[dict]) -> int:
+        """Read a saved conversation (the `turns` of `save`'s JSON: user and assistant messages in turn)
+        with `read_exchange`; returns the messages read. A last user message without an answer is left out
+        (the caller can send it again). Raises InputError when the turns do not alternate user, assistant."""
+        for number, turn in enumerate(turns):
+            role, named = (("user", "a user"), ("assistant", "an assistant"))[number % 2]
+            if (
+                not isinstance(turn, dict)
+                or turn.get("role") != role
+                or not isinstance(turn.get("content"), str)
+            ):
+                raise InputError(
+                    f"turn {number + 1} of the transcript is not {named} message with a 'content' text; "
+                    "resume a transcript written by h2o chat (/save FILE.json)"
+                )
+        for user, answer in zip(turns[0::2], turns[1::2], strict=False):
+            self.read_exchange(user["content"], answer["content"])
+        return len(turns) // 2 * 2
 
     def _decode_step(self):
         """With `compiled`, the captured one-token forward over the current cache (made once per cache)."""
@@ -235,6 +272,26 @@ class ChatSession:
             data = {"system": self.system, "settings": asdict(self.settings), "turns": self.transcript()}
             return write_private(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
         return write_private(path, to_markdown(self.system, self.turns))
+
+
+def read_transcript(path: str | Path) -> tuple[str | None, list[dict]]:
+    """(system message, turns) of a JSON transcript written by `ChatSession.save`. Raises InputError naming
+    what is wrong: a missing or unreadable file, not JSON, or no list of turns."""
+    path = Path(path).expanduser()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        reason = getattr(error, "strerror", None) or "not UTF-8 text"
+        raise InputError(f"cannot read the transcript {path}: {reason}") from None
+    except json.JSONDecodeError as error:
+        raise InputError(
+            f"{path} is not JSON (line {error.lineno}); resume a transcript saved as .json by h2o chat"
+        ) from None
+    turns = data.get("turns") if isinstance(data, dict) else None
+    system = data.get("system") if isinstance(data, dict) else None
+    if not isinstance(turns, list) or not (system is None or isinstance(system, str)):
+        raise InputError(f"{path} holds no chat transcript (a 'turns' list); save one with /save FILE.json")
+    return system, turns
 
 
 def to_markdown(system: str | None, turns: list[Turn]) -> str:

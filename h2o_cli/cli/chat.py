@@ -6,6 +6,7 @@ import json
 import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -43,6 +44,7 @@ Examples:
   echo "Summarise: $(cat notes.txt)" | h2o chat
   h2o chat --system "You are terse." --max-new-tokens 200 --temperature 0.7 --seed 1
   h2o chat --quant 8bit --kv-bits 8 --budget 256
+  h2o chat --resume notes-chat.json --policy recall
 """
 
 
@@ -72,24 +74,39 @@ def chat(
     threads: opt.Threads = 0,
     trust_remote_code: opt.TrustRemoteCode = False,
     compiled: opt.Compile = False,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            "--resume",
+            help="Go on with a conversation saved as JSON by h2o chat (/save FILE.json, or the transcript "
+            "written on exit): its messages are read into the cache first, the answers as saved. Its system "
+            "message is kept unless --system replaces it.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Chat with a model whose KV cache stays within --budget tokens per head, however long the talk.
 
     On a terminal: a chat loop (/help) with a live cache panel on stderr. Piped: one answer on stdout.
     """
-    from h2o_cli.chat import ChatSession
+    from h2o_cli.chat import ChatSession, read_transcript
     from h2o_cli.generation import Sampling
     from h2o_cli.models import context_window
 
     sampling = Sampling(max_new_tokens, temperature, top_p, seed)
     one_shot = not interactive and not sys.stdin.isatty()
     message = _read_stdin() if one_shot else None
+    saved = read_transcript(resume) if resume is not None else (None, [])
+    if system is None:
+        system = saved[0]
     lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant, device_map)
     settings = settings.resolved(context_window(lm))
     chunk_given = not _default(context, "chunk")
     if not chunk_given:
         settings = replace(settings, chunk=default_chunk(settings.policy))
     session = ChatSession(lm, tokenizer, settings, sampling, system, compiled=compiled)
+    if saved[1]:
+        _resume(session, saved[1], resume)
     if one_shot:
         try:
             _answer_once(session, message, as_json, model)
@@ -127,6 +144,19 @@ def _read_stdin() -> str:
     if not text.strip():
         raise InputError('stdin is empty; pipe a message, e.g. echo "Hello" | h2o chat')
     return text.strip()
+
+
+def _resume(session, turns: list[dict], path: Path) -> None:
+    """Read the saved turns into the session; say on stderr what was read and what was left out."""
+    from rich.console import Console
+
+    stderr = Console(stderr=True)
+    with stderr.status(f"reading {len(turns)} messages of {path}", spinner="dots"):
+        read = session.resume(turns)
+    left = "; its last message had no answer and is left out: send it again" if read < len(turns) else ""
+    stderr.print(
+        f"resumed {read} messages ({session.cache.tokens_seen:,} tokens) of {path}{left}", highlight=False
+    )
 
 
 def _answer_once(session, message: str, as_json: bool, model: str) -> None:
