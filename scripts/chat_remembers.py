@@ -113,6 +113,13 @@ def code_tokens(session, code: str) -> list[int]:
     ]
 
 
+def pick(seed: int, book_tokens: int, tokens: int) -> tuple[str, int]:
+    """(the code, the book token the turns start from) of conversation `seed`."""
+    rng = random.Random(seed)
+    code = str(rng.randint(10000, 99999))
+    return code, rng.randrange(0, book_tokens - 2 * tokens)
+
+
 def main() -> None:
     from h2o_cli.chat import ChatSession
     from h2o_cli.cli.chat import default_chunk
@@ -140,17 +147,16 @@ def main() -> None:
         "--given-reply", default=None,
         help="answer every turn before the question with this text (e.g. OK.) instead of generating",
     )  # fmt: skip
+    parser.add_argument("--lead-text", action="store_true", help="recall with --lead-text")
     parser.add_argument("--probe", action="store_true", help="record where the code's tokens are (recall)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32")
-    rng = random.Random(args.seed)
-    code = str(rng.randint(10000, 99999))
     ids = tokenizer((data_dir() / BOOK).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
-    offset = rng.randrange(0, len(ids) - 2 * args.tokens)
+    code, offset = pick(args.seed, len(ids), args.tokens)
     for policy in args.policies.split(","):
         chunk = args.chunk or default_chunk(policy)
-        settings = CacheSettings(budget=args.budget, policy=policy, chunk=chunk)
+        settings = CacheSettings(budget=args.budget, policy=policy, chunk=chunk, lead_text=args.lead_text)
         session = ChatSession(model, tokenizer, settings)
         started, probes = time.perf_counter(), []
 
@@ -164,7 +170,7 @@ def main() -> None:
         )  # fmt: skip
         row = {"policy": policy, "budget": args.budget, "chunk": chunk, "seed": args.seed, "fact": args.fact, "code": code, "answer": said,
                "correct": code in said, "tokens_read": session.cache.tokens_seen, "book_turns": turns,
-               "reply_tokens": args.reply_tokens, "given_reply": args.given_reply, "replies": replies[:3],
+               "reply_tokens": args.reply_tokens, "given_reply": args.given_reply, "lead_text": args.lead_text, "replies": replies[:3],
                "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
         if probes:
             row["code_tokens"] = probes[0].tokens.tolist()

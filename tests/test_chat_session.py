@@ -334,3 +334,24 @@ def test_a_recall_chat_brings_back_a_fact_every_head_evicted(smollm, excerpt, mo
         heads += layer.store.n_kv_heads
     assert session.cache.tokens_seen > 1200 and resident == 0, "the fact should have left every head's S"
     assert recalled >= 0.5 * heads, f"the fact is back in {recalled} of {heads} heads' recall slots"
+
+
+@pytest.mark.slow
+@pytest.mark.data
+def test_a_recall_chat_answers_a_first_turn_fact_20k_tokens_later(smollm, monkeypatch):
+    """scripts/chat_remembers.py's conversation (seed 0): the locker code in the first turn, then 300-token
+    turns of Moby-Dick, each answered "OK." as it asks, until 20,000 tokens are read on 819 tokens (10 % of
+    the window), then the question. `recall` answers with the code; `h2o`, which keeps no archive, cannot
+    (measured: a list of "The code of the locker is:"), so the answer is the archive's doing."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from chat_remembers import BOOK, converse, pick
+
+    from h2o_cli.eval.data import data_dir
+
+    model, tokenizer = smollm
+    ids = tokenizer((data_dir() / BOOK).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    code, offset = pick(0, len(ids), 20000)
+    session = ChatSession(model, tokenizer, CacheSettings(budget=819, policy="recall", chunk=64))
+    answer, turns, _ = converse(session, ids[offset:], tokenizer, 20000, 300, code, given_reply="OK.")
+    assert session.cache.tokens_seen >= 20000 and turns > 60
+    assert code in answer, answer
