@@ -74,9 +74,8 @@ class ChatSession:
     def __post_init__(self) -> None:
         self.cache = H2OCache(self.model, self.settings)
         self._step = None  # the `CompiledStep` of `self.cache`, made on the first answer
-        self.ids = array(
-            "l"
-        )  # every token id fed, by token index (for re-reading and decoding heavy hitters)
+        # Every token id fed, by token index (for re-reading and decoding heavy hitters).
+        self.ids = array("l")
         self.last = AnswerStats()
         self.started = time.time()
         self._suffix = answer_suffix(self.tokenizer, self.system)

@@ -526,10 +526,10 @@ class PageArchive:
             scores = self.attention_mass(query, pages, held=bool(step))
         else:
             keys = None
-            if step:  # the carried scores' best (ties: the older page), in one order: their keys are kept
-                key = order_key(
-                    last, page_start, page_start != NOTHING
-                )  # between steps (not in fixed shapes)
+            if step:
+                # The carried scores' best (ties: the older page), in one order: their keys are kept between
+                # steps (not in fixed shapes).
+                key = order_key(last, page_start, page_start != NOTHING)
                 picked = torch.topk(key, self.step_shortlist, dim=1, sorted=False).indices.sort(dim=1).values
                 keys = None if fixed else self.held_page_keys(picked)
             else:  # the summaries pick the `shortlist` pages (sections first)
