@@ -317,12 +317,16 @@ def test_quant_and_kv_bits_reach_the_model_and_the_cache(smollm, monkeypatch, ho
     assert report["kv_cache_bytes_per_head"] == memory.h2o_head_bytes(shape, 64 + CHAT_CHUNK, 8, 4)
 
 
-@pytest.mark.parametrize(("flags", "chunk"), [([], 64), (["--chunk", "16"], 16), (["--policy", "h2o"], 16)])
-def test_a_recall_chat_reads_questions_whole_unless_told_its_chunk(loaded, home, flags, chunk):
-    """`chat --policy recall` keeps 64 spare slots by default (a question up to that long is read whole, so
-    its queries choose what comes back); an explicit --chunk stands, and other policies keep 16."""
-    args = ["chat", "--policy", "recall", *flags, "--budget", "64", "-n", "1", "--json", "--threads", "1"]
-    result = CliRunner().invoke(app, args, input="Hello\n")
+@pytest.mark.parametrize(
+    ("flags", "budget", "chunk"),
+    [([], 64, 256), ([], 8000, 192), (["--chunk", "16"], 64, 16), (["--policy", "h2o"], 64, 16)],
+)
+def test_a_recall_chat_reads_questions_whole_unless_told_its_chunk(loaded, home, flags, budget, chunk):
+    """`chat --policy recall` keeps 256 spare slots by default (a question up to that long is read whole, so
+    its queries choose what comes back), fewer where budget + 256 would pass the 8,192-token window; an
+    explicit --chunk stands, and other policies keep 16."""
+    args = ["chat", "--policy", "recall", *flags, "--budget", str(budget), "-n", "1", "--json"]
+    result = CliRunner().invoke(app, [*args, "--threads", "1"], input="Hello\n")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["chunk"] == chunk
 

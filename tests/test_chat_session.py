@@ -260,7 +260,6 @@ def test_a_recall_chat_asks_each_turns_question_and_the_lead_ranks_the_answer(ti
     from h2o_cli.cache import H2OCache
     from h2o_cli.cache.recall.lead import LeadRanking
     from h2o_cli.chat.framing import turn_parts
-    from h2o_cli.cli.chat import default_chunk
 
     model, tokenizer = tiny_chat
     asked, chosen = [], []
@@ -270,7 +269,7 @@ def test_a_recall_chat_asks_each_turns_question_and_the_lead_ranks_the_answer(ti
     monkeypatch.setattr(
         LeadRanking, "choose", lambda self, *a: (chosen.append(self.ready), choose(self, *a))[1]
     )
-    settings = CacheSettings(budget=24, policy="recall", chunk=default_chunk("recall") // 2, page_size=4,
+    settings = CacheSettings(budget=24, policy="recall", chunk=32, page_size=4,
                              recall_lead="1.1", lead_pages=2)  # fmt: skip
     session = ChatSession(model, tokenizer, settings, Sampling(5))
     assert session.cache.lead is not None
@@ -289,7 +288,7 @@ def test_a_recall_chat_asks_each_turns_question_and_the_lead_ranks_the_answer(ti
 
 @pytest.mark.parametrize(("chunk_given", "chunks"), [(False, [48, 16]), (True, [8, 8])])
 def test_policy_takes_the_chat_chunk_of_the_new_policy(tiny_chat, home_dir, chunk_given, chunks):
-    """`/policy recall` reads questions whole (chat's 64 spare slots for recall, here the 48 that fit the
+    """`/policy recall` reads questions whole (chat's 256 spare slots for recall, here the 48 that fit the
     64-token window beside the budget; 16 back on h2o), unless the command line gave `--chunk`: it stays."""
     from h2o_cli.cli.chat import default_chunk
     from h2o_cli.cli.chat_repl import ChatLoop, LineReader
@@ -346,12 +345,16 @@ def test_a_recall_chat_answers_a_first_turn_fact_20k_tokens_later(smollm, monkey
     monkeypatch.syspath_prepend(str(REPO / "scripts"))
     from chat_remembers import BOOK, converse, pick
 
+    from h2o_cli.cli.chat import default_chunk
     from h2o_cli.eval.data import data_dir
 
     model, tokenizer = smollm
     ids = tokenizer((data_dir() / BOOK).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
     code, offset = pick(0, len(ids), 20000)
-    session = ChatSession(model, tokenizer, CacheSettings(budget=819, policy="recall", chunk=64))
+    settings = CacheSettings(
+        budget=819, policy="recall", chunk=default_chunk("recall")
+    )  # as `h2o chat` reads
+    session = ChatSession(model, tokenizer, settings)
     answer, turns, _ = converse(session, ids[offset:], tokenizer, 20000, 300, code, given_reply="OK.")
     assert session.cache.tokens_seen >= 20000 and turns > 60
     assert code in answer, answer

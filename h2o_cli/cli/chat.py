@@ -21,8 +21,10 @@ from h2o_cli.policy_registry import policy_class
 # them 16 at a time, so at budget 32 it holds 48 slots per head, not 288.
 CHAT_CHUNK = 16
 # With `recall` a turn's question (its last paragraph, up to this many tokens with the template) is read
-# whole, so its queries choose what comes back (docs/spec.md, recall: which queries choose; lead head).
-CHAT_RECALL_CHUNK = 64
+# whole, so its queries choose what comes back (docs/spec.md, recall: which queries choose; lead head), and
+# every layer chooses pages once per this many tokens of text: 256 read a 20K-token chat in about half the
+# time of 64, answered as well (docs/results.md); its spare slots are small beside the archive.
+CHAT_RECALL_CHUNK = 256
 
 ChatChunk = Annotated[
     int,
@@ -31,7 +33,8 @@ ChatChunk = Annotated[
         min=1,
         help=f"Tokens the cache attends at a time: its spare slots beside the budget. Default {CHAT_CHUNK}, or "
         f"{CHAT_RECALL_CHUNK} with --policy recall, so that a message's question (its last paragraph) is read "
-        "whole and chooses what recall brings back. budget + chunk must fit in the context window.",
+        "whole and chooses what recall brings back (less where budget + chunk would pass the context "
+        "window). budget + chunk must fit in the context window.",
         show_default=False,
     ),
 ]
@@ -102,8 +105,9 @@ def chat(
     lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant, device_map)
     settings = settings.resolved(context_window(lm))
     chunk_given = not _default(context, "chunk")
-    if not chunk_given:
-        settings = replace(settings, chunk=default_chunk(settings.policy))
+    if not chunk_given:  # the policy's chat chunk, as far as budget + chunk fit the window
+        room = context_window(lm) - settings.budget
+        settings = replace(settings, chunk=min(default_chunk(settings.policy), max(room, 1)))
     session = ChatSession(lm, tokenizer, settings, sampling, system, compiled=compiled)
     if saved[1]:
         _resume(session, saved[1], resume)
