@@ -351,9 +351,8 @@ def test_a_recall_chat_answers_a_first_turn_fact_20k_tokens_later(smollm, monkey
     model, tokenizer = smollm
     ids = tokenizer((data_dir() / BOOK).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
     code, offset = pick(0, len(ids), 20000)
-    settings = CacheSettings(
-        budget=819, policy="recall", chunk=default_chunk("recall")
-    )  # as `h2o chat` reads
+    # Read at `h2o chat`'s chunk for recall.
+    settings = CacheSettings(budget=819, policy="recall", chunk=default_chunk("recall"))
     session = ChatSession(model, tokenizer, settings)
     answer, turns, _ = converse(session, ids[offset:], tokenizer, 20000, 300, code, given_reply="OK.")
     assert session.cache.tokens_seen >= 20000 and turns > 60
