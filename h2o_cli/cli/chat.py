@@ -105,9 +105,9 @@ def chat(
     lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant, device_map)
     settings = settings.resolved(context_window(lm))
     chunk_given = not _default(context, "chunk")
-    if not chunk_given:  # the policy's chat chunk, as far as budget + chunk fit the window
+    if not chunk_given:
         room = context_window(lm) - settings.budget
-        settings = replace(settings, chunk=min(default_chunk(settings.policy), max(room, 1)))
+        settings = replace(settings, chunk=default_chunk(settings.policy, room))
     session = ChatSession(lm, tokenizer, settings, sampling, system, compiled=compiled)
     if saved[1]:
         _resume(session, saved[1], resume)
@@ -125,10 +125,11 @@ def chat(
     ChatLoop(session, show_panel, model, chunk_of=None if chunk_given else default_chunk).run()
 
 
-def default_chunk(policy: str) -> int:
+def default_chunk(policy: str, room: int | None = None) -> int:
     """`h2o chat`'s `--chunk` when none is given: `CHAT_RECALL_CHUNK` for a policy that recalls, else
-    `CHAT_CHUNK`."""
-    return CHAT_RECALL_CHUNK if policy_class(policy).recalls else CHAT_CHUNK
+    `CHAT_CHUNK`, cut to `room` (the context window less the budget; at least 1) where it is given."""
+    chunk = CHAT_RECALL_CHUNK if policy_class(policy).recalls else CHAT_CHUNK
+    return chunk if room is None else min(chunk, max(room, 1))
 
 
 def _default(context: typer.Context, option: str) -> bool:

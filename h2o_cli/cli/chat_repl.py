@@ -80,7 +80,7 @@ class ChatLoop:
 
     def __init__(self, session, show_panel: bool, model_name: str, reader=None, chunk_of=None) -> None:
         self.session = session
-        self.chunk_of = chunk_of  # policy name -> its chat chunk, which /policy takes (None: keep the chunk)
+        self.chunk_of = chunk_of  # (policy, room) -> the chat chunk /policy takes (None: keep the chunk)
         self.show_panel = show_panel
         self.view = PanelView()
         self.model_name = model_name
@@ -203,10 +203,10 @@ class ChatLoop:
         if argument not in policy_names():
             raise UsageError(f"/policy needs one of {', '.join(policy_names())}")
         chunk = None
-        if self.chunk_of is not None:  # the new policy's chat chunk, as far as budget + chunk fit the window
+        if self.chunk_of is not None:  # the new policy's chat chunk, in the room beside the budget
             settings = self.session.settings
             room = context_window(self.session.model) - settings.budget
-            chunk = min(self.chunk_of(argument), max(room, settings.chunk))
+            chunk = self.chunk_of(argument, max(room, settings.chunk))
         self._rebuild(f"/policy {argument}", lambda name: self.session.set_policy(name, chunk), argument)
         stderr.print(
             f"policy {argument} ({self.session.settings.chunk} spare slots); "
