@@ -20,6 +20,7 @@ recall (rows labelled `recall@headsK`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
@@ -27,6 +28,7 @@ import time
 from collections import defaultdict
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +46,21 @@ TWO_QUESTIONS = (
     "What is the vault code? Answer with the number only.",
 )
 TWO_MAX_NEW_TOKENS = 16  # per answer: "The vault code is 12345." and a little more
+
+
+class Run(NamedTuple):
+    """One cell of the grid: a haystack (length, seed, depth: its key and text) under a policy spec and budget."""
+
+    length: int
+    seed: int
+    depth: int
+    key: str
+    text: str
+    text_tokens: int
+    given: str  # the policy spec as given
+    spec: str  # as recorded (`@headsK` with --recall-heads)
+    budget: float
+    tokens: int  # the budget in tokens
 
 
 def parse_policy(spec: str) -> tuple[str, dict[str, str]]:
@@ -113,38 +130,140 @@ def answer(
     than one question, each next one is asked as `h2o chat` asks a new turn, on the same cache (the answers
     joined by " | "). `heads`: a `retrieval_heads.RecallHeads`, attached to the cache."""
     from h2o_cli.cache import H2OCache
-    from h2o_cli.chat.framing import answer_suffix, turn_text
-    from h2o_cli.generation import Sampling, TextStreamer, generate_ids
-    from h2o_cli.prompting import NewChunk, read_then_answer
+    from h2o_cli.prompting import read_then_answer
     from h2o_cli.streaming import prefill
 
     started = time.perf_counter()
     pieces = list(
         read_then_answer(tokenizer, [tokenizer(text, add_special_tokens=False)["input_ids"]], questions[0])
     )
-    most = MAX_NEW_TOKENS if len(questions) == 1 else TWO_MAX_NEW_TOKENS
-    span = sum(map(len, pieces)) + len(questions) * (most + 64)
+    span = sum(map(len, pieces)) + len(questions) * (most_new(questions) + 64)
     cache = H2OCache(model, settings, span=span)
     if heads is not None:
         heads.attach(cache)
     logits, stats = prefill(model, cache, pieces, settings.chunk)
     stats.reraise()
+    said, tokens = ask(model, tokenizer, cache, logits, text, questions, settings.chunk)
+    return said, stats.tokens + tokens, time.perf_counter() - started
+
+
+def most_new(questions: tuple[str, ...]) -> int:
+    """The most tokens an answer may take: `MAX_NEW_TOKENS` for one question, `TWO_MAX_NEW_TOKENS` each for two."""
+    return MAX_NEW_TOKENS if len(questions) == 1 else TWO_MAX_NEW_TOKENS
+
+
+def ask(model, tokenizer, cache, logits, text: str, questions: tuple[str, ...], chunk: int):
+    """Answer `questions[0]` from `logits` (the cache has read `text` and it), then each next question as a new
+    chat turn. Returns (the answers joined by " | ", the tokens of the later turns read)."""
+    from h2o_cli.chat.framing import answer_suffix, turn_text
+    from h2o_cli.generation import Sampling, TextStreamer, generate_ids
+    from h2o_cli.prompting import NewChunk
+    from h2o_cli.streaming import prefill
+
+    most = most_new(questions)
     stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    history, answers, tokens = [{"role": "user", "content": text + "\n\n" + questions[0]}], [], stats.tokens
+    history, answers, tokens = [{"role": "user", "content": text + "\n\n" + questions[0]}], [], 0
     for number, question in enumerate(questions):
         if number:  # the next question, as chat frames a new turn after the answer
             history.append({"role": "assistant", "content": answers[-1]})
             turn = answer_suffix(tokenizer, None) + turn_text(tokenizer, None, history, question)
             history.append({"role": "user", "content": question})
             ids = NewChunk(tokenizer(turn, add_special_tokens=False)["input_ids"])
-            logits, stats = prefill(model, cache, [ids], settings.chunk)
+            logits, stats = prefill(model, cache, [ids], chunk)
             stats.reraise()
             tokens += stats.tokens
         streamer = TextStreamer(tokenizer)
         for token in generate_ids(model, cache, logits, Sampling(max_new_tokens=most), stop):
             streamer.push(token)
         answers.append(streamer.printed.strip() if len(questions) > 1 else streamer.printed)
-    return " | ".join(answers), tokens, time.perf_counter() - started
+    return " | ".join(answers), tokens
+
+
+def answers_forked(model, tokenizer, settings, texts: list[tuple[int, str]]):
+    """For each (depth, text) of one haystack (the same essays, the needle at each depth), in depth order:
+    (depth, answer, prompt tokens, seconds) as `answer` gives them, but the text before the needles is read once.
+
+    One cache reads the deepest depth's prompt. At the last chunk boundary that a shallower prompt shares with
+    it, the process forks (`os.fork`: the child holds an exact copy of the cache, model and all); the child reads
+    that prompt's own rest and answers while the parent waits, then the parent reads on. The archive is kept in
+    RAM, which a fork copies (a file archive would be one file for both; it recalls bit for bit what a RAM
+    archive does). `seconds` is a run's own: the reading up to its fork plus its rest, not the other runs'.
+    The cache's `span` is the longest prompt's (`answer` sizes it by its own prompt: this bounds the archive's
+    capacity, alike for every depth once the prompts pass `archive_max`). Needs one thread: a forked child
+    has no OpenMP pool."""
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.prompting import read_then_answer
+    from h2o_cli.streaming import prefill
+
+    def prompt(text: str) -> tuple[list[int], list[int]]:  # (frame head + text, the question's NewChunk)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        *read, question = read_then_answer(tokenizer, [ids], QUESTION)
+        return [token for piece in read for token in piece], question
+
+    def rest(read: list[int], question: list[int], text: str) -> str:
+        """A run's own reading (the rest of its text, then the question) and its answer."""
+        logits, stats = prefill(model, cache, [read, question], settings.chunk)
+        stats.reraise()
+        return ask(model, tokenizer, cache, logits, text, (QUESTION,), settings.chunk)[0]
+
+    threads = torch.get_num_threads()
+    if threads != 1:  # a forked child's first parallel region would wait forever on the parent's thread pool
+        raise ValueError(f"forked runs need one thread (torch.set_num_threads(1)), not {threads}")
+    prompts = {depth: prompt(text) for depth, text in texts}
+    trunk = prompts[max(prompts)][0]
+    span = max(len(read) + len(question) for read, question in prompts.values()) + MAX_NEW_TOKENS + 64
+    started = time.perf_counter()
+    cache = H2OCache(model, replace(settings, archive="ram"), span=span)
+    done, reading = 0, time.perf_counter() - started  # trunk tokens read, and the seconds that took
+    for depth, text in sorted(texts):
+        read, question = prompts[depth]
+        same = next((i for i, (a, b) in enumerate(zip(read, trunk, strict=False)) if a != b), len(read))
+        shared = same // settings.chunk * settings.chunk  # whole chunks that both read alike
+        if shared < done:  # (the same depth twice) nothing shared left: read it alone
+            yield depth, *answer(model, tokenizer, settings, text)
+            continue
+        if shared > done:
+            began = time.perf_counter()
+            _, stats = prefill(model, cache, [trunk[done:shared]], settings.chunk)
+            stats.reraise()
+            done, reading = shared, reading + time.perf_counter() - began
+        began = time.perf_counter()
+        if read is trunk:  # the deepest: the parent reads its rest itself, last
+            said = rest(read[shared:], question, text)
+        else:
+            try:
+                said = in_fork(functools.partial(rest, read[shared:], question, text))
+            except RuntimeError as error:  # the child failed; the parent's cache is as it was
+                said = f"ERROR: {error}"
+        yield depth, said, len(read) + len(question), reading + time.perf_counter() - began
+
+
+def in_fork(work):
+    """`work()` run in a forked child process; its (JSON) result comes back through a pipe. A child that fails
+    raises here with its error; the parent's state is never touched by it."""
+    import os
+
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: run, send, and leave without the parent's exit handlers (archive files, atexit)
+        os.close(reader)
+        try:
+            result = {"value": work()}
+        except BaseException as error:
+            result = {"error": f"{type(error).__name__}: {error}"}
+        with os.fdopen(writer, "w") as out:
+            json.dump(result, out)
+        os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader) as source:
+        sent = source.read()
+    _, status = os.waitpid(pid, 0)
+    if not sent:
+        raise RuntimeError(f"the forked run ended without an answer (wait status {status})")
+    result = json.loads(sent)
+    if "error" in result:
+        raise RuntimeError(result["error"])
+    return result["value"]
 
 
 def correct(key: str, said: str) -> bool:
@@ -186,6 +305,8 @@ def run(args) -> None:
     asked = (QUESTION,) if args.needles == 1 else TWO_QUESTIONS
     if args.via == "chat" and args.needles != 1:
         raise SystemExit("--via chat asks one passkey; use --via stream with --needles 2")
+    if args.fork and (args.via != "stream" or args.needles != 1 or args.recall_heads or args.threads != 1):
+        raise SystemExit("--fork: one needle, --via stream, no --recall-heads, --threads 1")
     heads, top = None, None
     if args.recall_heads:
         if args.via == "chat":
@@ -200,58 +321,74 @@ def run(args) -> None:
         for line in args.out.read_text().splitlines():
             row = json.loads(line)
             done.add((row["length"], row["seed"], row["depth"], row["policy_spec"], row["budget"]))
+    todo = []  # the runs not yet written, in grid order
+    for length in args.lengths:
+        for seed in range(args.seed_from, args.seed_from + args.seeds):
+            for depth, key, text in haystacks(tokenizer, essays, length, depths, seed, args.needles):
+                text_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+                for given in args.policies:
+                    name, _ = parse_policy(given)
+                    spec = f"{given}@heads{top}" if heads is not None and name == "recall" else given
+                    evicts = policy_class(name).evicts
+                    if not evicts and length > window:
+                        continue  # full attention past the window: positions the model never saw
+                    for budget in args.budgets if evicts else [1.0]:
+                        if (length, seed, depth, spec, budget) in done:
+                            continue
+                        tokens = (
+                            max(2, round(budget * text_tokens))
+                            if evicts
+                            else length + len(asked) * (TWO_MAX_NEW_TOKENS + 64)
+                        )
+                        cell = (length, seed, depth, key, text, text_tokens, given, spec, budget, tokens)
+                        todo.append(Run(*cell))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as out:
-        for length in args.lengths:
-            for seed in range(args.seed_from, args.seed_from + args.seeds):
-                for depth, key, text in haystacks(tokenizer, essays, length, depths, seed, args.needles):
-                    text_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-                    for given in args.policies:
-                        name, _ = parse_policy(given)
-                        spec = f"{given}@heads{top}" if heads is not None and name == "recall" else given
-                        evicts = policy_class(name).evicts
-                        if not evicts and length > window:
-                            continue  # full attention past the window: positions the model never saw
-                        for budget in args.budgets if evicts else [1.0]:
-                            if (length, seed, depth, spec, budget) in done:
-                                continue
-                            tokens = (
-                                max(2, round(budget * text_tokens))
-                                if evicts
-                                else length + len(asked) * (TWO_MAX_NEW_TOKENS + 64)
-                            )
-                            settings = settings_of(given, tokens, args.chunk)
-                            # only some heads recall: the torch step (the C step chooses in C)
-                            if spec != given:
-                                settings = replace(settings, kernels="torch")
-                            try:
-                                if args.via == "chat":
-                                    said, read, seconds = answer_in_chat(
-                                        spec, tokens, args.chunk, text, args.threads
-                                    )
-                                else:
-                                    said, read, seconds = answer(
-                                        model,
-                                        tokenizer,
-                                        settings,
-                                        text,
-                                        asked,
-                                        heads if spec != given else None,
-                                    )
-                            except Exception as error:  # a cell that cannot run is recorded, not fatal
-                                said, read, seconds = f"ERROR: {error}", 0, 0.0
-                            row = {
-                                "length": length, "seed": seed, "depth": depth, "policy_spec": spec,
-                                "policy": name, "budget": budget, "budget_tokens": tokens,
-                                "text_tokens": text_tokens, "prompt_tokens": read, "key": key,
-                                "answer": said, "correct": correct(key, said),
-                                "needles": args.needles, "seconds": round(seconds, 3),
-                                "device": str(model.device), "chunk": args.chunk, "via": args.via,
-                            }  # fmt: skip
-                            out.write(json.dumps(row) + "\n")
-                            out.flush()
-                            print(f"{length} s{seed} d{depth:>2} {spec:<10} {budget:<5} {row['correct']!s:<5} "
-                                  f"{seconds:6.2f}s {said!r}", file=sys.stderr, flush=True)  # fmt: skip
+
+        def record(run: Run, said: str, read: int, seconds: float) -> None:
+            row = {
+                "length": run.length, "seed": run.seed, "depth": run.depth, "policy_spec": run.spec,
+                "policy": parse_policy(run.given)[0], "budget": run.budget, "budget_tokens": run.tokens,
+                "text_tokens": run.text_tokens, "prompt_tokens": read, "key": run.key,
+                "answer": said, "correct": correct(run.key, said),
+                "needles": args.needles, "seconds": round(seconds, 3),
+                "device": str(model.device), "chunk": args.chunk, "via": args.via,
+            }  # fmt: skip
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            print(f"{run.length} s{run.seed} d{run.depth:>2} {run.spec:<10} {run.budget:<5} {row['correct']!s:<5} "
+                  f"{seconds:6.2f}s {said!r}", file=sys.stderr, flush=True)  # fmt: skip
+
+        if args.fork:  # the runs of one haystack, policy and budget share one reading of the text
+            groups = defaultdict(list)
+            for run in todo:
+                groups[(run.length, run.seed, run.spec, run.budget, run.tokens)].append(run)
+            for group in groups.values():
+                left = {run.depth: run for run in group}
+                settings = settings_of(group[0].given, group[0].tokens, args.chunk)
+                try:
+                    for depth, said, read, seconds in answers_forked(
+                        model, tokenizer, settings, [(run.depth, run.text) for run in group]
+                    ):
+                        record(left.pop(depth), said, read, seconds)
+                except Exception as error:  # the shared reading failed: every run left is recorded so
+                    for run in left.values():
+                        record(run, f"ERROR: {error}", 0, 0.0)
+            return
+        for run in todo:
+            settings = settings_of(run.given, run.tokens, args.chunk)
+            if run.spec != run.given:  # only some heads recall: the torch step (the C step chooses in C)
+                settings = replace(settings, kernels="torch")
+            try:
+                if args.via == "chat":
+                    asking = (run.spec, run.tokens, args.chunk, run.text, args.threads)
+                    said, read, seconds = answer_in_chat(*asking)
+                else:
+                    chosen = heads if run.spec != run.given else None
+                    said, read, seconds = answer(model, tokenizer, settings, run.text, asked, chosen)
+            except Exception as error:  # a cell that cannot run is recorded, not fatal
+                said, read, seconds = f"ERROR: {error}", 0, 0.0
+            record(run, said, read, seconds)
 
 
 def share(hits: list[bool] | None) -> str:
@@ -318,6 +455,9 @@ def main() -> None:
     parser.add_argument("--recall-heads", metavar="RANKING:K", default=None,
                         help="recall only in the K best KV heads of a retrieval_heads.py ranking (the others'"
                              " recall slots stay empty; rows say recall@headsK)")  # fmt: skip
+    parser.add_argument("--fork", action="store_true",
+                        help="read each haystack's text before its needles once and fork a process per depth "
+                             "(same answers, ~40 %% less reading over 10 depths; one thread, one needle)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="JSON lines, appended (an interrupted grid resumes)")
     parser.add_argument("--summary", type=Path, nargs="+", help="print the tables of these JSON-lines files")
     args = parser.parse_args()

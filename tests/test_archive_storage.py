@@ -57,15 +57,18 @@ def test_a_bad_archive_max_is_one_usage_error(value, monkeypatch, capsys):
     assert one_error_line(err).startswith("h2o: error: --archive-max")
 
 
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
 @pytest.mark.parametrize("chunk", [1, 5])
 @pytest.mark.parametrize("bits", [None, 8])
-def test_a_file_archive_recalls_bit_for_bit_what_the_ram_archive_does(tiny_pair, tmp_path, bits, chunk):
+def test_a_file_archive_recalls_bit_for_bit_what_the_ram_archive_does(
+    tiny_pair, tmp_path, bits, chunk, kernels
+):
+    """On either step: under `auto` a float32 archive's one-token steps are C calls, in RAM and in a file alike
+    (the torch step rounds otherwise; tests/test_native_recall.py compares the two)."""
     _, model = tiny_pair
     ids = torch.randint(0, 128, (1, 150), generator=torch.Generator().manual_seed(8))
-    # Both on the torch step: a float32 RAM archive's decode step is C under `auto` (other float rounding;
-    # tests/test_native_recall.py compares the two), a file archive's is always torch.
     base = dict(budget=24, policy="recall", chunk=chunk, page_size=4, archive_max=64, archive_bits=bits)
-    base["kernels"] = "torch"
+    base["kernels"] = kernels
     want, ram = run_stream(model, CacheSettings(**base), ids, chunk)
     got, disk = run_stream(model, CacheSettings(**base, archive=f"{tmp_path}/"), ids, chunk)
     assert torch.equal(got, want)
