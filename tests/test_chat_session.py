@@ -210,6 +210,22 @@ def tiny_chat(smollm):
     return model, tokenizer
 
 
+@pytest.mark.parametrize("blank", ["", " \n\t "])
+def test_an_empty_message_is_refused_before_anything_is_read(tiny_chat, blank):
+    """`send` and `read_exchange` alike: an InputError, and the cache, transcript and last turn's stats stay."""
+    from h2o_cli.errors import InputError
+
+    model, tokenizer = tiny_chat
+    session = ChatSession(model, tokenizer, CacheSettings(budget=16, chunk=8), Sampling(2))
+    list(session.send("Hello."))
+    seen, turns, last = session.cache.tokens_seen, list(session.turns), session.last
+    with pytest.raises(InputError, match="empty message"):
+        list(session.send(blank))
+    with pytest.raises(InputError, match="empty message"):
+        session.read_exchange(blank, "OK.")
+    assert (session.cache.tokens_seen, session.turns, session.last) == (seen, turns, last)
+
+
 def test_failed_policy_change_keeps_the_conversation(tiny_chat, home_dir):
     """Regression: `/policy full` on a chat longer than the window replaced the cache and settings before the
     re-read failed, wiping the conversation. Now the new cache is built aside and the chat goes on."""

@@ -99,10 +99,8 @@ class ChatSession:
 
     def send(self, user_text: str) -> Iterator[str]:
         """Add a user message, yield the answer's text pieces; the turn is closed even if the caller stops."""
-        if not user_text.strip():
-            raise InputError("empty message; type some text")
+        stats = self._new_turn(user_text)
         self.stop_requested = False
-        stats = self.last = AnswerStats()
         started = time.perf_counter()
         logits = self._read_message(user_text)
         stats.prefill_seconds = time.perf_counter() - started
@@ -138,6 +136,13 @@ class ChatSession:
             answer.end = self.cache.tokens_seen
             self.stop_requested = False
 
+    def _new_turn(self, user_text: str) -> AnswerStats:
+        """The new turn's stats (`last`), once the message is known not to be empty (else an InputError)."""
+        if not user_text.strip():
+            raise InputError("empty message; type some text")
+        self.last = AnswerStats()
+        return self.last
+
     def _read_message(self, user_text: str) -> torch.Tensor | None:
         """Feed a user message, framed by the chat template up to the assistant header, and record its turn;
         returns the logits after the header. The message's last paragraph and the header are read as its
@@ -161,9 +166,7 @@ class ChatSession:
         """Add a user message and its answer as given, not generated: the message is read as `send` reads
         it, the answer and the end-of-turn text as text. The cache then holds what it would hold had the
         model answered `answer` (up to how the answer's text tokenizes)."""
-        if not user_text.strip():
-            raise InputError("empty message; type some text")
-        self.last = AnswerStats()
+        self._new_turn(user_text)
         self._read_message(user_text)
         start = self.cache.tokens_seen
         self._feed([self._encode(answer + self._suffix)])
