@@ -130,21 +130,31 @@ def answer(
     than one question, each next one is asked as `h2o chat` asks a new turn, on the same cache (the answers
     joined by " | "). `heads`: a `retrieval_heads.RecallHeads`, attached to the cache."""
     from h2o_cli.cache import H2OCache
-    from h2o_cli.prompting import read_then_answer
     from h2o_cli.streaming import prefill
 
     started = time.perf_counter()
-    pieces = list(
-        read_then_answer(tokenizer, [tokenizer(text, add_special_tokens=False)["input_ids"]], questions[0])
-    )
-    span = sum(map(len, pieces)) + len(questions) * (most_new(questions) + 64)
-    cache = H2OCache(model, settings, span=span)
+    pieces = prompt_pieces(tokenizer, text, questions[0])
+    cache = H2OCache(model, settings, span=cache_span(sum(map(len, pieces)), questions))
     if heads is not None:
         heads.attach(cache)
     logits, stats = prefill(model, cache, pieces, settings.chunk)
     stats.reraise()
     said, tokens = ask(model, tokenizer, cache, logits, text, questions, settings.chunk)
     return said, stats.tokens + tokens, time.perf_counter() - started
+
+
+def prompt_pieces(tokenizer, text: str, question: str) -> list[list[int]]:
+    """The ids `h2o stream --prompt QUESTION` reads for `text`: `read_then_answer`'s pieces (the frame's head,
+    the text, and the question as a `NewChunk`)."""
+    from h2o_cli.prompting import read_then_answer
+
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return list(read_then_answer(tokenizer, [ids], question))
+
+
+def cache_span(prompt_tokens: int, questions: tuple[str, ...]) -> int:
+    """The most tokens a run's cache is given: its prompt, then per question an answer and a turn's frame."""
+    return prompt_tokens + len(questions) * (most_new(questions) + 64)
 
 
 def most_new(questions: tuple[str, ...]) -> int:
@@ -192,12 +202,10 @@ def answers_forked(model, tokenizer, settings, texts: list[tuple[int, str]]):
     capacity, alike for every depth once the prompts pass `archive_max`). Needs one thread: a forked child
     has no OpenMP pool."""
     from h2o_cli.cache import H2OCache
-    from h2o_cli.prompting import read_then_answer
     from h2o_cli.streaming import prefill
 
     def prompt(text: str) -> tuple[list[int], list[int]]:  # (frame head + text, the question's NewChunk)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        *read, question = read_then_answer(tokenizer, [ids], QUESTION)
+        *read, question = prompt_pieces(tokenizer, text, QUESTION)
         return [token for piece in read for token in piece], question
 
     def rest(read: list[int], question: list[int], text: str) -> str:
@@ -211,7 +219,7 @@ def answers_forked(model, tokenizer, settings, texts: list[tuple[int, str]]):
         raise ValueError(f"forked runs need one thread (torch.set_num_threads(1)), not {threads}")
     prompts = {depth: prompt(text) for depth, text in texts}
     trunk = prompts[max(prompts)][0]
-    span = max(len(read) + len(question) for read, question in prompts.values()) + MAX_NEW_TOKENS + 64
+    span = cache_span(max(len(read) + len(question) for read, question in prompts.values()), (QUESTION,))
     started = time.perf_counter()
     cache = H2OCache(model, replace(settings, archive="ram"), span=span)
     done, reading = 0, time.perf_counter() - started  # trunk tokens read, and the seconds that took
