@@ -422,8 +422,10 @@ def test_recall_layers_past_the_model_are_a_usage_error():
         H2OCache(model, CacheSettings(budget=16, chunk=8, policy="recall", recall_layers="0,2"))
 
 
-def test_recall_with_room_for_every_token_equals_full_on_the_embedded_model(smollm, excerpt):
-    """Anchor on the real model: budget 256 over a 240-token stream (S = 128 + 128 recalled) is `full`."""
+@pytest.mark.parametrize("lead_text", [False, True])
+def test_recall_with_room_for_every_token_equals_full_on_the_embedded_model(smollm, excerpt, lead_text):
+    """Anchor on the real model: budget 256 over a 240-token stream (S = 128 + 128 recalled) is `full`, with
+    each head's own choice of pages or the lead's (`--lead-text`)."""
     from h2o_cli.streaming import stream_perplexity
 
     model, tokenizer = smollm
@@ -431,7 +433,7 @@ def test_recall_with_room_for_every_token_equals_full_on_the_embedded_model(smol
     results = []
     for settings in (
         CacheSettings(budget=256, policy="full", chunk=32, positions="original"),
-        CacheSettings(budget=256, policy="recall", chunk=32, positions="rolling"),
+        CacheSettings(budget=256, policy="recall", chunk=32, positions="rolling", lead_text=lead_text),
     ):
         cache = H2OCache(model, settings, span=len(ids))
         results.append(stream_perplexity(model, cache, [ids], 32))

@@ -37,12 +37,13 @@ def lead_settings(kernels: str = "torch", **extra) -> CacheSettings:
 
 
 def expected_tokens(
-    ring: list[int], scores: list[float], resident, before: int, slots: int, pages: int, size: int
+    ring: list[int], scores: list[float], resident, before: int, slots: int, pages: int | None, size: int
 ):
     """Each head's recalled token indices by the contract, in plain Python: ring pages holding a page (its first
     slot written) with a positive lead score and, for some head, a candidate (an archived token older than
-    `before` not in that head's S), by score (ties: the older page), the best `pages`; each head's candidates
-    of them in that order, oldest first in a page, the first `slots`."""
+    `before` not in that head's S), by score (ties: the older page), the best `pages` (None, `--lead-text`'s
+    fill: as many as fill every head's slots, so all of them); each head's candidates of them in that order,
+    oldest first in a page, the first `slots`."""
     heads = [set(row) - {-1} for row in resident]
 
     def candidate(slot: int, head: int) -> bool:
@@ -60,7 +61,7 @@ def expected_tokens(
         )
     ]
     ranked.sort(key=lambda page: (-scores[page], ring[page * size]))
-    top = ranked[:pages]
+    top = ranked if pages is None else ranked[:pages]
     return [
         [
             ring[slot]
@@ -72,20 +73,23 @@ def expected_tokens(
     ]
 
 
-def answer_with_lead(model, settings: CacheSettings, monkeypatch) -> tuple[list[dict], H2OCache, list[int]]:
-    """Text, a question, a greedy answer through a lead cache; every `LeadRanking.choose` call (and the C
-    step's `RecallCStep.lead_choose`) recorded with its inputs and what it chose (token indices per head)."""
+def answer_with_lead(
+    model, settings: CacheSettings, monkeypatch, question: bool = True
+) -> tuple[list[dict], H2OCache, list[int]]:
+    """Text, a question (unless not `question`), a greedy answer through a lead cache; every
+    `LeadRanking.choose` call (and the C step's `RecallCStep.lead_choose`) recorded with its inputs and what it
+    chose (token indices per head)."""
     calls: list[dict] = []
 
-    def recorded(self, archive, resident, before, slots, pages=None):
-        chosen, valid = CHOOSE(self, archive, resident, before, slots, pages)
+    def recorded(self, archive, resident, before, slots, fill=False):
+        chosen, valid = CHOOSE(self, archive, resident, before, slots, fill)
         tokens = torch.where(valid, archive.token_index[chosen], -1)
         calls.append(
             dict(
                 lead=archive is self.archive, ready=self.ready, before=before, slots=slots,
                 ring=archive.token_index.tolist(), scores=self.archive.carried[self.head].tolist(),
                 resident=resident.tolist(), chosen=[[t for t in row if t >= 0] for row in tokens.tolist()],
-                c_step=False, pages=pages,
+                c_step=False, fill=fill,
             )
         )  # fmt: skip
         return chosen, valid
@@ -98,7 +102,8 @@ def answer_with_lead(model, settings: CacheSettings, monkeypatch) -> tuple[list[
         record = dict(
             lead=layer.archive is lead.archive, ready=lead.ready, before=store.tokens_seen,
             slots=self.recall, ring=layer.archive.token_index.tolist(),
-            scores=lead.archive.carried[lead.head].tolist(), resident=resident.tolist(), c_step=True, pages=None,
+            scores=lead.archive.carried[lead.head].tolist(), resident=resident.tolist(), c_step=True,
+            fill=layer.filling,
         )  # fmt: skip
         result = C_CHOOSE(self, ranked, pages)
         record["chosen"] = [[t for t in row if t >= 0] for row in layer.recall_index.tolist()]
@@ -109,9 +114,9 @@ def answer_with_lead(model, settings: CacheSettings, monkeypatch) -> tuple[list[
     monkeypatch.setattr(RecallCStep, "lead_choose", recorded_c)
     generator = torch.Generator().manual_seed(3)
     text = torch.randint(0, 128, (TEXT,), generator=generator).tolist()
-    question = NewChunk(torch.randint(0, 128, (QUESTION,), generator=generator).tolist())
+    asked = NewChunk(torch.randint(0, 128, (QUESTION,), generator=generator).tolist())
     cache = H2OCache(model, settings)
-    logits, stats = prefill(model, cache, [text, question], settings.chunk)
+    logits, stats = prefill(model, cache, [text, asked] if question else [text], settings.chunk)
     stats.reraise()
     answer = list(generate_ids(model, cache, logits, Sampling(max_new_tokens=ANSWER)))
     return calls, cache, answer
@@ -151,8 +156,9 @@ def test_every_head_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch, ke
 
 def test_with_lead_text_every_chunk_of_text_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch):
     """`--lead-text`: a chunk of text in every layer but the lead's recalls the candidates of the lead's best
-    pages (enough to fill its recall slots), by the ranking of the lead layer's latest call (layer 0: the chunk before's; before the lead has
-    read one, nothing); the lead layer chooses its own (that is its ranking); a question is answered as ever."""
+    pages, as many pages as fill every head's recall slots, by the ranking of the lead layer's latest call
+    (layer 0: the chunk before's; before the lead has read one, nothing); the lead layer chooses its own (that
+    is its ranking); a question is answered as ever."""
     from h2o_cli.cache.recall.layer import RecallLayer
 
     _, model = tiny_pair
@@ -168,51 +174,56 @@ def test_with_lead_text_every_chunk_of_text_recalls_the_lead_heads_best_pages(ti
         return output
 
     monkeypatch.setattr(RecallLayer, "_chunk_attend", noted)
-    settings = lead_settings(lead_text=True)  # 20 recall slots: the lead's best 5 pages of 4
+    settings = lead_settings(lead_text=True)  # 20 recall slots, pages of 4
     calls, cache, answer = answer_with_lead(model, settings, monkeypatch)
     slots, chunks = (
         cache.policy.recall_slots,
         TEXT // settings.chunk,
     )  # then the text's last tokens and the question
-    text = [call for call in calls if call["pages"] == 5]
+    text = [call for call in calls if call["fill"]]
     assert len(text) == chunks and not any(call["lead"] for call in text)  # layer 0 only
     assert not text[0]["ready"] and text[0]["chosen"] == [[], []]
-    recalled = 0
+    recalled = most = 0
     for number, call in enumerate(text[1:], start=1):
         assert call["ready"] and call["before"] == number * settings.chunk
         assert call["scores"] == ranked[number - 1], number  # the lead layer's ranking of the chunk before
-        wanted = expected_tokens(call["ring"], call["scores"], call["resident"], call["before"], slots, 5, 4)
+        wanted = expected_tokens(
+            call["ring"], call["scores"], call["resident"], call["before"], slots, None, 4
+        )
         assert call["chosen"] == wanted, number
         recalled += sum(map(len, wanted))
-    assert recalled > 0
+        most = max(most, *map(len, wanted))
+    assert recalled > 0 and most == slots  # a head's slots filled from the lead's pages
     # The question and the answer: the lead's `--lead-pages` in both layers, as without `--lead-text`.
     assert len(calls) - len(text) == 2 * (2 + ANSWER) and len(answer) == ANSWER
-    assert all(call["pages"] is None for call in calls[len(text) :])
+    assert not any(call["fill"] for call in calls[len(text) :])
 
 
-def test_with_lead_text_the_steps_that_continue_a_text_take_the_lead_heads_pages(tiny_pair, monkeypatch):
-    """Text with no question, then tokens generated after it: every step takes the lead's `--lead-pages` in
-    both layers (the layers but the lead's kept no scores of their own while the text was read)."""
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_with_lead_text_the_steps_that_continue_a_text_fill_from_the_lead_heads_pages(
+    tiny_pair, monkeypatch, kernels
+):
+    """Text with no question, then tokens generated after it: every step, in both layers (the layers but the
+    lead's kept no scores of their own while the text was read), takes the lead's pages until every head's
+    recall slots are full, as a chunk of text does; in C (S full) as in torch."""
+    if kernels == "native" and native.compiler() is None:
+        pytest.skip("no C compiler")
     _, model = tiny_pair
-    calls = []
-
-    def recorded(self, archive, resident, before, slots, pages=None):
-        calls.append((archive is self.archive, pages, before))
-        return CHOOSE(self, archive, resident, before, slots, pages)
-
-    monkeypatch.setattr(LeadRanking, "choose", recorded)
-    settings = lead_settings(lead_text=True)
-    cache = H2OCache(model, settings)
-    text = torch.randint(0, 128, (TEXT,), generator=torch.Generator().manual_seed(4)).tolist()
-    logits, stats = prefill(model, cache, [text], settings.chunk)
-    stats.reraise()
-    read = len(calls)
-    assert read and all(pages == 5 for _, pages, _ in calls)  # layer 0, every chunk of text but the first
-    assert all(layer.answering for layer in cache.layers)
-    answer = list(generate_ids(model, cache, logits, Sampling(max_new_tokens=ANSWER)))
+    settings = lead_settings(kernels, lead_text=True)
+    calls, cache, answer = answer_with_lead(model, settings, monkeypatch, question=False)
+    slots = cache.policy.recall_slots
+    read = -(-TEXT // settings.chunk)  # layer 0, every chunk of text
+    assert len(answer) == ANSWER and len(calls) == read + 2 * ANSWER
+    assert all(call["fill"] and not call["lead"] for call in calls[:read])
     steps = calls[read:]
-    assert len(answer) == ANSWER and len(steps) == 2 * ANSWER  # both layers, every step
-    assert [lead for lead, _, _ in steps] == [False, True] * ANSWER and all(p is None for _, p, _ in steps)
+    assert [call["lead"] for call in steps] == [False, True] * ANSWER and all(c["fill"] for c in steps)
+    for number, call in enumerate(steps):
+        wanted = expected_tokens(
+            call["ring"], call["scores"], call["resident"], call["before"], slots, None, 4
+        )
+        assert call["chosen"] == wanted, number
+    assert all(len(row) == slots for call in steps for row in call["chosen"])  # every slot filled
+    assert any(call["c_step"] for call in steps) == (kernels == "native")
 
 
 def test_a_chunk_of_text_ends_the_answer(tiny_pair, monkeypatch):

@@ -19,15 +19,22 @@ def through_cache(model, cache: H2OCache, ids: list[int]) -> torch.Tensor:
         return torch.cat([forward_chunk(model, cache, ids[s : s + CHUNK]) for s in range(0, len(ids), CHUNK)])
 
 
+@pytest.mark.parametrize("lead_text", [False, True])
 @pytest.mark.parametrize("positions", ["rolling", "original"])
-def test_recall_with_room_for_every_token_equals_plain_transformers(smollm, excerpt, positions):
+def test_recall_with_room_for_every_token_equals_plain_transformers(smollm, excerpt, positions, lead_text):
     """r = 160 recall slots cover every token S (160) has evicted in a 300-token stream, so E_q is every token
-    <= q: the logits are plain transformers' (sdpa, its own cache, one forward over the whole text)."""
+    <= q: the logits are plain transformers' (sdpa, its own cache, one forward over the whole text); with
+    `--lead-text` too (the lead's pages are taken until every head's slots are full)."""
     model, tokenizer = smollm
     ids = tokenizer(excerpt)["input_ids"][:TOKENS]
-    cache = H2OCache(model, CacheSettings(budget=320, policy="recall", chunk=CHUNK, positions=positions))
+    settings = CacheSettings(
+        budget=320, policy="recall", chunk=CHUNK, positions=positions, lead_text=lead_text
+    )
+    cache = H2OCache(model, settings)
     got = through_cache(model, cache, ids)
-    assert cache.length == 160 and cache.archive_summary()["recalled_per_step"] > 0  # evicted, then recalled
+    summary = cache.archive_summary()
+    assert cache.length == 160 and summary["recalled_per_step"] > 0  # evicted, then recalled
+    assert summary["lead_text"] is lead_text  # the embedded model's calibrated lead leads the text
     last_call = (TOKENS - 1) // CHUNK * CHUNK  # its first token: every older token not in S was recalled
     for layer in cache.layers:
         assert (layer.recall_index >= 0).sum(dim=1).eq(last_call - 160).all()

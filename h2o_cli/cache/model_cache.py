@@ -207,7 +207,7 @@ class H2OCache(Cache):
             self.lead = None
             for layer in self.layers:
                 if isinstance(layer, RecallLayer):
-                    layer.lead, layer.answering = None, False
+                    layer.lead, layer.answering, layer.filling = None, False, False
         for layer in self.layers:
             store = layer.store
             if store.compute_dtype not in FIXED_DTYPES:

@@ -73,12 +73,6 @@ class RecallPolicy(HeavyHitterPolicy):
         return round(self.budget * self.recall_ratio)
 
     @property
-    def text_lead_pages(self) -> int:
-        """With `--lead-text`, how many of the lead's best pages a chunk of text recalls: enough to fill the
-        recall slots, `ceil(recall_slots / page_size)`; 0 without it."""
-        return -(-self.recall_slots // self.page_size) if self.lead_text else 0
-
-    @property
     def resident(self) -> int:
         """|S|: entries kept by `h2o`'s rule (the budget less the recall slots)."""
         return self.budget - self.recall_slots

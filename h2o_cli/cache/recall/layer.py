@@ -51,8 +51,9 @@ class RecallLayer(H2OLayer):
     fused_kernels = False  # the Triton kernels know nothing of the recall slots
     lead: LeadRanking | None = None  # `--recall-lead`: the ranking every head recalls from after a question
     # With a lead: from a question to the next chunk of text (its pages are recalled); with `--lead-text` also
-    # from a chunk of text to the next chunk (the steps that continue it).
-    answering = False
+    # from a chunk of text to the next chunk (the steps that continue it), then `filling`: as many of the lead's
+    # pages as fill R.
+    answering = filling = False
 
     def add_archive(
         self,
@@ -124,15 +125,13 @@ class RecallLayer(H2OLayer):
         n_kv, active, first = store.n_kv_heads, store.active, store.tokens_seen - chunk
         slots, hits = self.recall_index.shape[1], 0
         if self.lead is not None and (self.asks > 1 or chunk > 1):  # a question starts an answer,
-            self.answering = self.asks > 1  # and a chunk of text ends it
-        # With `--lead-text` a chunk of text takes the lead's pages too (enough to fill R), in the other layers.
-        text_pages = (
-            self.policy.text_lead_pages if self.lead is not None and chunk > 1 and not self.answering else 0
-        )
-        leading = (self.answering or text_pages) and self.lead.archive is not self.archive
+            self.answering, self.filling = self.asks > 1, False  # and a chunk of text ends it
+        # With `--lead-text` a chunk of text takes the lead's pages too (until R is full), in the other layers.
+        text = self.lead is not None and self.policy.lead_text and chunk > 1 and not self.answering
+        leading = (self.answering or text) and self.lead.archive is not self.archive
         if slots and leading:  # the lead's pages (docs/spec.md, recall: lead head); this layer scores none
             resident = store.token_index[:, :active]
-            chosen, valid = self.lead.choose(self.archive, resident, first, slots, text_pages or None)
+            chosen, valid = self.lead.choose(self.archive, resident, first, slots, fill=text)
             hits = self._read_back(chosen, valid)
         elif slots:  # pass 1: the chunk's queries choose archived tokens, read back into the recall slots
             # A question ending the chunk (H2OCache.asking) chooses with its own queries alone; a chunk of
@@ -145,13 +144,13 @@ class RecallLayer(H2OLayer):
             chosen, valid = self.archive.choose(
                 grouped, store.token_index[:, :active], first, slots, weighed, question=asked
             )
-            if self.answering or text_pages:  # the lead layer: its carried scores rank for the others
+            if self.answering or text:  # the lead layer: its carried scores rank for the others
                 self.lead.ready = True
             if self.answering:  # and every head of it takes the lead's pages
                 chosen, valid = self.lead.choose(self.archive, store.token_index[:, :active], first, slots)
             hits = self._read_back(chosen, valid)
-        if text_pages:  # the steps that continue the text take the lead's pages, as an answer's do
-            self.answering = True
+        if text:  # the steps that continue the text take the lead's pages, as an answer's do, until R is full
+            self.answering = self.filling = True
         self.counts.add((self.recall_index >= 0).sum(), hits)
         # Pass 2: E_q = S ∪ R ∪ {chunk tokens <= q}; R is older than the chunk, so every query sees all of it.
         token_index = torch.cat([store.token_index[:, :active], self.recall_index], dim=1)
@@ -202,7 +201,7 @@ class RecallLayer(H2OLayer):
         full = not self.answering and recall_is_full(archive.held(), store.length, slots)
         if slots and self.answering:
             self._lead_scores(query, call)
-            chosen, valid = self.lead.choose(archive, resident, store.tokens_seen - 1, slots)
+            chosen, valid = self.lead.choose(archive, resident, store.tokens_seen - 1, slots, self.filling)
             self.counts.add(valid.sum(), self._read_back(chosen, valid))
         elif slots:
             page_query = self._step_page_query(query, call.cos, call.sin)
@@ -339,7 +338,8 @@ class RecallLayer(H2OLayer):
         slots = self.recall_index.shape[1]
         if slots and self.answering:  # the lead's pages, from its ranking sorted once for every layer
             self._lead_scores(query, call, buffers.scores)
-            recalled, hits = buffers.lead_choose(self.lead.ranked(), self.lead.pages)
+            ranked = self.lead.ranked()
+            recalled, hits = buffers.lead_choose(ranked, len(ranked) if self.filling else self.lead.pages)
             most = buffers.most
             self.counts.add(recalled, hits)
         elif slots:
@@ -454,7 +454,7 @@ class RecallLayer(H2OLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.answering = False
+        self.answering = self.filling = False
         self.archive.reset()
         self.recall_index.fill_(-1)
         self.recall_keys.zero_()  # empty slots hold 0 (`_read_back`)

@@ -47,7 +47,7 @@ class LeadRanking:
         return self._ranked[1]
 
     def choose(
-        self, archive: PageArchive, resident: torch.Tensor, before: int, slots: int, pages: int | None = None
+        self, archive: PageArchive, resident: torch.Tensor, before: int, slots: int, fill: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pass 1 of a recall step under the lead: up to `slots` archived tokens per KV head of one layer.
 
@@ -55,12 +55,13 @@ class LeadRanking:
         [n_kv_heads, n] token indices of S (-1 = empty); `before`: the call's first token. A candidate is an
         archived token older than `before` not in the head's S. The lead's best `pages` ring pages (larger
         carried score first, ties the older page) among those with a positive score and a candidate in some
-        head (`pages`: the ranking's own, `--lead-pages`, unless given: `--lead-text` asks a chunk of text for
-        enough to fill the slots); each head's candidates of them in that order, oldest first inside a page.
+        head, or with `fill` (`--lead-text`: text and the steps that continue it) as many of them as it takes
+        to fill every head's slots; each head's first `slots` candidates of them in that order, oldest first
+        inside a page. With `fill` and room for every candidate, every head recalls all of its candidates.
         Returns archive slots [n_kv_heads, slots] and which of them hold a chosen token, as `PageArchive.choose`
         (all invalid while the ranking is not `ready`)."""
         n_kv, size, device = archive.n_kv_heads, archive.page_size, resident.device
-        want = self.pages if pages is None else pages
+        want = -(-slots // size) if fill else self.pages
         chosen = torch.zeros(n_kv, slots, dtype=torch.int64, device=device)
         valid = torch.zeros(n_kv, slots, dtype=torch.bool, device=device)
         used = archive.span // size
@@ -73,7 +74,8 @@ class LeadRanking:
         held = resident.sort(dim=1).values
         offsets = torch.arange(size, device=device)
         # The best pages rarely lack a candidate (the recent window, held by every head): look at a few more
-        # than `pages`, and at twice as many until enough have one or every page is looked at.
+        # than `want`, and at twice as many until enough have one (with `fill`: until every head's slots
+        # are full) or every page is looked at.
         look = min(used, 2 * want + 16)
         while True:
             ranked = torch.topk(key, look, sorted=True)
@@ -83,11 +85,18 @@ class LeadRanking:
             place = torch.searchsorted(held, tokens.expand(n_kv, -1).contiguous())
             in_s = held.gather(1, place.clamp_max_(held.shape[1] - 1)) == tokens
             usable = (tokens >= 0) & (tokens < before) & ~in_s  # [n_kv, pages * size]
-            with_candidate = usable.view(n_kv, -1, size).any(dim=2).any(dim=0)  # [pages]
-            if int(with_candidate.sum()) >= want or look == used:
-                break
+            per_page = usable.view(n_kv, -1, size).sum(dim=2)  # [n_kv, pages]: each head's candidates
+            with_candidate = per_page.any(dim=0)  # [pages]
+            if fill:  # the first page by which every head has `slots` candidates, if any
+                enough = int((per_page.cumsum(dim=1).min(dim=0).values < slots).sum())
+                keep = with_candidate[: enough + 1].nonzero().flatten()
+                if enough < len(pages) or look == used:
+                    break
+            else:
+                keep = with_candidate.nonzero().flatten()[:want]
+                if len(keep) == want or look == used:
+                    break
             look = min(used, 2 * look)
-        keep = with_candidate.nonzero().flatten()[:want]
         columns = (keep.unsqueeze(1) * size + offsets).flatten()
         in_order, usable = in_order[columns], usable[:, columns]
         # Each head's usable slots first, in reading order (a stable sort of "not usable").
