@@ -242,8 +242,8 @@ LeadText = Annotated[
     bool,
     typer.Option(
         "--lead-text",
-        help="recall, --recall-lead: chunks of text too recall the lead head's best pages (enough to fill the "
-        "recall slots) in every layer but the lead's, instead of each head's own choice: only one layer scores "
+        help="recall, --recall-lead: chunks of text too recall the lead head's best pages (until every head's "
+        "recall slots are full) in every layer but the lead's, instead of each head's own choice: only one layer scores "
         "pages while text is read.",
     ),
 ]
