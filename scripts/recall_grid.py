@@ -426,7 +426,7 @@ def summary(paths: list[Path]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1536])
     parser.add_argument("--depths", type=int, default=10, help="depths (evenly spread, 5%%..95%% for 10)")
@@ -468,7 +468,7 @@ def main() -> None:
                              "(same answers, ~40 %% less reading over 10 depths; one thread, one needle)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="JSON lines, appended (an interrupted grid resumes)")
     parser.add_argument("--summary", type=Path, nargs="+", help="print the tables of these JSON-lines files")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.summary:
         print(summary(args.summary))
     else:

@@ -1,6 +1,8 @@
 """scripts/recall_grid.py: the pass-key grid's runs, and `--fork`, which reads the text that a haystack's runs
 share once and forks a process per depth."""
 
+import json
+
 import pytest
 import torch
 from conftest import REPO, tiny_config
@@ -85,3 +87,31 @@ def test_forked_runs_refuse_more_than_one_thread(grid, tiny_reader):
     torch.set_num_threads(2)
     with pytest.raises(ValueError, match="one thread"):
         next(grid.answers_forked(model, tokenizer, CacheSettings(budget=24, chunk=16), [(10, ESSAY)]))
+
+
+def test_a_forked_grid_writes_the_rows_of_the_grid_read_run_by_run(grid, tiny_reader, monkeypatch, tmp_path):
+    """`recall_grid.py --fork` from its command line: two seeds' depths (two haystacks, each read once and
+    forked) give the rows, answers and prompt lengths the same grid gives run by run, in grid order; run
+    again, it resumes with nothing left to do."""
+    import h2o_cli.models
+
+    model, tokenizer = tiny_reader
+    monkeypatch.setattr(h2o_cli.models, "load_model", lambda *args, **kwargs: (model, tokenizer))
+    (tmp_path / "essays").mkdir()
+    (tmp_path / "essays" / "essay.txt").write_text(ESSAY)
+    command = ["--lengths", "400", "--depth-list", "10,50,90", "--seeds", "2", "--budgets", "0.1",
+               "--policies", "recall", "--chunk", "16", "--essays", str(tmp_path / "essays")]  # fmt: skip
+    grid.main([*command, "--fork", "--out", str(tmp_path / "forked.jsonl")])
+    grid.main([*command, "--out", str(tmp_path / "alone.jsonl")])
+    fields = ("length", "seed", "depth", "key", "answer", "correct", "prompt_tokens", "budget_tokens")
+
+    def rows(name: str) -> list[tuple]:
+        lines = (tmp_path / name).read_text().splitlines()
+        return [tuple(json.loads(line)[field] for field in fields) for line in lines]
+
+    forked = rows("forked.jsonl")
+    assert forked == rows("alone.jsonl")
+    assert [(row[1], row[2]) for row in forked] == [(0, 10), (0, 50), (0, 90), (1, 10), (1, 50), (1, 90)]
+    assert all(row[4] and not row[4].startswith("ERROR") and row[6] > 400 - 16 for row in forked)
+    grid.main([*command, "--fork", "--out", str(tmp_path / "forked.jsonl")])
+    assert rows("forked.jsonl") == forked
