@@ -283,7 +283,7 @@ def test_a_recall_chat_asks_each_turns_question_and_the_lead_ranks_the_answer(ti
     monkeypatch.setattr(H2OCache, "asking", lambda self, tokens, again=False: (
         asked.append((tokens, again)), asking(self, tokens, again))[1])  # fmt: skip
     monkeypatch.setattr(
-        LeadRanking, "choose", lambda self, *a: (chosen.append(self.ready), choose(self, *a))[1]
+        LeadRanking, "choose", lambda self, *a, **k: (chosen.append(self.ready), choose(self, *a, **k))[1]
     )
     settings = CacheSettings(budget=24, policy="recall", chunk=32, page_size=4,
                              recall_lead="1.1", lead_pages=2)  # fmt: skip
