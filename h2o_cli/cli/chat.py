@@ -106,8 +106,7 @@ def chat(
     settings = settings.resolved(context_window(lm))
     chunk_given = not _default(context, "chunk")
     if not chunk_given:
-        room = context_window(lm) - settings.budget
-        settings = replace(settings, chunk=default_chunk(settings.policy, room))
+        settings = replace(settings, chunk=default_chunk(settings.policy, lm, settings.budget))
     session = ChatSession(lm, tokenizer, settings, sampling, system, compiled=compiled)
     if saved[1]:
         _resume(session, saved[1], resume)
@@ -125,11 +124,14 @@ def chat(
     ChatLoop(session, show_panel, model, chunk_of=None if chunk_given else default_chunk).run()
 
 
-def default_chunk(policy: str, room: int | None = None) -> int:
+def default_chunk(policy: str, model=None, budget: int = 0) -> int:
     """`h2o chat`'s `--chunk` when none is given: `CHAT_RECALL_CHUNK` for a policy that recalls, else
-    `CHAT_CHUNK`, cut to `room` (the context window less the budget; at least 1) where it is given."""
+    `CHAT_CHUNK`; with a `model`, cut to the room beside a `budget` of tokens in its context window (at
+    least 1)."""
+    from h2o_cli.runtime import context_window
+
     chunk = CHAT_RECALL_CHUNK if policy_class(policy).recalls else CHAT_CHUNK
-    return chunk if room is None else min(chunk, max(room, 1))
+    return chunk if model is None else min(chunk, max(context_window(model) - budget, 1))
 
 
 def _default(context: typer.Context, option: str) -> bool:

@@ -80,7 +80,9 @@ class ChatLoop:
 
     def __init__(self, session, show_panel: bool, model_name: str, reader=None, chunk_of=None) -> None:
         self.session = session
-        self.chunk_of = chunk_of  # (policy, room) -> the chat chunk /policy takes (None: keep the chunk)
+        self.chunk_of = (
+            chunk_of  # (policy, model, budget) -> the chat chunk /policy takes (None: keep the chunk)
+        )
         self.show_panel = show_panel
         self.view = PanelView()
         self.model_name = model_name
@@ -198,15 +200,12 @@ class ChatLoop:
 
     def _policy(self, argument: str) -> None:
         from h2o_cli.policies import policy_names
-        from h2o_cli.runtime import context_window
 
         if argument not in policy_names():
             raise UsageError(f"/policy needs one of {', '.join(policy_names())}")
         chunk = None
         if self.chunk_of is not None:  # the new policy's chat chunk, in the room beside the budget
-            settings = self.session.settings
-            room = context_window(self.session.model) - settings.budget
-            chunk = self.chunk_of(argument, max(room, settings.chunk))
+            chunk = self.chunk_of(argument, self.session.model, self.session.settings.budget)
         self._rebuild(f"/policy {argument}", lambda name: self.session.set_policy(name, chunk), argument)
         stderr.print(
             f"policy {argument} ({self.session.settings.chunk} spare slots); "
