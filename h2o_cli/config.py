@@ -103,7 +103,7 @@ class CacheSettings:
     recall_layers: str = "all"  # recall: the layers that recall (e.g. 6,17,18,20-23); the others keep S alone
     recall_lead: str = "auto"  # recall: after a question, every head recalls one head's best pages
     lead_pages: int = 8  # recall, --recall-lead: how many of the lead head's best pages every head recalls
-    lead_text: bool = False  # recall, --recall-lead: chunks of text recall the lead's best pages too
+    lead_text: bool = True  # recall, --recall-lead: text recalls the lead's best pages too (chat: off)
     page_score: str = "attention"  # recall: pages ranked by the attention they get, or by summary bounds (positional, unrotated)
     archive_max: int | str = (
         DEFAULT_ARCHIVE_MAX  # recall: tokens (131072) or bytes ("64MiB") the archive holds; then oldest dropped

@@ -327,6 +327,7 @@ def test_c_step_scores_on_the_embedded_model(smollm, excerpt, monkeypatch):
         archive_max=256,
         step_shortlist=6,
         kernels="native",
+        lead_text=False,  # every layer's steps score pages (with lead text only the lead's do)
     )
     cache = H2OCache(model, settings)
     c_bounds, compared = StepScores.bounds, []

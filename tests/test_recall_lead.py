@@ -29,10 +29,11 @@ CHOOSE = LeadRanking.choose
 C_CHOOSE = RecallCStep.lead_choose
 
 
-def lead_settings(kernels: str = "torch", **extra) -> CacheSettings:
+def lead_settings(kernels: str = "torch", lead_text: bool = False, **extra) -> CacheSettings:
+    """The lead after a question only, unless `lead_text` (the default of `CacheSettings`, off in chat)."""
     return CacheSettings(
         budget=40, policy="recall", chunk=16, page_size=4, archive_max=512, recall_lead=LEAD, lead_pages=3,
-        kernels=kernels, **extra,
+        kernels=kernels, lead_text=lead_text, **extra,
     )  # fmt: skip
 
 
@@ -293,8 +294,8 @@ def test_auto_is_the_models_calibrated_lead_where_pages_carry_attention(tiny_pai
     cache = H2OCache(model, settings)
     assert (cache.lead.layer, cache.lead.head) == (1, 0) and cache.lead.archive is cache.layers[1].archive
     assert all(layer.lead is cache.lead for layer in cache.layers)
-    assert cache.archive_summary()["recall_lead"] == "1.0" and cache.archive_summary()["lead_text"] is False
-    assert H2OCache(model, replace(settings, lead_text=True)).archive_summary()["lead_text"] is True
+    assert cache.archive_summary()["recall_lead"] == "1.0" and cache.archive_summary()["lead_text"] is True
+    assert H2OCache(model, replace(settings, lead_text=False)).archive_summary()["lead_text"] is False
     with_none = replace(settings, lead_text=True, recall_lead="none")  # no lead: nothing leads the text
     assert H2OCache(model, with_none).archive_summary()["lead_text"] is False
     for other in (
@@ -370,3 +371,22 @@ def test_a_question_cut_by_the_free_slots_is_read_whole(tiny_pair, lead):
     assert two[-1 - reads :] == [(12, 0)] + [(6, 6)] * reads
     # The model's own layers run on 18 rows instead of 12 and 6: float32 rounding, nothing else.
     torch.testing.assert_close(one_logits, two_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_text_is_read_under_the_lead_by_default_except_in_chat():
+    """Every command with cache options defaults to `--lead-text` (`CacheSettings`' default) but `h2o chat`,
+    where each head's own choice remembered a first turn's fact more often."""
+    import typer
+
+    from h2o_cli.cli.app import app
+
+    commands = typer.main.get_command(app).commands
+    defaults = {
+        name: param.default
+        for name, command in commands.items()
+        for param in command.params
+        if param.name == "lead_text"
+    }
+    assert CacheSettings(budget=0.1).lead_text is True
+    assert defaults.pop("chat") is False
+    assert {"stream", "eval"} <= set(defaults) and all(default is True for default in defaults.values())

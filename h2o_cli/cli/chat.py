@@ -51,7 +51,9 @@ Examples:
 """
 
 
-@opt.cache_options(options={"chunk": ChatChunk}, budget=opt.DEFAULTS["budget"], chunk=CHAT_CHUNK)
+@opt.cache_options(
+    options={"chunk": ChatChunk}, budget=opt.DEFAULTS["budget"], chunk=CHAT_CHUNK, lead_text=False
+)
 def chat(
     context: typer.Context,
     settings: CacheSettings,

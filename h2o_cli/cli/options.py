@@ -241,10 +241,10 @@ LeadPages = Annotated[
 LeadText = Annotated[
     bool,
     typer.Option(
-        "--lead-text",
+        "--lead-text/--no-lead-text",
         help="recall, --recall-lead: chunks of text too recall the lead head's best pages (until every head's "
         "recall slots are full) in every layer but the lead's, instead of each head's own choice: only one layer scores "
-        "pages while text is read.",
+        "pages while text is read (on by default; off in chat, where each head's own choice remembered more).",
     ),
 ]
 ChoiceTokens = Annotated[

@@ -40,7 +40,7 @@ class RecallPolicy(HeavyHitterPolicy):
     recall_layers: str = "all"
     recall_lead: str = "auto"
     lead_pages: int = 8
-    lead_text: bool = False
+    lead_text: bool = True
 
     def __post_init__(self) -> None:
         check_recall_options(
