@@ -10,12 +10,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+import typer
 from conftest import tiny_config
 from h2o_kernels import native
 
 from h2o_cli.cache import H2OCache
 from h2o_cli.cache.recall.c_step import RecallCStep
 from h2o_cli.cache.recall.lead import LeadRanking
+from h2o_cli.cli.app import app
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
 from h2o_cli.generation import Sampling, generate_ids
@@ -376,10 +378,6 @@ def test_a_question_cut_by_the_free_slots_is_read_whole(tiny_pair, lead):
 def test_text_is_read_under_the_lead_by_default_except_in_chat():
     """Every command with cache options defaults to `--lead-text` (`CacheSettings`' default) but `h2o chat`,
     where each head's own choice remembered a first turn's fact more often."""
-    import typer
-
-    from h2o_cli.cli.app import app
-
     commands = typer.main.get_command(app).commands
     defaults = {
         name: param.default
