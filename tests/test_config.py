@@ -101,3 +101,21 @@ def test_every_cache_option_is_one_settings_field():
     ):
         offered = set(inspect.signature(command).parameters)
         assert {name for name in options.CACHE_OPTIONS if name not in skipped} <= offered, command.__name__
+
+
+def test_a_policy_made_in_code_has_the_settings_defaults():
+    """A policy's fields repeat `CacheSettings`' (`from_settings` copies them by name), so one made directly,
+    without settings, must default as a command does: e.g. `RecallPolicy(budget=…).lead_text` is True."""
+    import dataclasses
+
+    from h2o_cli.policy_registry import policy_class, policy_names
+
+    settings = {field.name: field for field in dataclasses.fields(CacheSettings)}
+    compared = 0
+    for name in policy_names():
+        for field in dataclasses.fields(policy_class(name)):
+            assert field.name in settings, f"{name}.{field.name} has no setting to come from"
+            if field.default is not dataclasses.MISSING:
+                assert field.default == settings[field.name].default, f"{name}.{field.name}"
+                compared += 1
+    assert compared >= 15  # recall's own fields alone are more
