@@ -178,6 +178,13 @@ class CacheSettings:
             values[field.name] = value
         return cls(**values)
 
+    @classmethod
+    def from_spec(cls, spec: str, **fields_given) -> CacheSettings:
+        """From a run spec `POLICY[:FIELD=VALUE,...]` (`parse_run_spec`), with `fields_given` (e.g. `budget`,
+        `chunk`) added: `CacheSettings.from_spec("recall:lead_text=0", budget=819, chunk=256)`."""
+        name, values = parse_run_spec(spec)
+        return cls.from_args(**values, **fields_given, policy=name)
+
     @property
     def is_resolved(self) -> bool:
         """Whether `budget` is a token count (not a fraction still to be resolved)."""
@@ -201,3 +208,22 @@ class CacheSettings:
     def recent(self) -> int:
         """Slots for the newest tokens; the policy decides."""
         return make_policy(self).recent_slots
+
+
+def parse_run_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """`recall:recall_ratio=0.25,page_size=16` -> ("recall", {"recall_ratio": "0.25", ...}): values as written,
+    typed by `CacheSettings.from_args`; a name that is not a field is a `ValueError`, not dropped. A piece
+    without `=` continues the value before it (`recall_layers=6,17,20-23`)."""
+    name, _, rest = spec.partition(":")
+    values: dict[str, str] = {}
+    last = None
+    for pair in filter(None, rest.split(",")):
+        if "=" not in pair and last is not None:
+            values[last] += "," + pair
+            continue
+        last, _, value = pair.partition("=")
+        values[last] = value
+    unknown = set(values) - {field.name for field in fields(CacheSettings)}
+    if unknown:
+        raise ValueError(f"{spec}: {', '.join(sorted(unknown))} is not a CacheSettings field")
+    return name, values

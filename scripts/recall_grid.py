@@ -26,11 +26,13 @@ import random
 import sys
 import time
 from collections import defaultdict
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from h2o_cli.config import parse_run_spec
 
 NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 QUESTION = "What is the pass key? Answer with the number only."
@@ -63,33 +65,11 @@ class Run(NamedTuple):
     tokens: int  # the budget in tokens
 
 
-def parse_policy(spec: str) -> tuple[str, dict[str, str]]:
-    """`recall:recall_ratio=0.25,page_size=16` -> ("recall", {"recall_ratio": "0.25", ...}): values as written,
-    typed by `CacheSettings.from_args`; a name that is not a field is an error, not dropped. A piece without
-    `=` continues the value before it (`recall_layers=6,17,20-23`)."""
-    from h2o_cli.config import CacheSettings
-
-    name, _, rest = spec.partition(":")
-    values: dict[str, str] = {}
-    last = None
-    for pair in filter(None, rest.split(",")):
-        if "=" not in pair and last is not None:
-            values[last] += "," + pair
-            continue
-        last, _, value = pair.partition("=")
-        values[last] = value
-    unknown = set(values) - {field.name for field in fields(CacheSettings)}
-    if unknown:
-        raise ValueError(f"{spec}: {', '.join(sorted(unknown))} is not a CacheSettings field")
-    return name, values
-
-
 def settings_of(spec: str, budget: int, chunk: int):
-    """`CacheSettings` of a run spec (`parse_policy`) at `budget` tokens and `chunk`."""
+    """`CacheSettings` of a run spec (`parse_run_spec`) at `budget` tokens and `chunk`."""
     from h2o_cli.config import CacheSettings
 
-    name, values = parse_policy(spec)
-    return CacheSettings.from_args(**values, budget=budget, policy=name, chunk=chunk)
+    return CacheSettings.from_spec(spec, budget=budget, chunk=chunk)
 
 
 def haystacks(tokenizer, essays: str, length: int, depths: list[int], seed: int, needles: int = 1):
@@ -286,7 +266,7 @@ def answer_in_chat(
     """The same question through `h2o chat` (one-shot: the text and the question as one piped message)."""
     import subprocess
 
-    name, extra = parse_policy(spec)
+    name, extra = parse_run_spec(spec)
     flags = [f"--{field.replace('_', '-')}={value}" for field, value in extra.items()]
     command = [sys.executable, "-c", "from h2o_cli.cli.app import main; main()", "chat", "--no-panel", "--json",
                "--policy", name, "--budget", str(budget_tokens), "--chunk", str(chunk), "--threads", str(threads),
@@ -335,7 +315,7 @@ def run(args) -> None:
             for depth, key, text in haystacks(tokenizer, essays, length, depths, seed, args.needles):
                 text_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
                 for given in args.policies:
-                    name, _ = parse_policy(given)
+                    name, _ = parse_run_spec(given)
                     spec = f"{given}@heads{top}" if heads is not None and name == "recall" else given
                     evicts = policy_class(name).evicts
                     if not evicts and length > window:
@@ -356,7 +336,7 @@ def run(args) -> None:
         def record(run: Run, said: str, read: int, seconds: float) -> None:
             row = {
                 "length": run.length, "seed": run.seed, "depth": run.depth, "policy_spec": run.spec,
-                "policy": parse_policy(run.given)[0], "budget": run.budget, "budget_tokens": run.tokens,
+                "policy": parse_run_spec(run.given)[0], "budget": run.budget, "budget_tokens": run.tokens,
                 "text_tokens": run.text_tokens, "prompt_tokens": read, "key": run.key,
                 "answer": said, "correct": correct(run.key, said),
                 "needles": args.needles, "seconds": round(seconds, 3),
