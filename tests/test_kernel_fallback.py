@@ -18,7 +18,7 @@ from h2o_kernels import prefill as prefill_ref
 
 from h2o_cli import config
 from h2o_cli.cache import H2OCache
-from h2o_cli.cache import model_cache as cache_module
+from h2o_cli.cache import devices as cache_devices
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
 
@@ -45,7 +45,7 @@ def fresh_dispatch(monkeypatch):
     """A process where no Triton kernel has failed yet, and where the CPU counts as a Triton device."""
     monkeypatch.setattr(dispatch, "_failure", None)
     monkeypatch.setattr(dispatch, "triton_possible", lambda device: True)
-    monkeypatch.setattr(cache_module, "triton_possible", lambda device: True)  # `--kernels triton` accepted
+    monkeypatch.setattr(cache_devices, "triton_possible", lambda device: True)  # `--kernels triton` accepted
     monkeypatch.delenv(dispatch.ENV, raising=False)
     return monkeypatch
 

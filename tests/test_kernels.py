@@ -246,7 +246,7 @@ def test_cache_on_kernels_matches_reference_path(tiny_pair, monkeypatch, overrid
     scores: the decode kernel adds to scores decayed before it runs; chunks take the torch path)."""
     from h2o_kernels import dispatch
 
-    import h2o_cli.cache.layer as cache_module
+    import h2o_cli.cache.paths as cache_module
     from h2o_cli.cache import H2OCache
     from h2o_cli.config import CacheSettings
 
@@ -279,7 +279,7 @@ def test_cache_on_kernels_splits_a_long_call_like_the_reference_path(tiny_pair, 
     the fused Triton path gets consistent inputs for each and equals the torch path."""
     from h2o_kernels import dispatch
 
-    import h2o_cli.cache.layer as cache_module
+    import h2o_cli.cache.paths as cache_module
     from h2o_cli.cache import H2OCache
     from h2o_cli.config import CacheSettings
 

@@ -17,6 +17,7 @@ from h2o_cli.cache.positions import Rope
 from h2o_cli.cache.recall.archive import PageArchive
 from h2o_cli.cache.recall.archive_file import ArchiveFile
 from h2o_cli.cache.recall.c_step import RecallCStep, StepScores
+from h2o_cli.cache.recall.layer import LeadMode
 from h2o_cli.cache.store import LayerStore
 from h2o_cli.config import CacheSettings
 
@@ -307,7 +308,7 @@ def test_c_recall_step_on_the_embedded_model(smollm, excerpt, positions, lead, m
     assert all(isinstance(layer._c_buffers, RecallCStep) for layer in shadow.layers)
     assert shadow.layers[0].archive.tokens > 2 * shadow.layers[0].archive.capacity
     if lead != "none":
-        assert all(layer.answering for layer in shadow.layers)
+        assert all(layer.lead_mode is not LeadMode.OWN for layer in shadow.layers)
         assert min(layer.recalled_total for layer in shadow.layers) > 0
 
 
@@ -392,7 +393,7 @@ def test_both_decode_steps_equal_the_chunk_path(tiny_pair, positions, kernels):
     fast = H2OCache(model, CacheSettings(**options, kernels=kernels))
     slow = H2OCache(model, CacheSettings(**options))
     for layer in slow.layers:
-        layer._step_path = False  # every call through `_chunk_attend`, the chunk path
+        layer._step_path = False  # every call on the chunk path
     torch.testing.assert_close(
         run(model, fast, ids, 60, 8), run(model, slow, ids, 60, 8), rtol=1e-5, atol=1e-5
     )

@@ -16,6 +16,7 @@ from h2o_kernels import native
 
 from h2o_cli.cache import H2OCache
 from h2o_cli.cache.recall.c_step import RecallCStep
+from h2o_cli.cache.recall.layer import LeadMode
 from h2o_cli.cache.recall.lead import LeadRanking
 from h2o_cli.cli.app import app
 from h2o_cli.config import CacheSettings
@@ -106,7 +107,7 @@ def answer_with_lead(
             lead=layer.archive is lead.archive, ready=lead.ready, before=store.tokens_seen,
             slots=self.recall, ring=layer.archive.token_index.tolist(),
             scores=lead.archive.carried[lead.head].tolist(), resident=resident.tolist(), c_step=True,
-            fill=layer.filling,
+            fill=layer.lead_mode is LeadMode.FILL,
         )  # fmt: skip
         result = C_CHOOSE(self, ranked, pages)
         record["chosen"] = [[t for t in row if t >= 0] for row in layer.recall_index.tolist()]
@@ -167,16 +168,16 @@ def test_with_lead_text_every_chunk_of_text_recalls_the_lead_heads_best_pages(ti
     _, model = tiny_pair
     ranked, attend = (
         [],
-        RecallLayer._chunk_attend,
+        RecallLayer.recall_chunk,
     )  # the lead's carried scores after each of its layer's calls
 
-    def noted(self, query, scaling):
-        output = attend(self, query, scaling)
+    def noted(self, query, chunk):
+        output = attend(self, query, chunk)
         if self.archive is self.lead.archive:
             ranked.append(self.archive.carried[self.lead.head].tolist())
         return output
 
-    monkeypatch.setattr(RecallLayer, "_chunk_attend", noted)
+    monkeypatch.setattr(RecallLayer, "recall_chunk", noted)
     settings = lead_settings(lead_text=True)  # 20 recall slots, pages of 4
     calls, cache, answer = answer_with_lead(model, settings, monkeypatch)
     slots, chunks = (
@@ -236,7 +237,7 @@ def test_a_chunk_of_text_ends_the_answer(tiny_pair, monkeypatch):
     more = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(9))
     with torch.inference_mode():  # a new turn of text: each layer's own choice again
         model(input_ids=more, cache=cache, use_cache=True)
-    assert len(calls) == count and not any(layer.answering for layer in cache.layers)
+    assert len(calls) == count and all(layer.lead_mode is LeadMode.OWN for layer in cache.layers)
 
 
 def test_the_c_step_recalls_as_the_torch_step(tiny_pair, monkeypatch):
@@ -339,17 +340,17 @@ def read_calls(
     chunk twice with a lead). Returns layer 0's chunk attends as (size, asks), and the last logits [vocab]."""
     from h2o_cli.cache.recall.layer import RecallLayer
 
-    seen, attend = [], RecallLayer._chunk_attend
+    seen, attend = [], RecallLayer.recall_chunk
     cache = H2OCache(model, settings)
 
-    def recorded(self, query, scaling):
+    def recorded(self, query, chunk):
         if self is cache.layers[0]:
-            seen.append((query.shape[1], self.asks))
-        return attend(self, query, scaling)
+            seen.append((chunk, self.asks))
+        return attend(self, query, chunk)
 
     logits = None
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(RecallLayer, "_chunk_attend", recorded)
+        patch.setattr(RecallLayer, "recall_chunk", recorded)
         for ids, asks in reads:
             pieces = [ids[: len(ids) - asks], NewChunk(ids[len(ids) - asks :])] if asks else [ids]
             logits, stats = prefill(model, cache, [piece for piece in pieces if piece], 256)

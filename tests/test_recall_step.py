@@ -1,4 +1,4 @@
-"""The recall policy's one-token decode step (h2o_cli.cache.recall.step, `RecallLayer._torch_step`) against
+"""The recall policy's one-token decode step (h2o_cli.cache.recall.step, the torch step with `RecallLayer.step_entries`) against
 the chunk path it replaces for decode, the naive simulation (tests/naive.py), and `PageArchive.choose`."""
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from h2o_cli.config import CacheSettings
 
 @pytest.fixture
 def step_calls(monkeypatch):
-    """Counts the one-token steps taken (`RecallLayer._torch_step`)."""
+    """Counts the one-token torch steps taken by recall layers (each asks `RecallLayer.step_entries` once)."""
     calls = collections.Counter()
-    inner = RecallLayer._torch_step
+    inner = RecallLayer.step_entries
 
     def counted(self, *args):
         calls["step"] += 1
         return inner(self, *args)
 
-    monkeypatch.setattr(RecallLayer, "_torch_step", counted)
+    monkeypatch.setattr(RecallLayer, "step_entries", counted)
     return calls
 
 
@@ -62,7 +62,7 @@ def test_decode_step_equals_the_chunk_path(tiny_pair, tmp_path, step_calls, posi
         options["archive_bits"] = 8
     fast, slow = H2OCache(model, CacheSettings(**options)), H2OCache(model, CacheSettings(**options))
     for layer in slow.layers:
-        layer._step_path = False  # every call through `_chunk_attend`, the chunk path
+        layer._step_path = False  # every call on the chunk path
     partly_empty = []
 
     def note(cache):

@@ -71,7 +71,7 @@ def test_recall_in_named_layers_equals_the_naive_simulation(kernels):
         budget=16, policy="recall", chunk=8, page_size=4, archive_max=512, recall_layers="1", kernels=kernels
     )
     cache = H2OCache(model, settings)
-    assert not hasattr(cache.layers[0], "archive") and cache.layers[0].store.budget == 8
+    assert cache.layers[0].archive is None and cache.layers[0].store.budget == 8
     assert cache.layers[1].archive.capacity == 512 and cache.layers[1].store.budget == 8
     ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(1)).tolist()
     sizes = [8] * 20 + [1] * 40

@@ -6,6 +6,8 @@ The kernel takes addresses and sizes only; which store buffers it takes, in whic
 
 from __future__ import annotations
 
+import enum
+
 import torch
 from h2o_kernels import native
 
@@ -13,6 +15,16 @@ from h2o_cli.cache.store import LayerStore
 
 # The store's buffers the C step takes, in its argument order.
 STORE_BUFFERS = ("keys", "values", "scores", "seen", "last_probs", "token_index", "rank", "valid")
+
+
+class KeyPlacement(enum.IntEnum):
+    """Where the C step places E_q's keys (step.c's `rolling` argument)."""
+
+    TOKEN_INDEX = 0  # original positions: each entry at its token index
+    ROLLING = 1  # rolling positions: each entry at its rank in E_q by token index
+    CONTIGUOUS = (
+        2  # rolling, with R placed as one block before the recent window (`--recall-place contiguous`)
+    )
 
 
 def store_pointers(store: LayerStore) -> tuple[int, ...]:

@@ -24,30 +24,11 @@ the value sum are float32, and the output is cast back to the model's dtype.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from h2o_kernels.reference import lowest_outside_recent
 
 from h2o_cli.cache.positions import rotate, unrotate
 from h2o_cli.cache.step import expand
 from h2o_cli.cache.store import LayerStore
-from h2o_cli.policies import select_evictions
-
-
-@dataclass
-class FixedState:
-    """What a policy's `priority` reads (`SlotState`), with `length` a tensor [n_kv_heads, 1]: the store's
-    buffers over all its slots."""
-
-    valid: torch.Tensor
-    token_index: torch.Tensor
-    rank: torch.Tensor
-    scores: torch.Tensor
-    seen: torch.Tensor
-    last_probs: torch.Tensor
-    length: torch.Tensor
-
 
 # The compute dtypes the fixed step takes (`H2OCache.fix_steps` refuses others); 16-bit ones in float32.
 FIXED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -87,18 +68,3 @@ def accumulate_fixed(store: LayerStore, increments: torch.Tensor, decay: float) 
     store.scores.add_(increments)
     store.last_probs.copy_(increments)
     store.seen.add_(store.valid)
-
-
-def evict_fixed(store: LayerStore, policy, length: torch.Tensor) -> None:
-    """Eviction after a fixed step: `length` [n_kv_heads, 1] entries per head after the write; one entry
-    leaves where it passes the budget, chosen by the policy's rule (as `H2OLayer._evict_after_step`)."""
-    if not policy.evicts:
-        return
-    if policy.kernel_victim:
-        victim = lowest_outside_recent(store.scores, store.rank, length - policy.recent_slots, store.valid)
-    else:
-        state = FixedState(
-            store.valid, store.token_index, store.rank, store.scores, store.seen, store.last_probs, length
-        )
-        victim = select_evictions(policy.priority(state), store.token_index, 1)
-    store.drop_fixed(victim, length > store.budget)

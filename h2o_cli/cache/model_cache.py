@@ -7,68 +7,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 
 import torch
-from h2o_kernels.dispatch import kernels_choice, triton_possible
 from transformers.cache_utils import Cache
 
+from h2o_cli.cache.build import build_layers
+from h2o_cli.cache.devices import check_kernels, compute_dtype, execution_device, layer_devices
 from h2o_cli.cache.families import check_family
 from h2o_cli.cache.fixed_step import FIXED_DTYPES
-from h2o_cli.cache.kvquant import storage_dtype
-from h2o_cli.cache.layer import H2OLayer
-from h2o_cli.cache.positions import Rope
-from h2o_cli.cache.recall.archive import PageArchive
-from h2o_cli.cache.recall.layer import RecallLayer
-from h2o_cli.cache.recall.lead import LeadRanking
 from h2o_cli.cache.report import CacheReport, LayerSlots
-from h2o_cli.cache.step import DecodeMaps
 from h2o_cli.cache.store import LayerStore
 from h2o_cli.cache.threads import DecodeThreads
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import ContextOverflowError, UsageError
 from h2o_cli.memory import ModelShape
 from h2o_cli.policies import make_policy
-
-
-def compute_dtype(model) -> torch.dtype:
-    """The dtype attention runs in: the first float parameter's (bitsandbytes weights are int8/uint8)."""
-    for param in model.parameters():
-        if param.dtype.is_floating_point:
-            return param.dtype
-    return model.dtype
-
-
-def execution_device(module: torch.nn.Module) -> torch.device | None:
-    """Where `module` runs: the execution device of an accelerate hook on it (`dispatch_model`, `cpu_offload`,
-    `device_map=` with CPU or disk offload, whose weights then sit on `meta` or the CPU between calls), else
-    its own weights' device; None for a module without weights (or only `meta` ones) and no hook."""
-    hooks = [getattr(module, "_hf_hook", None)]
-    while hooks:
-        hook = hooks.pop()
-        device = getattr(hook, "execution_device", None)
-        if device is not None:
-            return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
-        hooks.extend(getattr(hook, "hooks", ()))  # accelerate's SequentialHook holds several
-    for param in module.parameters(recurse=False):
-        if param.device.type != "meta":
-            return param.device
-    return None
-
-
-def layer_devices(model) -> list[torch.device]:
-    """Each decoder layer's device, for its store, scores and archive: where its attention runs (its own hook
-    or weights, else its decoder layer's, else the first weight's that is not on `meta`)."""
-    fallback = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-    devices = []
-    for layer in model.model.layers:
-        found = None
-        for module in (layer.self_attn, *layer.self_attn.modules(), layer):
-            found = execution_device(module)
-            if found is not None:
-                break
-        devices.append(found or fallback)
-    return devices
 
 
 class H2OCache(Cache):
@@ -109,88 +62,14 @@ class H2OCache(Cache):
         # What `generate_ids` decodes on; on a GPU the step's time is not the CPU's threads' to choose.
         on_cpu = all(device.type == "cpu" for device in devices)
         self.decode_threads = DecodeThreads(settings.decode_threads, measure=on_cpu)
-        dtype = compute_dtype(model)
-        rope = Rope(model.model.rotary_emb, shape.head_dim)
-        maps = DecodeMaps()
         self._policy = policy
-        # `--recall-layers`: a layer that does not recall holds S alone, as `h2o` on the resident budget.
-        recalling = set(policy.recalling_layers(shape.n_layers)) if policy.recalls else set()
-        resident = replace(settings, policy="h2o", budget=budget) if policy.recalls else settings
-        layers = [
-            (RecallLayer if number in recalling else H2OLayer)(
-                LayerStore(
-                    shape.n_kv_heads,
-                    shape.head_dim,
-                    budget,
-                    settings.chunk,
-                    storage_dtype(settings.kv_bits, dtype),
-                    devices[number],
-                    compute_dtype=dtype,
-                ),
-                settings if number in recalling or not policy.recalls else resident,
-                rope,
-                self.max_positions,
-                first_layer=number == 0,
-                maps=maps,
-            )
-            for number in range(shape.n_layers)
-        ]
-        self.archive_file = None  # the recall archive's mapped file, with --archive disk or PATH
-        if policy.recalls:
-            known = [bound for bound in (span, archive_span) if bound is not None]
-            recallers = [
-                (layer, devices[number]) for number, layer in enumerate(layers) if number in recalling
-            ]
-            self._add_archives(recallers, policy, min(known) if known else None, dtype)
-        self.lead = self._lead_ranking(model, layers) if policy.recalls else None
+        built = build_layers(model, settings, shape, policy, budget, devices, span, archive_span)
+        self.archive_file = (
+            built.archive_file
+        )  # the recall archive's mapped file, with --archive disk or PATH
+        self.lead = built.lead
+        layers = built.layers
         super().__init__(layers=layers)
-
-    def _lead_ranking(self, model, layers: list[H2OLayer]) -> LeadRanking | None:
-        """`--recall-lead`: the lead head's `LeadRanking`, given to every recalling layer; None without one. `auto`
-        takes the model's `h2o_lead_head` (what `h2o_cli.models.load_model` sets from its preset)."""
-        calibrated = getattr(model, "h2o_lead_head", None)
-        policy, shape = self._policy, self.shape
-        name = getattr(model, "h2o_name", None) or "this model"
-        lead = policy.lead_head(shape.n_layers, shape.n_kv_heads, calibrated, name)
-        if lead is None:
-            return None
-        ranking = LeadRanking(layers[lead[0]].archive, lead[1], policy.lead_pages, lead[0])
-        for layer in layers:
-            if isinstance(layer, RecallLayer):
-                layer.lead = ranking
-        return ranking
-
-    def _add_archives(
-        self, recallers: list[tuple[RecallLayer, torch.device]], policy, span: int | None, dtype
-    ) -> None:
-        """Give every recalling layer (with its device) its `PageArchive`, in RAM or in one mapped file
-        (docs/spec.md, recall: storage)."""
-        from h2o_cli import memory
-        from h2o_cli.cache.recall.archive_file import ArchiveFile, aligned, archive_location
-        from h2o_cli.cache.recall.limits import archive_storage, summary_block
-
-        settings, shape = self.settings, self.shape
-        layers, devices = [layer for layer, _ in recallers], [device for _, device in recallers]
-        bits, page = settings.archive_bits, policy.page_size
-        block = summary_block(page, policy.block_size)
-        archived = replace(shape, n_layers=len(layers))  # a byte cap counts the recalling layers only
-        page_bytes = memory.archive_bytes(archived, page, block, dtype.itemsize, bits)
-        capacity = policy.archive_tokens(span, page_bytes)
-        regions = [None] * len(layers)
-        device = next((device for device in devices if device.type != "cpu"), devices[0])
-        region = aligned(PageArchive.stored_bytes(shape.n_kv_heads, shape.head_dim, capacity, dtype, bits))
-        storage = archive_storage(settings.archive, region * len(layers), device.type)
-        if storage != "ram":
-            if device.type != "cpu":
-                raise UsageError(
-                    f"--archive {settings.archive} maps a file into CPU memory, but the model runs on {device}; "
-                    "use --archive ram (the archive then lives in device memory) or --device cpu"
-                )
-            where = archive_location(storage, settings.keep_archive)
-            self.archive_file = ArchiveFile(where, region * len(layers), settings.keep_archive)
-            regions = [self.archive_file.region(region) for _ in layers]
-        for layer, region, device in zip(layers, regions, devices, strict=True):
-            layer.add_archive(capacity, dtype, device, bits, region)
 
     def close(self) -> None:
         """Remove the recall archive's file now (unless kept); it is removed anyway when the cache is
@@ -206,8 +85,7 @@ class H2OCache(Cache):
         if self.lead is not None and self._policy.lead_auto:
             self.lead = None
             for layer in self.layers:
-                if isinstance(layer, RecallLayer):
-                    layer.lead, layer.answering, layer.filling = None, False, False
+                layer.follow(None)
         for layer in self.layers:
             store = layer.store
             if store.compute_dtype not in FIXED_DTYPES:
@@ -216,7 +94,7 @@ class H2OCache(Cache):
                     f"not {store.compute_dtype}"
                 )
             layer.prepare_fixed()
-            cos_table, sin_table = layer._fixed_tables()[:2]
+            cos_table, sin_table = layer.fixed_tables()[:2]
             if not layer.maps.usable(cos_table, sin_table):
                 raise UsageError("the fixed decode step (--compile) needs the standard rotate_half RoPE")
 
@@ -225,12 +103,7 @@ class H2OCache(Cache):
         statistics): what a CUDA graph may keep at fixed addresses (`h2o_cli.compiled.mark_static`)."""
         found: dict[int, torch.Tensor] = {}
         for layer in self.layers:
-            tensors = [getattr(layer.store, name) for name in layer.store._state_names()]
-            tensors += [*layer._fixed_tables()]
-            if isinstance(layer, RecallLayer):
-                archive = layer.archive
-                tensors += [layer.recall_keys, layer.recall_values, layer.recall_index, layer.counts._fixed]
-                tensors += [archive.token_index, archive.summary, *archive._stored()]
+            tensors = layer.fixed_buffers()
             found.update((id(tensor), tensor) for tensor in tensors if tensor is not None)
         return list(found.values())
 
@@ -244,12 +117,12 @@ class H2OCache(Cache):
         if self.lead is not None and tokens > 1 and not again:
             self.lead.ready = False
         for layer in self.layers:
-            layer.asks = tokens
+            layer.ask(tokens)
         try:
             yield
         finally:
             for layer in self.layers:
-                layer.asks = 0
+                layer.ask(0)
 
     @contextmanager
     def fixed_step(self) -> Iterator[None]:
@@ -333,7 +206,7 @@ class H2OCache(Cache):
     def _recall_index(self, layer) -> torch.Tensor | None:
         """A layer's recall slots' token indices [n_kv_heads, recall_slots]; with a recalling policy a layer
         that does not recall (`--recall-layers`) shows them empty (-1); None without one."""
-        if isinstance(layer, RecallLayer):
+        if layer.recall_index is not None:
             return layer.recall_index
         if not self.policy.recalls:
             return None
@@ -362,9 +235,7 @@ class H2OCache(Cache):
         """With a recalling policy, forget archived tokens from index `tokens` on (the stores were put back to
         that point, by `restore`); nothing otherwise."""
         for layer in self.layers:
-            if isinstance(layer, RecallLayer):
-                layer.archive.rewind(tokens)
-                layer.recall_index.fill_(-1)
+            layer.rewind(tokens)
 
     def archive_summary(self) -> dict:
         """The archive's figures with a recalling policy, else {} (docs/spec.md, recall: reporting).
@@ -377,7 +248,7 @@ class H2OCache(Cache):
         beside them: carried scores, section summaries, the shortlist's held keys, scratch); `recalled_per_step` (tokens per KV head,
         mean over layers and steps), of which `recall_hits` were already in the recall slots and
         `archive_reads_per_step` were read."""
-        layers = [layer for layer in self.layers if isinstance(layer, RecallLayer)]
+        layers = [layer for layer in self.layers if layer.archive is not None]
         if not layers:
             return {}
         archive = layers[0].archive
@@ -428,23 +299,6 @@ def check_rolling_window(settings: CacheSettings, budget: int, span: int | None,
             f"--budget {budget} + --chunk {settings.chunk} = {budget + settings.chunk} positions pass the "
             f"model's context window ({context}); use --chunk {max(1, context - budget)} or less, "
             f"or --budget {max(2, context - settings.chunk)} or less"
-        )
-
-
-def check_kernels(kernels: str, device: torch.device) -> None:
-    """Refuse `--kernels triton` (or `$H2O_KERNELS`) where Triton cannot run, and an unknown `$H2O_KERNELS`."""
-    try:
-        choice = kernels_choice(kernels)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    if choice == "triton" and not triton_possible(device):
-        raise UsageError(
-            f"--kernels triton needs a CUDA device and the triton package (device: {device}); "
-            "use --kernels torch or auto"
-        )
-    if choice == "native" and torch.device(device).type != "cpu":
-        raise UsageError(
-            f"--kernels native is the CPU's decode step (device: {device}); use --kernels torch or auto"
         )
 
 

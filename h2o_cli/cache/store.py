@@ -203,6 +203,12 @@ class LayerStore:
             getattr(self, name)[:, self.length :] = empty
         self.active = self.length
 
+    def pack(self) -> None:
+        """Before a one-token step: `compact` when a chunk's evictions left holes below `active`, so that a step
+        reads `length + 1` slots, every one an entry after its write."""
+        if self.active > self.length + 1:
+            self.compact()
+
     def allowed(self, chunk: int) -> torch.Tensor:
         """E_q for each query of the last written chunk: `[n_kv_heads, chunk, active]` bool."""
         valid = self.valid[:, : self.active]

@@ -1,23 +1,32 @@
 """The `recall` policy's layer (`RecallLayer`, docs/spec.md): `H2OLayer` plus an archive of every token and
-recall slots refilled from it at every step."""
+recall slots R refilled from it at every step. The path bodies (h2o_cli.cache.paths) are `H2OLayer`'s: this
+layer supplies R through their hooks, each doing pass 1 (which archived tokens R holds) for its path."""
 
 from __future__ import annotations
 
+import enum
 import functools
 
 import torch
-from h2o_kernels import slot_attention
-from h2o_kernels.dispatch import use_native
 
-from h2o_cli.cache.fixed_step import accumulate_fixed, evict_fixed, fixed_query
-from h2o_cli.cache.layer import STEPS, Call, CallPath, H2OLayer, query_weights
+from h2o_cli.cache.c_step import KeyPlacement
+from h2o_cli.cache.layer import H2OLayer
+from h2o_cli.cache.paths import Call
+from h2o_cli.cache.paths.base import Recalled
 from h2o_cli.cache.positions import placed_order, rolling_positions, rotate, unrotate
 from h2o_cli.cache.recall.archive import PageArchive
 from h2o_cli.cache.recall.c_step import RecallCStep
 from h2o_cli.cache.recall.lead import LeadRanking
 from h2o_cli.cache.recall.step import RecallCounts, recall_is_full, rolling_step_positions
-from h2o_cli.cache.step import step_attention
 from h2o_cli.errors import UsageError
+
+
+class LeadMode(enum.Enum):
+    """Whose pages a recall layer takes (`--recall-lead`, docs/spec.md: recall, lead head)."""
+
+    OWN = "own"  # its own choice: no lead, or text read without `--lead-text`
+    PAGES = "pages"  # from a question to the next chunk of text: the lead's best `lead_pages` pages
+    FILL = "fill"  # from a chunk of text (`--lead-text`) to the next: the lead's pages until R is full
 
 
 def choosing_tokens(
@@ -39,21 +48,15 @@ class RecallLayer(H2OLayer):
     """A layer of the `recall` policy (docs/spec.md): `H2OLayer`'s store holds S, managed as `h2o`; every
     token is also written to a `PageArchive`, and each step refills `recall_slots` slots per KV head from it.
 
-    The step runs on the torch reference (also on CUDA): pass 1 chooses the recalled tokens with the chunk's
-    queries, pass 2 attends over S, them and the chunk with the exact softmax, scores S only, evicts. A
-    one-token call takes the same steps in far fewer ops (`_torch_step`, h2o_cli.cache.recall.step), or as
-    C calls on the CPU once S is full (`_c_step`, h2o_kernels/archive.c and step.c).
+    Pass 1 (which archived tokens R holds) is this layer's: with the chunk's queries (`recall_chunk`), one
+    query on the torch step (`step_entries`, `PageArchive.choose_one`), as C calls on the C step (`c_recall`,
+    h2o_kernels/archive.c), in fixed shapes (`fixed_entries`), or from the lead head's ranking. Pass 2 is the
+    paths' own body over S ∪ R with the exact softmax, scoring S only.
     """
 
-    # The new keys are unrotated elementwise, as the chunk path does, so the archive, its page summaries and
-    # hence the page choice are bit for bit the chunk path's.
-    step_keys_by_map = False
     fused_kernels = False  # the Triton kernels know nothing of the recall slots
     lead: LeadRanking | None = None  # `--recall-lead`: the ranking every head recalls from after a question
-    # With a lead: from a question to the next chunk of text (its pages are recalled); with `--lead-text` also
-    # from a chunk of text to the next chunk (the steps that continue it), then `filling`: as many of the lead's
-    # pages as fill R.
-    answering = filling = False
+    lead_mode = LeadMode.OWN
 
     def add_archive(
         self,
@@ -106,136 +109,161 @@ class RecallLayer(H2OLayer):
         built = self.__dict__.get("_c_buffers")  # the C step's buffers, once a step has made them
         return self.archive.choice_bytes() + (built.nbytes() if built is not None else 0)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs=None, **extra):
-        """As `H2OLayer.update`, and archive the call's unrotated K/V (write-through, before any eviction)."""
-        result = super().update(key_states, value_states, *args, kwargs=kwargs, **extra)
-        call = self._call
-        if call.path is CallPath.FIXED_STEP:
+    def ask(self, tokens: int) -> None:
+        self.asks = tokens
+
+    def follow(self, lead: LeadRanking | None) -> None:
+        self.lead, self.lead_mode = lead, LeadMode.OWN
+
+    def rewind(self, tokens: int) -> None:
+        self.archive.rewind(tokens)
+        self.recall_index.fill_(-1)
+
+    def archive_call(self, call: Call) -> None:
+        """Archive the call's unrotated K/V (write-through, before any eviction): in fixed shapes on the fixed
+        step, by one C call on a step where the C step can run, else `PageArchive.write`."""
+        if call.path.fixed:
             self.archive.write_fixed(call.keys, call.values, call.token)
-        elif call.path in STEPS and self._c_buffers is not None:
-            self._c_buffers.archive_token(call.keys, call.values)  # one C call for the same writes
+        elif call.path.one_token and self._c_buffers is not None:
+            self._c_buffers.archive_token(call.keys, call.values)
         else:
             self.archive.write(call.keys, call.values)
-        return result
 
-    def _chunk_attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """The recall step for the chunk just written (query [n_heads, chunk, head_dim], unrotated).
-        Returns [1, chunk, n_heads, head_dim]."""
-        chunk, store, decay = query.shape[1], self.store, self.policy.decay_per_query
-        n_kv, active, first = store.n_kv_heads, store.active, store.tokens_seen - chunk
+    def step_key(self, key_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Unrotated elementwise, as the chunk path does, so the archive, its page summaries and hence the page
+        choice are bit for bit the chunk path's."""
+        return unrotate(key_states[0], cos, sin)
+
+    @property
+    def placement(self) -> KeyPlacement:
+        rolling_contiguous = self._contiguous and self.positions == "rolling"
+        return KeyPlacement.CONTIGUOUS if rolling_contiguous else super().placement
+
+    def recall_chunk(self, query: torch.Tensor, chunk: int) -> Recalled:
+        """Pass 1 of the chunk just written (query [n_heads, chunk, head_dim], unrotated): a question ending
+        the chunk (`asks`) chooses with its own queries alone; a chunk of text with at most `choice_tokens` of
+        its tokens' (evenly spaced, its last among them); a question scores every archived page. Under a lead,
+        the lead's pages instead (this layer scores none unless it is the lead's)."""
+        store, archive, lead = self.store, self.archive, self.lead
+        n_kv, first = store.n_kv_heads, store.tokens_seen - chunk
         slots, hits = self.recall_index.shape[1], 0
-        if self.lead is not None and (self.asks > 1 or chunk > 1):  # a question starts an answer,
-            self.answering, self.filling = self.asks > 1, False  # and a chunk of text ends it
+        if lead is not None and (self.asks > 1 or chunk > 1):  # a question starts an answer, text ends it
+            self.lead_mode = LeadMode.PAGES if self.asks > 1 else LeadMode.OWN
+        answering = self.lead_mode is not LeadMode.OWN
         # With `--lead-text` a chunk of text takes the lead's pages too (until R is full), in the other layers.
-        text = self.lead is not None and self.policy.lead_text and chunk > 1 and not self.answering
-        leading = (self.answering or text) and self.lead.archive is not self.archive
-        if slots and leading:  # the lead's pages (docs/spec.md, recall: lead head); this layer scores none
-            resident = store.token_index[:, :active]
-            chosen, valid = self.lead.choose(self.archive, resident, first, slots, fill=text)
+        text = lead is not None and self.policy.lead_text and chunk > 1 and not answering
+        resident = store.token_index[:, : store.active]
+        if slots and (answering or text) and lead.archive is not archive:
+            chosen, valid = lead.choose(archive, resident, first, slots, fill=text)
             hits = self._read_back(chosen, valid)
-        elif slots:  # pass 1: the chunk's queries choose archived tokens, read back into the recall slots
-            # A question ending the chunk (H2OCache.asking) chooses with its own queries alone; a chunk of
-            # text with at most `choice_tokens` of its tokens' (evenly spaced, its last among them). A question
-            # scores every archived page.
+        elif slots:
             weighed, picks, asked = choosing_tokens(chunk, self.asks, self.policy.choice_tokens, query.device)
             grouped = self._page_query(query.index_select(1, picks), chunk).reshape(
                 n_kv, -1, store.head_dim
             )  # [n_kv, group * picked, d]
-            chosen, valid = self.archive.choose(
-                grouped, store.token_index[:, :active], first, slots, weighed, question=asked
-            )
-            if self.answering or text:  # the lead layer: its carried scores rank for the others
-                self.lead.ready = True
-            if self.answering:  # and every head of it takes the lead's pages
-                chosen, valid = self.lead.choose(self.archive, store.token_index[:, :active], first, slots)
+            chosen, valid = archive.choose(grouped, resident, first, slots, weighed, question=asked)
+            if answering or text:  # the lead layer: its carried scores rank for the others
+                lead.ready = True
+            if answering:  # and every head of it takes the lead's pages
+                chosen, valid = lead.choose(archive, resident, first, slots)
             hits = self._read_back(chosen, valid)
         if text:  # the steps that continue the text take the lead's pages, as an answer's do, until R is full
-            self.answering = self.filling = True
+            self.lead_mode = LeadMode.FILL
         self.counts.add((self.recall_index >= 0).sum(), hits)
-        # Pass 2: E_q = S ∪ R ∪ {chunk tokens <= q}; R is older than the chunk, so every query sees all of it.
-        token_index = torch.cat([store.token_index[:, :active], self.recall_index], dim=1)
-        present = token_index >= 0
-        allowed = torch.cat(
-            [
-                store.allowed(chunk).expand(-1, chunk, -1),
-                present[:, active:].unsqueeze(1).expand(-1, chunk, -1),
-            ],
-            dim=2,
-        )
-        if self.positions == "rolling":  # ranks of E_q by token index, every head's queries at one position
-            key_positions, entries = rolling_positions(self._placed(token_index, first), present)
-            first_query_position = entries - chunk
-        else:
-            key_positions = token_index.clamp_min(0)
-            first_query_position = first
-        cos_table, sin_table = self.rope.table(first_query_position + chunk, query.dtype, query.device)
-        query_positions = slice(first_query_position, first_query_position + chunk)
-        output, increments, last_probs = slot_attention(
-            query,
-            torch.cat([store.key_states(active), self.recall_keys.to(store.compute_dtype)], dim=1),
-            torch.cat([store.value_states(active), self.recall_values.to(store.compute_dtype)], dim=1),
-            allowed,
-            cos_table[query_positions],
-            sin_table[query_positions],
-            cos_table[key_positions],
-            sin_table[key_positions],
-            scaling,
-            query_weights(decay, chunk, query.device),
-        )
-        # S only (r = 0 is h2o), decayed as h2o's: R's entries are not S's, so nothing decays them.
-        store.accumulate(increments[:, :active], last_probs[:, :active], chunk, decay=decay)
-        store.evict(self.policy)
-        return output.transpose(0, 1).unsqueeze(0)
+        return Recalled(self.recall_keys, self.recall_values, self.recall_index >= 0)
 
-    def _torch_step(self, call: Call, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """The recall step of one token (decode) on the torch path (`attend` packed S into its lowest slots):
-        pass 1 by `PageArchive.choose_one`, pass 2 by one softmax over S and R (`step_attention` with R) at
-        the positions of `rolling_step_positions` or token indices, S's scores, eviction. The chunk path's
-        result (docs/spec.md; h2o_cli.cache.recall.step says why each part is the same).
-        query: [1, n_heads, 1, head_dim] rotated by the model. Returns [1, 1, n_heads, head_dim]."""
+    def chunk_positions(self, chunk: int, recalled: Recalled | None) -> tuple[torch.Tensor, int]:
+        """E_q = S ∪ R ∪ {chunk tokens <= q}: rolling ranks by token index (every head's queries at one
+        position) or token indices, S's `active` slots then R's."""
+        store = self.store
+        first = store.tokens_seen - chunk
+        token_index = torch.cat([store.token_index[:, : store.active], self.recall_index], dim=1)
+        if self.positions != "rolling":
+            return token_index.clamp_min(0), first
+        key_positions, entries = rolling_positions(self._placed(token_index, first), token_index >= 0)
+        return key_positions, entries - chunk
+
+    def step_entries(self, query: torch.Tensor, call: Call) -> tuple[torch.Tensor, int, Recalled]:
+        """Pass 1 of a torch step (after its write; S packed): `PageArchive.choose_one`, or the lead's pages
+        while answering; then the positions of S ∪ R (`rolling_step_positions`, or token indices)."""
         store, archive = self.store, self.archive
-        store.write(call.keys, call.values)
-        active, n_kv, head_dim = store.active, store.n_kv_heads, store.head_dim  # active == length: packed
-        resident = store.token_index[:, :active]
+        resident = store.token_index[:, : store.active]
         slots = self.recall_index.shape[1]
-        full = not self.answering and recall_is_full(archive.held(), store.length, slots)
-        if slots and self.answering:
+        answering = self.lead_mode is not LeadMode.OWN
+        full = not answering and recall_is_full(archive.held(), store.length, slots)
+        if slots and answering:
             self._lead_scores(query, call)
-            chosen, valid = self.lead.choose(archive, resident, store.tokens_seen - 1, slots, self.filling)
+            fill = self.lead_mode is LeadMode.FILL
+            chosen, valid = self.lead.choose(archive, resident, store.tokens_seen - 1, slots, fill)
             self.counts.add(valid.sum(), self._read_back(chosen, valid))
         elif slots:
             page_query = self._step_page_query(query, call.cos, call.sin)
             chosen, valid = archive.choose_one(page_query, resident, slots)
             hits = self._read_back(chosen, valid, full)
-            self.counts.add(slots * n_kv if full else valid.sum(), hits)
+            self.counts.add(slots * store.n_kv_heads if full else valid.sum(), hits)
         else:
             self.counts.add(0, 0)
-        present = None if full else self.recall_index >= 0
-        if self.positions == "rolling":
-            recent_from = self._recent_from(store.tokens_seen - 1) if self._contiguous else None
-            key_positions, position = rolling_step_positions(resident, self.recall_index, full, recent_from)
-        else:
+        recalled = Recalled(self.recall_keys, self.recall_values, None if full else self.recall_index >= 0)
+        if self.positions != "rolling":
             key_positions = torch.cat([resident, self.recall_index.clamp_min(0)], dim=1)
-            position = store.tokens_seen - 1
-        query_map, step_table = self._step_maps(call.cos, call.sin, position, scaling, query.device)
-        output, probs = step_attention(
-            self._grouped(query, query_map),
-            store.key_states(active),
-            store.value_states(active),
-            key_positions,
-            step_table,
-            (self.recall_keys, self.recall_values, present),
-        )
-        increments = probs[:, :, :active].sum(dim=1)  # [n_kv, active]: S only (r = 0 is h2o)
-        store.accumulate(increments, increments, 1, decay=self.policy.decay_per_query)
-        self._evict_after_step()
-        return output.to(query.dtype).view(1, 1, -1, head_dim)
+            return key_positions, store.tokens_seen - 1, recalled
+        recent_from = self._recent_from(store.tokens_seen - 1) if self._contiguous else None
+        key_positions, position = rolling_step_positions(resident, self.recall_index, full, recent_from)
+        return key_positions, position, recalled
+
+    def c_recall(self, query: torch.Tensor, call: Call) -> int:
+        """Pass 1 of a C step (S full): the page bounds (`StepScores.bounds`: in C when a step scores with
+        carried scores, else by torch), then `RecallCStep.choose` (the rest of `choose_one` and the read into
+        the recall slots); while answering under a lead, `RecallCStep.lead_choose` from the lead's ranking,
+        sorted once for every layer. The same recalled tokens as the torch step. Returns the recall slots of
+        the fullest head."""
+        buffers, slots = self._c_buffers, self.recall_index.shape[1]
+        if not slots:
+            self.counts.add(0, 0)
+            return 0
+        if self.lead_mode is not LeadMode.OWN:
+            self._lead_scores(query, call, buffers.scores)
+            ranked = self.lead.ranked()
+            pages = len(ranked) if self.lead_mode is LeadMode.FILL else self.lead.pages
+            recalled, hits = buffers.lead_choose(ranked, pages)
+        else:
+            bounds = buffers.scores.bounds(self._step_page_query(query, call.cos, call.sin))
+            recalled, hits = buffers.choose(bounds)
+        self.counts.add(recalled, hits)
+        return buffers.most
+
+    def fixed_entries(
+        self, query: torch.Tensor, call: Call, length: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, Recalled]:
+        """Pass 1 of a fixed step (after its write): `PageArchive.choose_fixed` and `_read_back`, from tensors
+        only; then the positions over every slot of S and R, rolling ones ranked on the device."""
+        store = self.store
+        if self.recall_index.shape[1]:
+            page_query = unrotate(query[0, :, 0], call.cos.to(query.dtype), call.sin.to(query.dtype)).float()
+            if self._fixed_mean is not None:
+                page_query = rotate(page_query, *self._fixed_mean)
+            chosen, valid = self.archive.choose_fixed(
+                page_query.view(store.n_kv_heads, -1, store.head_dim),
+                store.token_index,
+                self.recall_index.shape[1],
+            )
+            self.counts.add_fixed(valid.sum(), self._read_back(chosen, valid))
+        recalled = self.recall_index >= 0
+        tokens = torch.cat([store.token_index, self.recall_index], dim=1)
+        if self.positions == "rolling":
+            present = torch.cat([store.valid, recalled], dim=1)
+            key_positions, entries = rolling_positions(
+                self._placed(tokens, call.token), present, read_back=False
+            )
+            position = (entries - 1).view(1)
+        else:
+            key_positions, position = tokens.clamp_min(0), call.token
+        return key_positions, position, Recalled(self.recall_keys, self.recall_values, recalled)
 
     def prepare_fixed(self) -> None:
-        """As `H2OLayer.prepare_fixed`, with room for the recall slots' positions, the page score's mean
-        rotation taken once, and the statistics kept on the device. A file archive, original positions
-        with `--page-score positional` (whose distances grow with the tokens seen), or a lead head cannot
-        take the fixed step: `UsageError`."""
+        """As `H2OLayer.prepare_fixed`, with the page score's mean rotation taken once and the statistics kept
+        on the device. A file archive, original positions with `--page-score positional` (whose distances grow
+        with the tokens seen), or a lead head cannot take the fixed step: `UsageError`."""
         super().prepare_fixed()
         policy, archive, device = self.policy, self.archive, self.store.keys.device
         if self.lead is not None:
@@ -257,8 +285,6 @@ class RecallLayer(H2OLayer):
         self._fixed_mean = None
         if distances is not None:
             self._fixed_mean = tuple(part.clone() for part in self.rope.mean_rotation(*distances, device))
-        if rolling:
-            self.fixed_rows = self.store.slots + self.recall_index.shape[1]
         self.counts.fix(device)
 
     def stepped_fixed(self) -> None:
@@ -266,105 +292,19 @@ class RecallLayer(H2OLayer):
         self.archive.stepped_fixed()
         self.counts.stepped_fixed()
 
-    def _fixed_step(self, call: Call, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """`_torch_step` in fixed shapes, read from tensors only (h2o_cli.cache.fixed_step): S written into its
-        lowest free slot, pass 1 by `PageArchive.choose_fixed` and `_read_back`, one softmax over every slot of
-        S (empty ones masked) and R, rolling positions ranked on the device, S's scores, eviction where S passes
-        its budget. query: [1, n_heads, 1, head_dim] rotated by the model. Returns [1, 1, n_heads, head_dim]."""
-        store, archive = self.store, self.archive
-        length = store.write_fixed(call.keys, call.values, call.token)
-        slots = self.recall_index.shape[1]
-        if slots:
-            page_query = unrotate(query[0, :, 0], call.cos.to(query.dtype), call.sin.to(query.dtype)).float()
-            if self._fixed_mean is not None:
-                page_query = rotate(page_query, *self._fixed_mean)
-            chosen, valid = archive.choose_fixed(
-                page_query.view(store.n_kv_heads, -1, store.head_dim), store.token_index, slots
-            )
-            self.counts.add_fixed(valid.sum(), self._read_back(chosen, valid))
-        recalled = self.recall_index >= 0
-        if self.positions == "rolling":
-            tokens = torch.cat([store.token_index, self.recall_index], dim=1)
-            present = torch.cat([store.valid, recalled], dim=1)
-            key_positions, entries = rolling_positions(
-                self._placed(tokens, call.token), present, read_back=False
-            )
-            position = (entries - 1).view(1)
-        else:
-            key_positions = torch.cat([store.token_index, self.recall_index], dim=1).clamp_min(0)
-            position = call.token
-        cos_table, sin_table, step_table = self._fixed_tables()
-        grouped = fixed_query(
-            query, call.cos, call.sin, cos_table, sin_table, position, scaling, store.n_kv_heads
-        )
-        dtype = grouped.dtype  # float32 for a 16-bit store: S's slots and R upcast as they are read
-        output, probs = step_attention(
-            grouped,
-            store.key_states(dtype=dtype),
-            store.value_states(dtype=dtype),
-            key_positions,
-            step_table,
-            (self.recall_keys.to(dtype), self.recall_values.to(dtype), recalled),
-            present=store.valid,
-        )
-        accumulate_fixed(store, probs[:, :, : store.slots].sum(dim=1), self.policy.decay_per_query)
-        evict_fixed(store, self.policy, length + 1)
-        return output.to(query.dtype).view(1, 1, -1, store.head_dim)
+    def fixed_buffers(self) -> list[torch.Tensor]:
+        archive = self.archive
+        tensors = [self.recall_keys, self.recall_values, self.recall_index, self.counts._fixed]
+        return super().fixed_buffers() + tensors + [archive.token_index, archive.summary, *archive._stored()]
 
     @functools.cached_property
     def _c_buffers(self) -> RecallCStep | None:
-        """The C calls' fixed arguments when they can run this layer (h2o_cli.cache.recall.c_step): a
-        `kernel_victim` policy, float32 store and a float32 archive (in RAM or a file) on the CPU, `--kernels auto` or
-        `native` with a C compiler; else None (the torch step)."""
-        store, archive = self.store, self.archive
-        if (
-            self.policy.kernel_victim
-            and store.keys.dtype == store.compute_dtype == torch.float32
-            and archive.keys.dtype == archive.dtype == torch.float32
-            and use_native(store.keys.device, self.settings.kernels)
-        ):
+        """The C calls' fixed arguments when they can run this layer (h2o_cli.cache.recall.c_step): as
+        `H2OLayer._c_buffers`, and a float32 archive (in RAM or a file); else None (the torch step)."""
+        archive = self.archive
+        if self._c_possible() and archive.keys.dtype == archive.dtype == torch.float32:
             return RecallCStep(self)
         return None
-
-    def _c_step(self, call: Call, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """`_torch_step` as C calls for a full S: the page bounds (`StepScores.bounds`: in C when a step scores
-        with carried scores, else by torch), then `RecallCStep.choose` (the rest of `choose_one` and the read
-        into the recall slots; while answering under a lead, `RecallCStep.lead_choose` from the lead's
-        ranking, sorted once for every layer, instead), the query map for the position that leaves, and `RecallCStep.run` (write,
-        attention over S ∪ R, S's scores, eviction). The same recalled tokens as the torch step, the rest to float rounding."""
-        store, policy = self.store, self.policy
-        buffers = self._c_buffers
-        most = 0  # recall slots of the fullest head
-        slots = self.recall_index.shape[1]
-        if slots and self.answering:  # the lead's pages, from its ranking sorted once for every layer
-            self._lead_scores(query, call, buffers.scores)
-            ranked = self.lead.ranked()
-            recalled, hits = buffers.lead_choose(ranked, len(ranked) if self.filling else self.lead.pages)
-            most = buffers.most
-            self.counts.add(recalled, hits)
-        elif slots:
-            bounds = buffers.scores.bounds(self._step_page_query(query, call.cos, call.sin))
-            recalled, hits = buffers.choose(bounds)
-            most = buffers.most
-            self.counts.add(recalled, hits)
-        else:
-            self.counts.add(0, 0)
-        rolling = self.positions == "rolling"
-        placement = (2 if self._contiguous else 1) if rolling else 0  # step.c's `rolling`
-        # The query's position: its rank in E_q (S after the write, and the fullest head's R), or its index.
-        position = store.length + most if rolling else store.tokens_seen
-        query_map, step_table = self._step_maps(call.cos, call.sin, position, scaling, query.device)
-        output = buffers.run(
-            self._grouped(query, query_map),
-            call.keys,
-            call.values,
-            step_table,
-            rolling=placement,
-            limit=store.length + 1 - policy.recent_slots,
-            decay=policy.decay_per_query,
-            entries=position + 1,
-        )
-        return output.to(query.dtype).view(1, 1, -1, store.head_dim)
 
     def _lead_scores(self, query: torch.Tensor, call: Call, scores=None) -> None:
         """An answer step of the lead layer: carry its page scores on (`PageArchive.step_bounds`, or the C
@@ -410,11 +350,6 @@ class RecallLayer(H2OLayer):
             return query
         return rotate(query, *self.rope.mean_rotation(*distances, query.device))
 
-    def _step_tables(self, position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `H2OLayer._step_tables`, with room for the recall slots' positions."""
-        slots = self.recall_index.shape[1]
-        return self.rope.table(max(position + 1, self.store.slots) + slots, self.store.compute_dtype, device)
-
     def _read_back(self, chosen: torch.Tensor, valid: torch.Tensor, full: bool = False) -> torch.Tensor:
         """Fill the recall slots with archive slots `chosen` [n_kv, r] where `valid` (all of them when `full`),
         in that order (empty: 0). Returns the hits summed over KV heads (a 0-d tensor): chosen tokens the
@@ -454,7 +389,7 @@ class RecallLayer(H2OLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.answering = self.filling = False
+        self.lead_mode = LeadMode.OWN
         self.archive.reset()
         self.recall_index.fill_(-1)
         self.recall_keys.zero_()  # empty slots hold 0 (`_read_back`)

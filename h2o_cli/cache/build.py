@@ -1,0 +1,130 @@
+"""How `H2OCache` builds its layers: one `H2OLayer` per decoder layer, or a `RecallLayer` for a layer that
+recalls (`--recall-layers`), each with its store on its layer's device; recall's archives (in RAM or one mapped
+file) and the lead head's ranking. The layer classes are chosen here, once; afterwards the cache only hands
+calls on to its layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from h2o_cli.cache.devices import compute_dtype
+from h2o_cli.cache.kvquant import storage_dtype
+from h2o_cli.cache.layer import H2OLayer
+from h2o_cli.cache.positions import Rope
+from h2o_cli.cache.recall.archive import PageArchive
+from h2o_cli.cache.recall.layer import RecallLayer
+from h2o_cli.cache.recall.lead import LeadRanking
+from h2o_cli.cache.step import DecodeMaps
+from h2o_cli.cache.store import LayerStore
+from h2o_cli.config import CacheSettings
+from h2o_cli.errors import UsageError
+from h2o_cli.memory import ModelShape
+
+
+@dataclass
+class BuiltLayers:
+    """What `build_layers` gives the cache: its layers, recall's archive file (None: in RAM, or no recall)
+    and the lead head's ranking (None: no lead)."""
+
+    layers: list[H2OLayer]
+    archive_file: object | None
+    lead: LeadRanking | None
+
+
+def build_layers(
+    model,
+    settings: CacheSettings,
+    shape: ModelShape,
+    policy,
+    budget: int,
+    devices: list[torch.device],
+    span: int | None,
+    archive_span: int | None,
+) -> BuiltLayers:
+    """One layer per decoder layer of `model` (`settings` resolved, `budget` the resident tokens per head,
+    `shape` its decoder's, `devices` each layer's): `--recall-layers` gives a layer that does not recall S alone, as `h2o` on the
+    resident budget. `span`, `archive_span` bound a recall archive (`H2OCache`)."""
+    dtype = compute_dtype(model)
+    rope = Rope(model.model.rotary_emb, shape.head_dim)
+    maps = DecodeMaps()
+    recalling = set(policy.recalling_layers(shape.n_layers)) if policy.recalls else set()
+    resident = replace(settings, policy="h2o", budget=budget)
+    layers = [
+        (RecallLayer if number in recalling else H2OLayer)(
+            LayerStore(
+                shape.n_kv_heads,
+                shape.head_dim,
+                budget,
+                settings.chunk,
+                storage_dtype(settings.kv_bits, dtype),
+                devices[number],
+                compute_dtype=dtype,
+            ),
+            settings if number in recalling or not policy.recalls else resident,
+            rope,
+            shape.context,
+            first_layer=number == 0,
+            maps=maps,
+        )
+        for number in range(shape.n_layers)
+    ]
+    if not policy.recalls:
+        return BuiltLayers(layers, None, None)
+    known = [bound for bound in (span, archive_span) if bound is not None]
+    recallers = [(layer, devices[number]) for number, layer in enumerate(layers) if number in recalling]
+    archive_file = add_archives(recallers, settings, shape, policy, min(known) if known else None, dtype)
+    return BuiltLayers(layers, archive_file, lead_ranking(model, layers, policy, shape))
+
+
+def lead_ranking(model, layers: list[H2OLayer], policy, shape: ModelShape) -> LeadRanking | None:
+    """`--recall-lead`: the lead head's `LeadRanking`, given to every recalling layer; None without one. `auto`
+    takes the model's `h2o_lead_head` (what `h2o_cli.models.load_model` sets from its preset)."""
+    calibrated = getattr(model, "h2o_lead_head", None)
+    name = getattr(model, "h2o_name", None) or "this model"
+    lead = policy.lead_head(shape.n_layers, shape.n_kv_heads, calibrated, name)
+    if lead is None:
+        return None
+    ranking = LeadRanking(layers[lead[0]].archive, lead[1], policy.lead_pages, lead[0])
+    for layer in layers:
+        layer.follow(ranking)
+    return ranking
+
+
+def add_archives(
+    recallers: list[tuple[RecallLayer, torch.device]],
+    settings: CacheSettings,
+    shape: ModelShape,
+    policy,
+    span: int | None,
+    dtype: torch.dtype,
+):
+    """Give every recalling layer (with its device) its `PageArchive`, in RAM or in one mapped file
+    (docs/spec.md, recall: storage)."""
+    from h2o_cli import memory
+    from h2o_cli.cache.recall.archive_file import ArchiveFile, aligned, archive_location
+    from h2o_cli.cache.recall.limits import archive_storage, summary_block
+
+    layers, devices = [layer for layer, _ in recallers], [device for _, device in recallers]
+    bits, page = settings.archive_bits, policy.page_size
+    block = summary_block(page, policy.block_size)
+    archived = replace(shape, n_layers=len(layers))  # a byte cap counts the recalling layers only
+    page_bytes = memory.archive_bytes(archived, page, block, dtype.itemsize, bits)
+    capacity = policy.archive_tokens(span, page_bytes)
+    regions, archive_file = [None] * len(layers), None
+    device = next((device for device in devices if device.type != "cpu"), devices[0])
+    region = aligned(PageArchive.stored_bytes(shape.n_kv_heads, shape.head_dim, capacity, dtype, bits))
+    storage = archive_storage(settings.archive, region * len(layers), device.type)
+    if storage != "ram":
+        if device.type != "cpu":
+            raise UsageError(
+                f"--archive {settings.archive} maps a file into CPU memory, but the model runs on {device}; "
+                "use --archive ram (the archive then lives in device memory) or --device cpu"
+            )
+        where = archive_location(storage, settings.keep_archive)
+        archive_file = ArchiveFile(where, region * len(layers), settings.keep_archive)
+        regions = [archive_file.region(region) for _ in layers]
+    for layer, region, device in zip(layers, regions, devices, strict=True):
+        layer.add_archive(capacity, dtype, device, bits, region)
+    return archive_file

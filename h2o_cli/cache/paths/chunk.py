@@ -1,0 +1,92 @@
+"""The chunk path, the reference: write a sub-chunk into free slots, attend over E_q = S ∪ R ∪ {chunk tokens
+<= q} with the exact renormalised softmax (`slot_attention`), add S's probabilities to its scores, evict."""
+
+from __future__ import annotations
+
+import torch
+from h2o_kernels import slot_attention
+from h2o_kernels.reference import rows
+
+from h2o_cli.cache.paths.base import Call, Path
+from h2o_cli.cache.positions import unrotate
+
+
+class ChunkPath(Path):
+    name = "chunk"
+
+    def attend(self, layer, call: Call, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of the call, with score accumulation and eviction (SPEC steps 1-4).
+
+        query: [1, n_heads, chunk, head_dim] rotated by the model. Returns [1, chunk, n_heads, head_dim].
+        A call longer than the free slots is processed in sub-chunks that fit (write, attend, accumulate,
+        evict, next), exactly as if the caller had sent those smaller chunks: the buffers never grow. A
+        question ending the call (`asks`: set only on layers that read questions) is not cut there: the text
+        before it ends a sub-chunk where the question starts, and the question is a sub-chunk of its own when
+        it fits the free slots (else it is read as text); the sub-chunks before it are text (`asks` 0).
+        """
+        store = layer.store
+        if call.chunk == 1 and layer._step_path:
+            store.pack()  # as a step does: one-token calls into a layer that takes steps keep S packed
+        cos, sin = call.cos.to(query.dtype), call.sin.to(query.dtype)
+        query = unrotate(query[0], cos, sin)  # [n_heads, chunk, head_dim]
+        outputs, start, asks = [], 0, layer.asks
+        question = call.chunk - asks  # the offset where the question starts
+        try:
+            while start < call.chunk:
+                size = min(call.chunk - start, store.slots - store.length)
+                assert size > 0, "eviction leaves at least the spare slots free"
+                if start < question < start + size < call.chunk:
+                    size = question - start  # end the text where the question starts
+                layer.asks = asks if start + size == call.chunk and size >= asks else 0
+                part = slice(start, start + size)
+                store.write(call.keys[:, part], call.values[:, part])
+                outputs.append(self.attend_written(layer, query[:, part].contiguous(), scaling))
+                start += size
+        finally:
+            layer.asks = asks
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    def attend_written(self, layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attend the chunk just written (query [n_heads, chunk, head_dim], unrotated) over S, the layer's R
+        (`recall_chunk`, which chooses it with these queries; None: R = ∅) and the chunk, add S's probabilities
+        to its scores, evict. Returns [1, chunk, n_heads, head_dim]."""
+        chunk, store, decay = query.shape[1], layer.store, layer.policy.decay_per_query
+        active = store.active
+        recalled = layer.recall_chunk(query, chunk)
+        key_positions, first_query_position = layer.chunk_positions(chunk, recalled)
+        keys, values, allowed = store.key_states(active), store.value_states(active), store.allowed(chunk)
+        if recalled is not None:  # R is older than the chunk: every query sees all of it
+            keys = torch.cat([keys, recalled.keys.to(store.compute_dtype)], dim=1)
+            values = torch.cat([values, recalled.values.to(store.compute_dtype)], dim=1)
+            present = recalled.present.unsqueeze(1).expand(-1, chunk, -1)
+            allowed = torch.cat([allowed.expand(-1, chunk, -1), present], dim=2)
+        cos_table, sin_table = layer.rope.table(first_query_position + chunk, query.dtype, query.device)
+        query_positions = slice(first_query_position, first_query_position + chunk)
+        output, increments, last_probs = slot_attention(
+            query,
+            keys,
+            values,
+            allowed,
+            cos_table[query_positions],
+            sin_table[query_positions],
+            rows(cos_table, key_positions),
+            rows(sin_table, key_positions),
+            scaling,
+            query_weights(decay, chunk, query.device),
+        )
+        # S only (r = 0 is h2o), decayed as h2o's: R's entries are not S's, so nothing decays them.
+        store.accumulate(increments[:, :active], last_probs[:, :active], chunk, decay=decay)
+        store.evict(layer.policy)
+        return output.transpose(0, 1).unsqueeze(0)
+
+
+def query_weights(decay: float, chunk: int, device: torch.device) -> torch.Tensor | None:
+    """`slot_attention`'s weights [chunk] of a chunk's queries in the score increments under decay γ: query i's
+    probabilities are decayed by the chunk's later queries, γ**(chunk-1-i) (docs/spec.md); None for γ = 1 or
+    one query."""
+    if decay == 1.0 or chunk == 1:
+        return None
+    return decay ** torch.arange(chunk - 1, -1, -1, dtype=torch.float32, device=device)
+
+
+CHUNK = ChunkPath()
