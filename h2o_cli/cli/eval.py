@@ -202,10 +202,20 @@ def eval(  # noqa: A001 - the command is called eval
     dtype: options.Dtype = "auto",
     quant: options.Quant = "none",
     threads: options.Threads = 0,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON list of rows on stdout.")] = False,
-    csv_out: Annotated[bool, typer.Option("--csv", help="Print the rows as CSV on stdout.")] = False,
+    json_out: Annotated[
+        bool,
+        typer.Option("--json", help="Print one JSON list of rows on stdout.", rich_help_panel=options.OUTPUT),
+    ] = False,
+    csv_out: Annotated[
+        bool, typer.Option("--csv", help="Print the rows as CSV on stdout.", rich_help_panel=options.OUTPUT)
+    ] = False,
     verbose: Annotated[
-        bool, typer.Option("--verbose", help="Keep lm-eval's log lines and progress bars on stderr.")
+        bool,
+        typer.Option(
+            "--verbose",
+            help="Keep lm-eval's log lines and progress bars on stderr.",
+            rich_help_panel=options.OUTPUT,
+        ),
     ] = False,
     processes: Annotated[
         int,
@@ -214,6 +224,7 @@ def eval(  # noqa: A001 - the command is called eval
             min=1,
             help="Split each lm-eval task's examples over this many processes, each with its own model and "
             "cache (set --threads for each); the metrics equal one process's.",
+            rich_help_panel=options.SPEED,
         ),
     ] = 1,
 ) -> None:
