@@ -16,7 +16,7 @@ from h2o_cli.errors import InputError, UsageError
 EXAMPLES = """
 Examples:
 
-  h2o bench --quick --threads 1 --data-dir ../shared/data
+  h2o bench --quick --threads 1 --data-dir ~/h2o-data
   h2o bench --threads 2 --out docs/benchmarks.md
   h2o bench --only speed,stream --rounds 2 --threads 1 --out docs/benchmarks.md
   h2o bench --only speed --device cuda --kernels torch

@@ -20,11 +20,13 @@ from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
 
 EXAMPLES = """
+
 Examples:
+
   h2o eval copa piqa openbookqa winogrande rte mathqa --budget 0.2 --policies full,local,sink,tova,h2o --shots 5
   h2o eval rte --shots 5 --limit 200 --policies full,h2o,recall --processes 2 --threads 1 --json > rte.json
-  H2O_DATA=../shared/data h2o eval xsum --budget 0.2 --limit 200
-  h2o eval hotpotqa kv-retrieval needle --budget 0.1 --limit 20 --data-dir ../shared/data
+  H2O_DATA=~/h2o-data h2o eval xsum --budget 0.2 --limit 200
+  h2o eval hotpotqa kv-retrieval needle --budget 0.1 --limit 20 --data-dir ~/h2o-data
   h2o eval copa --data my_copa.xml --json > copa.json
   h2o eval copa piqa --policies full,h2o --quant 4bit --kv-bits 8 --limit 50
 
