@@ -129,3 +129,42 @@ def test_calibrate_scores_each_kv_head_by_its_best_query_head_and_ranks_them(tin
     assert sorted((row["layer"], row["kv_head"]) for row in ranked) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [row["score"] for row in ranked] == sorted((row["score"] for row in ranked), reverse=True)
     assert all(abs(row["score"] - float(expected[row["layer"], row["kv_head"]])) < 1e-4 for row in ranked)
+
+
+def test_h2o_calibrate_prints_the_ranking_and_names_the_best_head_the_lead(tiny_model, monkeypatch, tmp_path):
+    """`h2o calibrate --json` reports the runs, scores and ranking, and `lead` is the first-ranked head as
+    `--recall-lead` takes it; without --json the ranking is a table and the lead its last line; --out writes
+    the same report."""
+    import json
+
+    from typer.testing import CliRunner
+
+    import h2o_cli.models
+    from h2o_cli.cli.app import app
+
+    model, tokenizer = tiny_model
+    monkeypatch.setattr(h2o_cli.models, "load_model", lambda *args, **kwargs: (model, tokenizer))
+    (tmp_path / "book.txt").write_text(ESSAY)
+    (_, key, _), *_ = passkey.haystacks(tokenizer, ESSAY, 200, [5], 7)
+    digits = [tokenizer.convert_tokens_to_ids(d) for d in key]
+    answer = digits + [tokenizer.eos_token_id] * (MAX_NEW_TOKENS + 1 - len(digits))
+    args = ["calibrate", "--length", "200", "--depths", "1", "--seeds", "1", "--seed-from", "7", "--threads", "0",
+            "--haystack", str(tmp_path / "book.txt")]  # fmt: skip
+    handle = force_answers(model, [answer, answer])
+    try:
+        given = CliRunner().invoke(app, [*args, "--json", "--out", str(tmp_path / "heads.json")])
+        shown = CliRunner().invoke(app, args)
+    finally:
+        handle.remove()
+    assert given.exit_code == 0 and shown.exit_code == 0, given.output + shown.output
+    report = json.loads(given.stdout)
+    assert report == json.loads((tmp_path / "heads.json").read_text())
+    assert report["runs"] == [
+        {"seed": 7, "depth": 5, "key": key, "answer": report["runs"][0]["answer"], "correct": True}
+    ]
+    best = report["ranked"][0]
+    assert report["lead"] == f"{best['layer']}.{best['kv_head']}" and report["model"] == "smollm2-135m"
+    assert (
+        shown.stdout.strip().splitlines()[-1]
+        == f"lead head: {report['lead']} (--recall-lead {report['lead']})"
+    )
