@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -11,6 +10,7 @@ import typer
 
 from h2o_cli.cli import options
 from h2o_cli.cli.common import load, stderr
+from h2o_cli.cli.passkey import Haystack, read_haystack
 
 EXAMPLES = """
 Examples:
@@ -42,26 +42,15 @@ def calibrate(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print the whole report as JSON on stdout.")
     ] = False,
-    haystack: Annotated[
-        Path | None,
-        typer.Option(
-            "--haystack",
-            help="Text file, or folder of *.txt, to cut haystacks from (default: the Paul "
-            "Graham essays of the data folder).",
-        ),
-    ] = None,
+    haystack: Haystack = None,
     data_dir: options.DataDir = None,
     model: options.Model = options.DEFAULTS["model"],
     threads: options.Threads = 1,
 ) -> None:
     """Rank the model's KV heads by retrieval score (the copy-paste score) and name the lead head recall would take."""
-    from h2o_cli.eval.data import DATA_ENV
-    from h2o_cli.eval.passkey import haystack_text
     from h2o_cli.eval.retrieval_heads import calibrate as run
 
-    if data_dir is not None:
-        os.environ[DATA_ENV] = str(data_dir)
-    essays = haystack_text(haystack)
+    essays = read_haystack(haystack, data_dir)
     loaded, tokenizer = load(model, "cpu", "float32", False, threads)
 
     def progress(row: dict) -> None:

@@ -27,6 +27,27 @@ and only while the prompt fits the model's window.
 """
 
 
+Haystack = Annotated[
+    Path | None,
+    typer.Option(
+        "--haystack",
+        help="Text file, or folder of *.txt, to cut haystacks from (default: the Paul Graham essays of the "
+        "data folder).",
+    ),
+]
+
+
+def read_haystack(haystack: Path | None, data_dir: Path | None) -> str:
+    """The text haystacks are cut from: `--haystack`, else the essays of `--data-dir` / $H2O_DATA. Read before
+    the model loads, so a missing one is one line and no wait."""
+    from h2o_cli.eval.data import DATA_ENV
+    from h2o_cli.eval.passkey import haystack_text
+
+    if data_dir is not None:
+        os.environ[DATA_ENV] = str(data_dir)
+    return haystack_text(haystack)
+
+
 def numbers(text: str, kind: type, option: str) -> tuple:
     """`1536,4096` -> (1536, 4096) of `kind`; a usage error naming `option` otherwise."""
     try:
@@ -96,14 +117,7 @@ def passkey(
             "one needle, --threads 1).",
         ),
     ] = False,
-    haystack: Annotated[
-        Path | None,
-        typer.Option(
-            "--haystack",
-            help="Text file, or folder of *.txt, to cut haystacks from (default: the Paul "
-            "Graham essays of the data folder).",
-        ),
-    ] = None,
+    haystack: Haystack = None,
     data_dir: options.DataDir = None,
     model: options.Model = options.DEFAULTS["model"],
     device: options.Device = "cpu",
@@ -111,8 +125,6 @@ def passkey(
     threads: options.Threads = 1,
 ) -> None:
     """Find a passkey hidden in a long text, asked after it: one JSON line per length, depth, seed, budget and policy."""
-    from h2o_cli.eval.data import DATA_ENV
-    from h2o_cli.eval.passkey import haystack_text
     from h2o_cli.eval.passkey_grid import Grid, even_depths, run_grid
     from h2o_cli.eval.passkey_grid import summary as tables
 
@@ -138,9 +150,7 @@ def passkey(
         fork=fork,
         threads=threads,
     )
-    if data_dir is not None:
-        os.environ[DATA_ENV] = str(data_dir)
-    essays = haystack_text(haystack)  # no haystack: one line before the model loads, not after
+    essays = read_haystack(haystack, data_dir)
     loaded, tokenizer = load(model, device, dtype, False, threads)
 
     def progress(row: dict) -> None:
