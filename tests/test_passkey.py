@@ -202,3 +202,26 @@ def test_a_grid_refuses_a_needle_count_it_cannot_ask():
 
     with pytest.raises(UsageError, match="--needles 3"):
         Grid(needles=3)
+
+
+def test_two_needles_are_asked_in_two_turns_per_run(tiny_reader, monkeypatch, tmp_path):
+    """`--needles 2` with specs that hold commas (';' between them): each row holds both keys, two answers
+    (the second asked as a new chat turn on the same cache, so more tokens read than the prompt), and is
+    correct only if each answer holds its own key."""
+    import h2o_cli.models
+
+    model, tokenizer = tiny_reader
+    monkeypatch.setattr(h2o_cli.models, "load_model", lambda *args, **kwargs: (model, tokenizer))
+    (tmp_path / "book.txt").write_text(ESSAY)
+    args = ["passkey", "--lengths", "400", "--depth-list", "20", "--seeds", "1", "--budgets", "0.1", "--needles", "2",
+            "--policies", "recall:lead_text=0,page_size=4;h2o", "--chunk", "16", "--haystack", str(tmp_path / "book.txt"),
+            "--out", str(tmp_path / "two.jsonl")]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in (tmp_path / "two.jsonl").read_text().splitlines()]
+    assert [row["policy_spec"] for row in rows] == ["recall:lead_text=0,page_size=4", "h2o"]
+    for row in rows:
+        keys, answers = row["key"].split(), row["answer"].split(" | ")
+        assert len(keys) == 2 and len(answers) == 2 and row["needles"] == 2
+        assert row["prompt_tokens"] > 400
+        assert row["correct"] == all(key in said for key, said in zip(keys, answers, strict=True))

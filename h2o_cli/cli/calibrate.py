@@ -18,11 +18,7 @@ Examples:
   h2o calibrate --length 2048 --seeds 2 --depths 4 --out heads.json
   h2o calibrate --model smollm2-360m --haystack my_book.txt --json > heads.json
 
-Each haystack must fit the model's window: it is read with a plain full cache and answered greedily. At each
-answer step that writes the passkey's next digit, a query head copies when its strongest key is a token of the
-needle holding that digit; a KV head scores the share of digits its best query head copied, over the runs the
-model answers. The best-ranked head is what `--recall-lead LAYER.HEAD` takes (`auto` names it for a
-calibrated preset).
+Each haystack must fit the model's window: it is read with a plain full cache and answered greedily. At each answer step that writes the passkey's next digit, a query head copies when its strongest key is a token of the needle holding that digit; a KV head scores the share of digits its best query head copied, over the runs the model answers. The best-ranked head is what `--recall-lead LAYER.HEAD` takes (`auto` names it for a calibrated preset).
 """
 
 
