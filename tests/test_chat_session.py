@@ -359,10 +359,9 @@ def test_a_recall_chat_answers_a_first_turn_fact_20k_tokens_later(smollm, monkey
     the window), then the question. `recall` answers with the code; `h2o`, which keeps no archive, cannot
     (measured: a list of "The code of the locker is:"), so the answer is the archive's doing."""
     monkeypatch.syspath_prepend(str(REPO))  # `research` is a folder of the repository, not of the package
-    from research.chat_remembers import BOOK, converse, pick
-
     from h2o_cli.cli.chat import default_chunk
     from h2o_cli.eval.data import data_dir
+    from research.chat_remembers import BOOK, converse, pick
 
     model, tokenizer = smollm
     ids = tokenizer((data_dir() / BOOK).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
