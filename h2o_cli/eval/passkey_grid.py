@@ -48,7 +48,9 @@ class Grid:
             raise UsageError(f"--via {self.via}: stream or chat")
         if self.via == "chat" and self.needles != 1:
             raise UsageError("--via chat asks one passkey; use --via stream with --needles 2")
-        if self.fork and (self.via != "stream" or self.needles != 1 or self.heads is not None or self.threads != 1):
+        if self.fork and (
+            self.via != "stream" or self.needles != 1 or self.heads is not None or self.threads != 1
+        ):
             raise UsageError("--fork: one needle, --via stream, no recall heads, --threads 1")
         if self.heads is not None and self.via == "chat":
             raise UsageError("recall heads need --via stream (the choice is wrapped in this process)")
