@@ -107,4 +107,4 @@ results-longctx-qa:
 	$(RUN) $(H2O) eval kv-retrieval --budget 0.2 --policies full,local,h2o --limit $(KV_LIMIT) --threads $(THREADS) --json > $(OUT)/kv_retrieval.json
 
 results-plot:
-	$(BIN)/python scripts/results_tables.py --out $(OUT) --figs docs/figs
+	$(BIN)/python -m research.results_tables --out $(OUT) --figs docs/figs

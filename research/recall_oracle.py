@@ -1,15 +1,15 @@
 """The passkey grid with the needle made attendable by force: what `recall` would answer if its page choice
 never missed the needle (is the miss the choice's, or the positions' and the rest of the context's?).
 
-Each run is `recall_grid.py`'s (same haystacks, the question after the text, greedy answer), with
+Each run is `h2o passkey`'s (same haystacks, the question after the text, greedy answer), with
 `PageArchive.choose` (the question's chunk) and `PageArchive.choose_one` (every decode step, on the torch
 step: `--kernels torch`, since the C step chooses inside C) wrapped: every archived token of the needle sentence that a KV head does not hold in S is put first into
 its recall slots (the rest of R keeps the policy's order). `--mode natural` only records; `oracle` forces.
 Per run it prints the share of (layer, KV head) holding a passkey digit token while the question is read and
 at each answer step.
 
-    python scripts/recall_oracle.py --length 1536 --mode oracle --out docs/results/recall/oracle_1536.jsonl
-    python scripts/recall_oracle.py --length 1536 --mode oracle --policy recall:positions=original \
+    python -m research.recall_oracle --length 1536 --mode oracle --out docs/results/recall/oracle_1536.jsonl
+    python -m research.recall_oracle --length 1536 --mode oracle --policy recall:positions=original \
         --out docs/results/recall/oracle_1536.jsonl
 """
 
@@ -21,10 +21,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from recall_grid import MAX_NEW_TOKENS, QUESTION, haystacks, settings_of  # scripts/ on sys.path
-from recall_probe import needle_tokens, steps_keep_valid_only
 
 from h2o_cli.cache.recall.archive import PageArchive
+from h2o_cli.config import CacheSettings
+from h2o_cli.eval.passkey import MAX_NEW_TOKENS, QUESTION, haystacks, needle_tokens
+from research.recall_probe import steps_keep_valid_only
 
 
 class Oracle:
@@ -197,7 +198,7 @@ def main() -> None:
     parser.add_argument("--depths", type=int, default=10)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--budget", type=float, default=0.1, help="fraction of the text's tokens")
-    parser.add_argument("--policy", default="recall", help="a recall run spec, as recall_grid.py")
+    parser.add_argument("--policy", default="recall", help="a recall run spec, as h2o passkey")
     parser.add_argument("--mode", choices=("natural", "oracle"), default="oracle")
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
@@ -222,7 +223,9 @@ def main() -> None:
         for depth, key, text in haystacks(tokenizer, essays, args.length, depths, seed):
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             pieces = list(read_then_answer(tokenizer, [ids], QUESTION))
-            settings = settings_of(args.policy, max(2, round(len(ids) * args.budget)), args.chunk)
+            settings = CacheSettings.from_spec(
+                args.policy, budget=max(2, round(len(ids) * args.budget)), chunk=args.chunk
+            )
             settings = replace(settings, kernels="torch")  # decode steps through `choose_one`
             cache = H2OCache(model, settings, span=sum(map(len, pieces)) + MAX_NEW_TOKENS)
             oracle.start(*needle_tokens(tokenizer, text, key, len(pieces[0])), sum(map(len, pieces[:-1])))

@@ -1,6 +1,6 @@
 """Markdown tables and the budget-vs-quality figure for docs/results.md, from the JSON files `make results` writes.
 
-    python scripts/results_tables.py --out docs/results --figs docs/figs > /tmp/tables.md
+    python -m research.results_tables --out docs/results --figs docs/figs > /tmp/tables.md
 
 Every number printed is read from a JSON file in --out; nothing is typed in by hand.
 """

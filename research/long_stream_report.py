@@ -1,10 +1,10 @@
-"""Tables and figures for the 100,000-token streams of issues 13 and 11, from `scripts/heavy_age.py` JSON files.
+"""Tables and figures for the 100,000-token streams (docs/results.md), from `research/heavy_age.py` JSON files.
 
 Each file is one (book, budget): `DIR/BOOK_BUDGET.json`, every run of it sampled every 10,000 tokens (PPL so
 far, PPL of the last window, what the heavy slots hold). Prints markdown on stdout; writes the PPL-over-stream
 figure and the heavy-slot age figure.
 
-    python scripts/long_stream_report.py --dir docs/results/stream100k --figs docs/figs
+    python -m research.long_stream_report --dir docs/results/stream100k --figs docs/figs
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Which page choice finds a passkey past the window? Read each haystack once, then ask under every variant.
 
-The passkey haystacks of `recall_grid.py` (the needle at a depth of a text longer than the model's window,
+The passkey haystacks of `h2o passkey` (the needle at a depth of a text longer than the model's window,
 the question after it). Each haystack's text is read once through a `recall` cache; its state is kept
 (`H2OCache.state`), and for every variant the cache is put back to it and the question is read and answered
 (greedy) with the variant's page choice. So every variant sees the same resident set and the same archive,
@@ -45,9 +45,9 @@ The question is read as its own chunk (as chat reads a new turn), then up to 12 
 Each row lists the (layer.KV head) holding a pass-key digit at the question and, per head, the rank of the best
 page holding one by that head's carried score (`question_key_page_ranks`: 0 = the head's first page).
 
-    python scripts/recall_choice.py --length 32768 --depth-list 10,30,50,70,90 --seeds 1 --budget-tokens 819 \
+    python -m research.recall_choice --length 32768 --depth-list 10,30,50,70,90 --seeds 1 --budget-tokens 819 \
         --variants p4,p16,p32,p16-votes,oracle --out docs/results/recall/choice_32768.jsonl
-    python scripts/recall_choice.py --summary docs/results/recall/choice_32768.jsonl
+    python -m research.recall_choice --summary docs/results/recall/choice_32768.jsonl
 """
 
 from __future__ import annotations
@@ -61,11 +61,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from recall_grid import MAX_NEW_TOKENS, QUESTION, haystacks, settings_of  # scripts/ on sys.path
-from recall_oracle import Oracle
-from recall_probe import needle_tokens
 
 from h2o_cli.cache.recall.archive import PageArchive
+from h2o_cli.config import CacheSettings
+from h2o_cli.eval.passkey import MAX_NEW_TOKENS, QUESTION, haystacks, needle_tokens
+from research.recall_oracle import Oracle
 
 CHOOSE, CHOOSE_ONE = PageArchive.choose, PageArchive.choose_one
 RETRIEVAL_HEADS = Path(__file__).resolve().parents[1] / "docs/results/recall/retrieval_heads_2048.json"
@@ -217,7 +217,7 @@ def main() -> None:
     parser.add_argument(
         "--budget-tokens", type=int, default=819, help="resident + recalled tokens per KV head"
     )
-    parser.add_argument("--policy", default="recall", help="the reading's recall spec, as recall_grid.py")
+    parser.add_argument("--policy", default="recall", help="the reading's recall spec, as h2o passkey")
     parser.add_argument(
         "--block",
         type=int,
@@ -257,7 +257,7 @@ def main() -> None:
         for depth, key, text in haystacks(tokenizer, essays, args.length, args.depth_list, seed):
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             pieces = list(read_then_answer(tokenizer, [ids], QUESTION))
-            settings = settings_of(args.policy, args.budget_tokens, args.chunk)
+            settings = CacheSettings.from_spec(args.policy, budget=args.budget_tokens, chunk=args.chunk)
             if args.block:
                 settings = replace(settings, page_size=args.block, block_size=args.block)
             settings = replace(settings, kernels="torch")

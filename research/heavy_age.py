@@ -4,7 +4,7 @@ sinks still kept and the share of the latest attention they get, sampled every N
 Each run streams the same book's first --tokens tokens (as `h2o stream --ppl` does) with one setting of the
 cache, given as `policy[:field=value,...]` (fields of `CacheSettings`):
 
-    python scripts/heavy_age.py --tokens 20000 --budget 410 --runs h2o h2o:score_decay=0.995 sink \
+    python -m research.heavy_age --tokens 20000 --budget 410 --runs h2o h2o:score_decay=0.995 sink \
         --json docs/results/heavy_age_war_and_peace.json --fig docs/figs/heavy_age_war_and_peace.png
 """
 
@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-from recall_grid import settings_of  # scripts/ is on sys.path when run as a script
 
 from h2o_cli.analysis import SINK_TOKENS, heavy_slot_stats
 from h2o_cli.cache import H2OCache
@@ -130,7 +129,7 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     for spec in args.runs:
         print(f"{spec}:", file=sys.stderr, flush=True)
-        settings = settings_of(spec, args.budget, args.chunk)
+        settings = CacheSettings.from_spec(spec, budget=args.budget, chunk=args.chunk)
         started = time.perf_counter()
         runs[spec] = stream_run(model, tokenizer, book, settings, args.tokens, args.every)
         runs[spec][-1]["seconds"] = round(time.perf_counter() - started, 1)

@@ -1,8 +1,8 @@
 """Quality and decode speed for {none, 8bit, 4bit} weights x {full, H2O@20%} x {kv 16, 8}.
 
-    python scripts/memory_results.py quality QUANT --tokens 2048 --examples 50 >> docs/results/memory_quality.jsonl
-    python scripts/memory_results.py decode --prompt 512 --new 64 > docs/results/memory_decode.jsonl
-    python scripts/memory_results.py table docs/results/memory_quality.jsonl docs/results/memory_decode.jsonl
+    python -m research.memory_results quality QUANT --tokens 2048 --examples 50 >> docs/results/memory_quality.jsonl
+    python -m research.memory_results decode --prompt 512 --new 64 > docs/results/memory_decode.jsonl
+    python -m research.memory_results table docs/results/memory_quality.jsonl docs/results/memory_decode.jsonl
 
 `quality` (one weights setting per process): perplexity of two books through `h2o_cli.eval.compare`, COPA and
 PIQA accuracy (+ 95% Wilson CI) through the lm-eval `h2o` model, i.e. the same code as `h2o compare` and

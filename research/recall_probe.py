@@ -1,6 +1,6 @@
 """Why `recall` misses a passkey in longer texts: at the question, where is the needle?
 
-The passkey run of `recall_grid.py` (same haystacks, same question after the text), with `PageArchive.choose`
+The passkey run of `h2o passkey` (same haystacks, same question after the text), with `PageArchive.choose`
 watched while the question's chunk is read. For every layer and KV head it records where the needle's tokens
 are (resident in S, recalled into R, or left in the archive) and how the needle's best page ranks among the
 candidate pages twice: by the summary bound the policy uses, and by the exact best logit `max q.k` over the
@@ -8,9 +8,9 @@ page's keys (the same unrotated dot product the bound bounds). The pages the rec
 `recall_slots / page_size` of that order. So a miss is either the summary's (the exact rank was inside, the
 bound's was not) or the score's (neither was: the question's queries do not single the needle out).
 
-    python scripts/recall_probe.py --lengths 1536,4096 --depths 5 --seeds 2 --budget 0.1 \
+    python -m research.recall_probe --lengths 1536,4096 --depths 5 --seeds 2 --budget 0.1 \
         --out docs/results/recall/probe.jsonl
-    python scripts/recall_probe.py --summary docs/results/recall/probe.jsonl    # the table
+    python -m research.recall_probe --summary docs/results/recall/probe.jsonl    # the table
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ import time
 from pathlib import Path
 
 import torch
-from recall_grid import MAX_NEW_TOKENS, NEEDLE, QUESTION, haystacks, settings_of  # scripts/ on sys.path
 
 from h2o_cli.cache.positions import rotate
 from h2o_cli.cache.recall import layer as recall_layer
 from h2o_cli.cache.recall.archive import PageArchive, best_page_bound
+from h2o_cli.config import CacheSettings
+from h2o_cli.eval.passkey import MAX_NEW_TOKENS, QUESTION, haystacks, needle_tokens
 
 
 def steps_keep_valid_only() -> None:
@@ -35,20 +36,6 @@ def steps_keep_valid_only() -> None:
     `valid` keeps. (A step whose archive can fill every recall slot takes R as full and reads `chosen` whatever
     `valid` says, which the page choice itself never contradicts.)"""
     recall_layer.recall_is_full = lambda held, length, slots: False
-
-
-def needle_tokens(tokenizer, text: str, key: str, head: int) -> tuple[list[int], list[int]]:
-    """Stream indices of the needle sentence's tokens, and of the passkey's first mention in it (`head`:
-    tokens before the document)."""
-    needle = NEEDLE.format(key=key)
-    start = text.index(needle)
-    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-
-    def inside(begin: int, end: int) -> list[int]:
-        return [head + i for i, (a, b) in enumerate(offsets) if a < end and b > begin and text[a:b].strip()]
-
-    digits = start + needle.index(key)
-    return inside(start, start + len(needle)), inside(digits, digits + len(key))
 
 
 class Probe:
@@ -176,7 +163,9 @@ def main() -> None:
     parser.add_argument("--depths", type=int, default=5)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--budget", type=float, default=0.1, help="fraction of the text's tokens")
-    parser.add_argument("--policy", default="recall", help="a recall run spec, as recall_grid.py")
+    parser.add_argument(
+        "--policy", default="recall", help="a recall run spec, as h2o passkey --policies takes"
+    )
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path)
@@ -208,7 +197,7 @@ def main() -> None:
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]
                 pieces = list(read_then_answer(tokenizer, [ids], QUESTION))
                 budget = max(2, round(len(ids) * args.budget))
-                settings = settings_of(args.policy, budget, args.chunk)
+                settings = CacheSettings.from_spec(args.policy, budget=budget, chunk=args.chunk)
                 cache = H2OCache(model, settings, span=sum(map(len, pieces)) + MAX_NEW_TOKENS)
                 probe.rows, probe.layer_of, probe.rope = [], {}, cache.layers[0].rope
                 needle, digits = needle_tokens(tokenizer, text, key, len(pieces[0]))

@@ -6,7 +6,7 @@ turns of a book's text (each about `--turn-tokens` tokens, "Reply with OK.", a s
 the code, the tokens read, seconds. `recall` is what should remember; `h2o` and `sink` show what a cache
 without an archive answers.
 
-    python scripts/chat_remembers.py --tokens 20000 --budget 819 --policies recall,h2o
+    python -m research.chat_remembers --tokens 20000 --budget 819 --policies recall,h2o
 
 `--probe` also records, for every layer call while the question is read and answered, how many of the
 code's digit tokens each KV head holds in S (resident) and in R (recalled): a miss where R never holds them is
