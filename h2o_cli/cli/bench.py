@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -16,11 +17,16 @@ from h2o_cli.errors import InputError, UsageError
 EXAMPLES = """
 Examples:
 
-  h2o bench --quick --threads 1 --data-dir ../shared/data
+  h2o bench --quick --threads 1 --data-dir ~/data
   h2o bench --threads 2 --out docs/benchmarks.md
   h2o bench --only speed,stream --rounds 2 --threads 1 --out docs/benchmarks.md
   h2o bench --only speed --device cuda --kernels torch
+  h2o bench --only recall --contexts 32768 --budget 819 --run h2o --run recall --rounds 1 --threads 1
+  h2o bench --only paired --old ../h2o-before --contexts 1024,4096,8000 --rounds 30 --block 16
 """
+
+RECALL_PANEL = "Settings against each other (--only recall)"
+PAIRED_PANEL = "Two checkouts (--only paired)"
 
 
 def parse_contexts(value: str) -> tuple[int, ...]:
@@ -34,15 +40,43 @@ def parse_contexts(value: str) -> tuple[int, ...]:
 
 
 def parse_parts(value: str | None) -> tuple[str, ...]:
-    from h2o_cli.bench import PARTS
+    from h2o_cli.bench import ON_REQUEST, PARTS
 
     if value is None:
         return PARTS
     parts = tuple(part.strip() for part in value.split(",") if part.strip())
-    unknown = [part for part in parts if part not in PARTS]
+    unknown = [part for part in parts if part not in PARTS + ON_REQUEST]
     if unknown or not parts:
-        raise UsageError(f"--only {value!r}: choose parts from {', '.join(PARTS)}")
+        raise UsageError(f"--only {value!r}: choose parts from {', '.join(PARTS + ON_REQUEST)}")
     return parts
+
+
+def paired_plan(old: Path | None, new: Path | None, **sizes):
+    """The two checkouts of `--only paired` (`--new` defaults to the one running)."""
+    import h2o_cli
+    from h2o_cli.bench_paired import PairedPlan
+
+    if old is None:
+        raise UsageError("--only paired needs --old TREE: the checkout to measure against")
+    new = new or Path(h2o_cli.__file__).resolve().parents[1]
+    for tree in (old, new):
+        if not (tree / "h2o_cli" / "__init__.py").is_file():
+            raise UsageError(f"{tree} is not a checkout: it holds no h2o_cli/__init__.py")
+    return PairedPlan(old=old.resolve(), new=new.resolve(), **sizes)
+
+
+def check_runs(plan, parts: tuple[str, ...]) -> None:
+    """Each `--run` spec names a policy and its fields (parsed now, so a typo stops before any model loads)."""
+    from h2o_cli.config import CacheSettings
+
+    if "recall" not in parts:
+        return
+    for spec in plan.runs.runs:
+        for context in plan.contexts:
+            try:
+                CacheSettings.from_spec(spec, budget=plan.budget_of(context), chunk=plan.chunk)
+            except ValueError as error:
+                raise UsageError(f"--run {spec!r}: {error}") from None
 
 
 def bench(
@@ -59,7 +93,8 @@ def bench(
         typer.Option(
             "--only",
             help="Comma-separated parts: speed (plain transformers vs h2o decode), stream, policies, flat, "
-            "prefill, llama_cpp. Default: all.",
+            "prefill, llama_cpp. Default: all of these. On request: recall (cache settings against each "
+            "other), paired (two checkouts' decode).",
         ),
     ] = None,
     contexts: Annotated[
@@ -69,8 +104,73 @@ def bench(
         ),
     ] = None,
     rounds: Annotated[
-        int, typer.Option("--rounds", min=1, help="Alternating plain/h2o rounds of the speed part.")
-    ] = 2,
+        int | None,
+        typer.Option(
+            "--rounds",
+            min=1,
+            help="Rounds taking turns: speed (plain/h2o) and recall 2, paired 24 by default.",
+        ),
+    ] = None,
+    decode: Annotated[
+        int | None, typer.Option("--decode", min=1, help="Timed decode tokens (default 32; --quick 16).")
+    ] = None,
+    chunk: Annotated[
+        int, typer.Option("--chunk", min=1, help="Tokens per forward pass of every read.")
+    ] = 256,
+    budget: Annotated[
+        str | None,
+        typer.Option(
+            "--budget",
+            help="recall, paired: tokens kept, a count or a fraction of each context (default 0.1).",
+            rich_help_panel=RECALL_PANEL,
+        ),
+    ] = None,
+    run: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--run",
+            help="recall: a cache setting POLICY[:FIELD=VALUE,...], once per run; the first is the baseline "
+            "(default: --run h2o --run recall).",
+            rich_help_panel=RECALL_PANEL,
+        ),
+    ] = None,
+    block: Annotated[
+        int | None,
+        typer.Option(
+            "--block",
+            min=1,
+            help="Decode tokens per turn (recall 8, paired 24).",
+            rich_help_panel=RECALL_PANEL,
+        ),
+    ] = None,
+    read_block: Annotated[
+        int,
+        typer.Option(
+            "--read-block", min=1, help="recall: read tokens per turn.", rich_help_panel=RECALL_PANEL
+        ),
+    ] = 4096,
+    question: Annotated[
+        str | None,
+        typer.Option(
+            "--question",
+            help="recall: end the read with this question, as `h2o stream --prompt` asks one.",
+            rich_help_panel=RECALL_PANEL,
+        ),
+    ] = None,
+    old: Annotated[
+        Path | None,
+        typer.Option(
+            "--old", help="paired: the checkout measured as the baseline.", rich_help_panel=PAIRED_PANEL
+        ),
+    ] = None,
+    new: Annotated[
+        Path | None,
+        typer.Option(
+            "--new",
+            help="paired: the checkout measured against it (default: this one).",
+            rich_help_panel=PAIRED_PANEL,
+        ),
+    ] = None,
     device: opt.Device = "cpu",
     device_map: opt.DeviceMap = None,
     kernels: opt.Kernels = "auto",
@@ -80,8 +180,10 @@ def bench(
     threads: opt.Threads = 1,
 ) -> None:
     """h2o vs plain transformers (decode at 1K/4K/8K with the byte-model ceiling, stream speed), decode vs
-    our full cache, policy overhead, flat streaming cost, prefill memory (and llama.cpp)."""
+    our full cache, policy overhead, flat streaming cost, prefill memory (and llama.cpp). On request (--only):
+    cache settings against each other in turns (recall), two checkouts' decode side by side (paired)."""
     from h2o_cli import bench as lib
+    from h2o_cli.bench_recall import RunsPlan
     from h2o_cli.eval.data import data_dir as data_folder
 
     book = data_folder(data_dir) / lib.BOOK
@@ -90,22 +192,38 @@ def bench(
 
     parts = parse_parts(only)
     plan = lib.BenchPlan.quick() if quick else lib.BenchPlan()
-    plan = dataclasses.replace(plan, parts=parts, rounds=rounds, kernels=kernels)
+    plan = dataclasses.replace(plan, parts=parts, rounds=rounds or 2, kernels=kernels, chunk=chunk,
+                               budget=budget, question=question)  # fmt: skip
+    if decode is not None:
+        plan = dataclasses.replace(plan, decode_tokens=decode)
+    plan = dataclasses.replace(plan, runs=RunsPlan(runs=tuple(run or ("h2o", "recall")), decode=plan.decode_tokens,
+                               block=block or 8, read_block=read_block, rounds=rounds or 2))  # fmt: skip
     if contexts is not None:
         plan = dataclasses.replace(plan, contexts=parse_contexts(contexts))
     if flat_to is not None:
         plan = dataclasses.replace(plan, flat_points=(min(plan.flat_points[0], flat_to // 2), flat_to))
-    lm, tokenizer = load(model, device, "auto", False, threads, device_map=device_map)
+    check_runs(plan, parts)
     import torch
 
+    lm = tokenizer = None
+    if parts != ("paired",):  # the paired workers load their own
+        lm, tokenizer = load(model, device, "auto", False, threads, device_map=device_map)
+    elif threads:
+        torch.set_num_threads(threads)
+    if "paired" in parts:
+        sizes = dict(rounds=rounds or 24, block=block or 24, chunk=chunk, threads=torch.get_num_threads())
+        plan = dataclasses.replace(plan, paired=paired_plan(old, new, model=model, book=book, **sizes))
     stderr.print(f"torch threads: {torch.get_num_threads()}; another process may share the CPU")
     report = lib.run(lm, tokenizer, model, plan, book, gguf, progress=lambda text: stderr.print(f"· {text}"))
+    given = {"--contexts": contexts, "--rounds": rounds, "--decode": decode, "--chunk": chunk if chunk != 256 else None,
+             "--budget": budget, "--block": block, "--read-block": read_block if "recall" in parts else None,
+             "--question": shlex.quote(question) if question else None, "--old": old, "--new": new}  # fmt: skip
     command = " ".join(
         ["h2o bench"]
         + (["--quick"] if quick else [])
         + ([f"--only {','.join(parts)}"] if only else [])
-        + ([f"--contexts {contexts}"] if contexts else [])
-        + ([f"--rounds {rounds}"] if rounds != 2 else [])
+        + [f"{name} {value}" for name, value in given.items() if value is not None]
+        + [f"--run {spec}" for spec in run or []]
         + ([f"--device {device}"] if device != "cpu" else [])
         + ([f"--kernels {kernels}"] if kernels != "auto" else [])
         + [f"--threads {threads}"]
@@ -115,7 +233,8 @@ def bench(
         lib.write_section(out, section)
         stderr.print(f"wrote {out}")
     if as_json:
-        speed = {"speed": report.speed, "stream": report.stream, "bandwidth": report.bandwidth}
+        speed = {"speed": report.speed, "stream": report.stream, "bandwidth": report.bandwidth,
+                 "recall": report.recall, "paired": report.paired}  # fmt: skip
         print(json.dumps({"threads": report.threads, "rows": report.rows, "notes": report.notes, **speed}))
     else:
         stderr.print(section)
