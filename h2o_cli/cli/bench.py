@@ -87,7 +87,12 @@ def bench(
     out: Annotated[
         Path | None, typer.Option("--out", help="Markdown file whose bench section is rewritten.")
     ] = None,
-    gguf: Annotated[Path | None, typer.Option("--gguf", help="GGUF file to time under llama.cpp.")] = None,
+    gguf: Annotated[
+        Path | None,
+        typer.Option(
+            "--gguf", help="GGUF file to time under llama.cpp (default: the model's, when it is one)."
+        ),
+    ] = None,
     only: Annotated[
         str | None,
         typer.Option(
@@ -203,6 +208,11 @@ def bench(
     if flat_to is not None:
         plan = dataclasses.replace(plan, flat_points=(min(plan.flat_points[0], flat_to // 2), flat_to))
     check_runs(plan, parts)
+    if "llama_cpp" in parts and gguf is None:
+        from h2o_cli.models import resolve
+
+        source = resolve(model)
+        gguf = Path(source.location) if source.kind == "gguf" else None
     import torch
 
     lm = tokenizer = None

@@ -1,6 +1,6 @@
 """Decode speed of `h2o chat` in a pseudo-terminal with the live panel on vs --no-panel.
 
-Usage: python scripts/bench_chat_panel.py [--tokens 64] [--rounds 2] [--budget 256] [--threads 1] [--policy h2o]
+Usage: python research/bench_chat_panel.py [--tokens 64] [--rounds 2] [--budget 256] [--threads 1] [--policy h2o]
 Prints the tok/s the chat reports after each answer, alternating panel on / off.
 """
 

@@ -17,8 +17,8 @@ in the CPU's caches) and 30 layers' calls in turn (`--layers`; each holds its ow
 the shortlist and its mass are taken under `--choosing` tokens' queries (1, a step's, by default; 32 for what a
 256-token chunk of text chooses with, `--choice-tokens`).
 
-    python scripts/bench_choice.py --tokens 8192,32768,131072 --repeat 30
-    python scripts/bench_choice.py --tokens 32768,131072 --choosing 32 --repeat 10
+    python research/bench_choice.py --tokens 8192,32768,131072 --repeat 30
+    python research/bench_choice.py --tokens 32768,131072 --choosing 32 --repeat 10
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ One process, one model. Each run reads `--context` tokens of the shipped sample 
 of 256), then greedy-decodes: `--warmup` tokens untimed (the compilation happens there), then `--decode` timed.
 Rounds alternate the runs so they see the same machine load. Prints a markdown table and the compile time.
 
-    python scripts/bench_compile.py --context 1024 --budget 102 --decode 64 --rounds 2 --threads 1
+    python research/bench_compile.py --context 1024 --budget 102 --decode 64 --rounds 2 --threads 1
 """
 
 from __future__ import annotations

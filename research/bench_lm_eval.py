@@ -5,7 +5,7 @@ h2o 20 %, hf, ...) so that load from other processes falls on all of them alike;
 
 Times `lm_eval.simple_evaluate` only (the weights are loaded once, before), with the accuracy of every run.
 
-    python scripts/bench_lm_eval.py --model ~/.cache/h2o/models/<converted SmolLM2>/ --task h2o_copa \\
+    python research/bench_lm_eval.py --model ~/.cache/h2o/models/<converted SmolLM2>/ --task h2o_copa \\
         --limit 100 --rounds 3
 """
 

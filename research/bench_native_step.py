@@ -2,7 +2,7 @@
 dims, 9 query heads), random K/V, one call per token, median time per call (the ctypes call and its Python
 wrapper included). In the model the same call is slower: the weights stream through the caches between layers.
 
-    python scripts/bench_native_step.py --budgets 102,410,800 --calls 3000
+    python research/bench_native_step.py --budgets 102,410,800 --calls 3000
 """
 
 from __future__ import annotations

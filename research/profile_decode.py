@@ -5,9 +5,9 @@ Reads `--context` tokens of War and Peace (chunks of 256), then profiles `--step
 + `attend`, or sdpa + `DynamicCache.update` for plain transformers), the model's linear layers (the
 output projection apart), and the rest (norms, RoPE of q/k, MLP activation, residuals, embedding, Python).
 
-    python scripts/profile_decode.py --context 4096 --budget 0.1 --threads 1
-    python scripts/profile_decode.py --context 4096 --budget 0.1 --threads 1 --wall   # no profiler
-    python scripts/profile_decode.py --context 4096 --budget 410 --policies h2o recall --ops --parts
+    python research/profile_decode.py --context 4096 --budget 0.1 --threads 1
+    python research/profile_decode.py --context 4096 --budget 0.1 --threads 1 --wall   # no profiler
+    python research/profile_decode.py --context 4096 --budget 410 --policies h2o recall --ops --parts
 
 `--wall` times the h2o/plain split with the clock alone (rounds alternating h2o and plain): the profiler's cost
 per op inflates a step made of many small ops, and it cannot see inside the C decode step (`--kernels native`).

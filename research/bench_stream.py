@@ -3,8 +3,8 @@
 Each run is a fresh `h2o stream --json` process, so its peak RSS is its own. A book shorter than the
 requested length is repeated (cat-ed several times) through stdin.
 
-    python scripts/bench_stream.py --lengths 10000,100000 --chunks 1,256 --out docs/benchmarks.md
-    python scripts/bench_stream.py --sweep 32,64,128,256,512 --lengths 4000    # choose the default --chunk
+    python research/bench_stream.py --lengths 10000,100000 --chunks 1,256 --out docs/benchmarks.md
+    python research/bench_stream.py --sweep 32,64,128,256,512 --lengths 4000    # choose the default --chunk
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main() -> None:
             flush=True,
         )
     header = (
-        f"Measured by `python scripts/bench_stream.py {' '.join(sys.argv[1:])}` on {time.strftime('%Y-%m-%d')}: "
+        f"Measured by `python research/bench_stream.py {' '.join(sys.argv[1:])}` on {time.strftime('%Y-%m-%d')}: "
         f"{args.book.name}, budget {args.budget}, torch threads {args.threads}, OMP_WAIT_POLICY=PASSIVE, "
         f"load average {load:.1f} at the start (other processes shared the 2 cores when it is above ~1)."
     )

@@ -4,7 +4,7 @@ A book is repeated until the stream is long enough (War and Peace, ~0.8M tokens 
 `--every` tokens one JSON line goes to `--log` as it is measured (so a stopped run keeps what it measured);
 at the end the table and a plot are written.
 
-    nice python scripts/bench_million.py --tokens 1000000 --log docs/results/million.jsonl \
+    nice python research/bench_million.py --tokens 1000000 --log docs/results/million.jsonl \
         --plot docs/figs/million.png
 """
 
@@ -27,7 +27,7 @@ from h2o_cli.runtime import make_settings, peak_rss_bytes
 from h2o_cli.streaming import stream_perplexity
 from h2o_cli.textio import text_blocks, token_stream
 
-DATA = Path(os.environ.get("H2O_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+BOOK = Path("gutenberg_books/war_and_peace_pg2600.txt")  # under the data folder ($H2O_DATA)
 
 
 def book_pieces(tokenizer, book: Path):
@@ -86,7 +86,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--book", type=Path, default=DATA / "gutenberg_books" / "war_and_peace_pg2600.txt")
+    parser.add_argument("--book", type=Path, default=None, help="default: War and Peace under $H2O_DATA")
     parser.add_argument("--tokens", type=int, default=1_000_000)
     parser.add_argument("--every", type=int, default=100_000)
     parser.add_argument("--budget", default="0.1")
@@ -98,6 +98,10 @@ def main() -> None:
     )
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
+    if args.book is None:
+        from h2o_cli.eval.data import data_dir
+
+        args.book = data_dir() / BOOK
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
