@@ -1,6 +1,7 @@
 """`h2o bench` measurements: h2o vs plain transformers (decode, stream), decode vs our full cache, policy
 overhead, flat cost of a stream, prefill memory, llama.cpp; on request, cache settings against each other
-(`recall` vs `h2o`: bench_recall) and two checkouts' decode side by side (bench_paired).
+(`recall` vs `h2o`: bench_recall), two checkouts' decode side by side (bench_paired) and `h2o stream --ppl` per
+policy, chunk and length in fresh processes (bench_streams).
 
 Every ratio compares figures measured in the same run, on the same model and thread setting.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from h2o_cli import bench_paired, bench_recall, bench_speed
+from h2o_cli import bench_paired, bench_recall, bench_speed, bench_streams
 from h2o_cli.cache import H2OCache
 from h2o_cli.config import parse_budget
 from h2o_cli.runtime import context_window, make_settings, peak_rss_bytes
@@ -24,7 +25,7 @@ from h2o_cli.streaming import chunks_of, forward_chunk, prefill
 
 BOOK = Path("gutenberg_books/war_and_peace_pg2600.txt")  # under the data folder (`--data-dir`, $H2O_DATA)
 PARTS = ("speed", "stream", "policies", "flat", "prefill", "llama_cpp")  # what a plain `h2o bench` runs
-ON_REQUEST = ("recall", "paired")  # `--only` may choose these too
+ON_REQUEST = ("recall", "paired", "streams")  # `--only` may choose these too
 
 
 @dataclass
@@ -48,6 +49,7 @@ class BenchPlan:
     runs: bench_recall.RunsPlan = bench_recall.RunsPlan()  # recall: its budget and chunk are set per context
     question: str | None = None  # recall: the read ends with it, as `h2o stream --prompt` asks one
     paired: bench_paired.PairedPlan | None = None  # paired: the two checkouts
+    streams: bench_streams.StreamsPlan = bench_streams.StreamsPlan()
 
     @classmethod
     def quick(cls) -> BenchPlan:
@@ -76,6 +78,7 @@ class BenchReport:
     plan: BenchPlan | None = None
     recall: list[dict] = field(default_factory=list)  # per context: {"context", "budget", "rows"}
     paired: list[dict] = field(default_factory=list)  # per context: bench_paired.paired_context's row
+    streams: list[dict] = field(default_factory=list)  # per run: `h2o stream --json`'s report
 
 
 def current_rss_bytes() -> int:
@@ -167,7 +170,9 @@ def run(
     if "paired" in parts:
         budgets = [plan.budget_of(context) for context in plan.contexts]
         report.paired = bench_paired.paired_decode(plan.paired, plan.contexts, budgets, progress)
-    if model is None:
+    if "streams" in parts:
+        report.streams = bench_streams.measure(plan.streams, name, book, threads, progress)
+    if model is None or set(parts) <= {"paired", "streams"}:
         return report
     window = context_window(model)
     contexts = tuple(min(context, window - plan.decode_tokens) for context in plan.contexts)
@@ -283,6 +288,8 @@ def markdown(report: BenchReport, command: str) -> str:
         lines += ["", *bench_recall.markdown(table["rows"], table["context"], table["budget"], plan.chunk)]
     if report.paired:
         lines += ["", *bench_paired.markdown(report.paired, plan.paired)]
+    if report.streams:
+        lines += ["", *bench_streams.markdown(report.streams, plan.streams)]
     if report.rows:
         lines += ["", "| measurement | setting | value | ratio |", "|---|---|---|---|"]
     for row in report.rows:

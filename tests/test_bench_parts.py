@@ -126,3 +126,41 @@ def test_paired_part_needs_an_old_checkout(tiny_folders, monkeypatch, capsys, ar
     _, data = tiny_folders
     code, _, err = run_bench(monkeypatch, capsys, "--only", "paired", "--data-dir", str(data), *args)
     assert code == 2 and ("--old" in err or "not a checkout" in err)
+
+
+def test_streams_plan_caps_token_by_token_runs_and_full_at_the_window():
+    from h2o_cli.bench_streams import StreamsPlan
+
+    plan = StreamsPlan(
+        policies=("full", "h2o"), lengths=(100, 300), chunks=(16, 1), chunk1_tokens=50, window=256
+    )
+    assert plan.runs() == [
+        ("full", 16, 100), ("h2o", 16, 100), ("full", 1, 50), ("h2o", 1, 50),
+        ("full", 16, 240), ("h2o", 16, 300),  # full stops a chunk short of the 256-token window
+    ]  # fmt: skip
+
+
+@pytest.mark.heavy
+def test_streams_part_reports_what_plain_transformers_measure(tiny_folders, monkeypatch, capsys, tmp_path):
+    """Each run is `h2o stream` in its own process: `full`'s perplexity over the first 120 words of the book is
+    plain transformers' over the same ids, and `local` with a budget covering them all reads the same."""
+    model_dir, data = tiny_folders
+    code, report, err = run_bench(
+        monkeypatch, capsys, "--only", "streams", "--model", str(model_dir), "--data-dir", str(data),
+        "--contexts", "120", "--chunks", "16", "--run", "full", "--run", "local", "--budget", "200",
+        "--out", str(tmp_path / "bench.md"),
+    )  # fmt: skip
+    assert code == 0, err
+    full, local = report["streams"]
+    assert [(r["policy"], r["chunk"], r["asked"], r["tokens"]) for r in (full, local)] == [
+        ("full", 16, 120, 120), ("local", 16, 120, 120)
+    ]  # fmt: skip
+    tokenizer = word_tokenizer(128)
+    ids = tokenizer((data / BOOK).read_text(encoding="utf-8"))["input_ids"][:120]
+    reference = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        loss = reference(torch.tensor([ids]), labels=torch.tensor([ids])).loss
+    assert full["ppl"] == pytest.approx(float(torch.exp(loss)), rel=1e-4)
+    assert local["ppl"] == pytest.approx(full["ppl"], rel=1e-4) and local["budget_tokens"] == 200
+    row = f"| local | 200 | 16 | 120 | {local['tokens_per_s']:.1f} | {local['ppl']:.3f} |"
+    assert row in (tmp_path / "bench.md").read_text(encoding="utf-8")

@@ -23,10 +23,12 @@ Examples:
   h2o bench --only speed --device cuda --kernels torch
   h2o bench --only recall --contexts 32768 --budget 819 --run h2o --run recall --rounds 1 --threads 1
   h2o bench --only paired --old ../h2o-before --contexts 1024,4096,8000 --rounds 30 --block 16
+  h2o bench --only streams --contexts 10000 --chunks 256,1 --max-chunk1-tokens 2000
 """
 
 RECALL_PANEL = "Settings against each other (--only recall)"
 PAIRED_PANEL = "Two checkouts (--only paired)"
+STREAMS_PANEL = "h2o stream per policy (--only streams)"
 
 
 def parse_contexts(value: str) -> tuple[int, ...]:
@@ -49,6 +51,27 @@ def parse_parts(value: str | None) -> tuple[str, ...]:
     if unknown or not parts:
         raise UsageError(f"--only {value!r}: choose parts from {', '.join(PARTS + ON_REQUEST)}")
     return parts
+
+
+def parse_chunks(value: str) -> tuple[int, ...]:
+    try:
+        chunks = tuple(int(part) for part in value.split(",") if part.strip())
+    except ValueError:
+        chunks = ()
+    if not chunks or min(chunks) < 1:
+        raise UsageError(f"--chunks {value!r}: give chunk sizes like 1,256")
+    return chunks
+
+
+def streams_plan(runs: list[str] | None, lengths: tuple[int, ...], chunks: str, budget: str | None, **sizes):
+    """The streams of `--only streams`: policy names only (each run is `h2o stream --policy NAME`)."""
+    from h2o_cli.bench_streams import StreamsPlan
+
+    if any(":" in spec for spec in runs or []):
+        raise UsageError("--only streams: give --run a policy name (h2o stream's own options are not passed)")
+    policies = tuple(runs) if runs else StreamsPlan.policies
+    return StreamsPlan(policies=policies, lengths=lengths, chunks=parse_chunks(chunks), budget=budget or "0.1",
+                       **sizes)  # fmt: skip
 
 
 def paired_plan(old: Path | None, new: Path | None, **sizes):
@@ -99,7 +122,7 @@ def bench(
             "--only",
             help="Comma-separated parts: speed (plain transformers vs h2o decode), stream, policies, flat, "
             "prefill, llama_cpp. Default: all of these. On request: recall (cache settings against each "
-            "other), paired (two checkouts' decode).",
+            "other), paired (two checkouts' decode), streams (h2o stream per policy, chunk and length).",
         ),
     ] = None,
     contexts: Annotated[
@@ -126,7 +149,8 @@ def bench(
         str | None,
         typer.Option(
             "--budget",
-            help="recall, paired: tokens kept, a count or a fraction of each context (default 0.1).",
+            help="recall, paired: tokens kept, a count or a fraction of each context; streams: of the "
+            "context window (default 0.1).",
             rich_help_panel=RECALL_PANEL,
         ),
     ] = None,
@@ -135,7 +159,7 @@ def bench(
         typer.Option(
             "--run",
             help="recall: a cache setting POLICY[:FIELD=VALUE,...], once per run; the first is the baseline "
-            "(default: --run h2o --run recall).",
+            "(default: --run h2o --run recall). streams: a policy (default full, local, sink, h2o).",
             rich_help_panel=RECALL_PANEL,
         ),
     ] = None,
@@ -162,6 +186,19 @@ def bench(
             rich_help_panel=RECALL_PANEL,
         ),
     ] = None,
+    chunks: Annotated[
+        str,
+        typer.Option("--chunks", help="streams: comma-separated chunk sizes.", rich_help_panel=STREAMS_PANEL),
+    ] = "1,256",
+    max_chunk1_tokens: Annotated[
+        int,
+        typer.Option(
+            "--max-chunk1-tokens",
+            min=1,
+            help="streams: most tokens a token-by-token run reads.",
+            rich_help_panel=STREAMS_PANEL,
+        ),
+    ] = 10_000,
     old: Annotated[
         Path | None,
         typer.Option(
@@ -220,6 +257,11 @@ def bench(
         lm, tokenizer = load(model, device, "auto", False, threads, device_map=device_map)
     elif threads:
         torch.set_num_threads(threads)
+    if "streams" in parts:
+        from h2o_cli.runtime import context_window
+
+        plan = dataclasses.replace(plan, streams=streams_plan(run, plan.contexts, chunks, budget,
+                                   chunk1_tokens=max_chunk1_tokens, window=context_window(lm)))  # fmt: skip
     if "paired" in parts:
         sizes = dict(rounds=rounds or 24, block=block or 24, chunk=chunk, threads=torch.get_num_threads())
         plan = dataclasses.replace(plan, paired=paired_plan(old, new, model=model, book=book, **sizes))
@@ -227,7 +269,9 @@ def bench(
     report = lib.run(lm, tokenizer, model, plan, book, gguf, progress=lambda text: stderr.print(f"· {text}"))
     given = {"--contexts": contexts, "--rounds": rounds, "--decode": decode, "--chunk": chunk if chunk != 256 else None,
              "--budget": budget, "--block": block, "--read-block": read_block if "recall" in parts else None,
-             "--question": shlex.quote(question) if question else None, "--old": old, "--new": new}  # fmt: skip
+             "--question": shlex.quote(question) if question else None, "--old": old, "--new": new,
+             "--chunks": chunks if "streams" in parts else None,
+             "--max-chunk1-tokens": max_chunk1_tokens if "streams" in parts else None}  # fmt: skip
     command = " ".join(
         ["h2o bench"]
         + (["--quick"] if quick else [])
@@ -244,7 +288,7 @@ def bench(
         stderr.print(f"wrote {out}")
     if as_json:
         speed = {"speed": report.speed, "stream": report.stream, "bandwidth": report.bandwidth,
-                 "recall": report.recall, "paired": report.paired}  # fmt: skip
+                 "recall": report.recall, "paired": report.paired, "streams": report.streams}  # fmt: skip
         print(json.dumps({"threads": report.threads, "rows": report.rows, "notes": report.notes, **speed}))
     else:
         stderr.print(section)
