@@ -223,7 +223,8 @@ def bench(
 ) -> None:
     """h2o vs plain transformers (decode at 1K/4K/8K with the byte-model ceiling, stream speed), decode vs
     our full cache, policy overhead, flat streaming cost, prefill memory (and llama.cpp). On request (--only):
-    cache settings against each other in turns (recall), two checkouts' decode side by side (paired)."""
+    cache settings against each other in turns (recall), two checkouts' decode side by side (paired), `h2o
+    stream` per policy, chunk and length in fresh processes (streams)."""
     from h2o_cli import bench as lib
     from h2o_cli.bench_recall import RunsPlan
     from h2o_cli.eval.data import data_dir as data_folder
@@ -277,7 +278,7 @@ def bench(
         + (["--quick"] if quick else [])
         + ([f"--only {','.join(parts)}"] if only else [])
         + [f"{name} {value}" for name, value in given.items() if value is not None]
-        + [f"--run {spec}" for spec in run or []]
+        + [f"--run {shlex.quote(spec)}" for spec in run or []]
         + ([f"--device {device}"] if device != "cpu" else [])
         + ([f"--kernels {kernels}"] if kernels != "auto" else [])
         + [f"--threads {threads}"]
