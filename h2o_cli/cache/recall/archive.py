@@ -87,8 +87,8 @@ class PageArchive(PageScoring):
         query: [n_kv_heads, m, head_dim], the chunk's unrotated queries of each KV head's query heads
         (m = group * chunk); resident: [n_kv_heads, n] token indices of S (-1 = empty); `before`: the chunk's
         first token (only older tokens are candidates). A candidate is an archived token older than `before`
-        not in S. Pages with a candidate are ranked by the max over the m queries of `page_bound` (ties: the
-        older page first); their candidates are taken in that order, oldest first inside a page. `chunk`: the
+        not in S. Pages with a candidate are ranked by their `bounds` score (the max over the m queries of
+        `page_bound`, or their attention mass; ties: the older page first, `order_key`); their candidates are taken in that order, oldest first inside a page. `chunk`: the
         chunk's tokens (m / group), which `bounds` weighs with `chunk_weight` when scores are carried;
         `question`: the queries are a question's (`bounds` scores every page for it). Returns archive slots
         [n_kv_heads, slots] and which of them hold a chosen token [n_kv_heads, slots].

@@ -18,16 +18,11 @@ twin of a step's `bounds` over the carried shortlist
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from h2o_cli.cache.kvquant import dequantize
 from h2o_cli.cache.recall.limits import step_pages
 from h2o_cli.cache.recall.store import NOTHING, ArchiveStore
-
-if TYPE_CHECKING:
-    from h2o_cli.cache.recall.archive import PageSettings
 
 SECTION_TOKENS = 256  # the coarse level of a shortlist: sections of this many tokens (whole pages) rank first
 HALF_MAX = 65504.0  # float16's largest finite value: a held key is clamped to it, never inf
@@ -78,26 +73,17 @@ def order_key(bound: torch.Tensor, page_start: torch.Tensor, candidate: torch.Te
 
 
 class PageScoring(ArchiveStore):
-    """An `ArchiveStore` whose pages are scored for a query: `settings.attention` (pages scored by attention mass,
-    `attention_mass`, not by the summaries), `shortlist` (with `attention`: only the pages the summaries bound
-    best; 0: all), `carry` (with `attention`: the share of a page's last score added to the next),
+    """An `ArchiveStore` whose pages are scored for a query, as its `settings` say: `attention` (pages scored
+    by attention mass, `attention_mass`, not by the summaries), `shortlist` (with `attention`: only the pages
+    the summaries bound best; 0: all), `carry` (with `attention`: the share of a page's last score added to the next),
     `chunk_weight` (with `carry`: a chunk of c > 1 tokens starts the carried scores at min(c, this) steps'
     weight) and `step_shortlist` (with `carry` and a shortlist: a one-token step scores the pages its carried
-    scores rank best, this many; 0: `shortlist`). The other arguments are `ArchiveStore`'s.
+    scores rank best, this many; 0: `shortlist`). Built as an `ArchiveStore`.
     """
 
-    def __init__(
-        self,
-        n_kv_heads: int,
-        head_dim: int,
-        capacity: int,
-        settings: PageSettings,
-        dtype: torch.dtype,
-        device: torch.device,
-        bits: int | None = None,
-        region=None,
-    ) -> None:
-        super().__init__(n_kv_heads, head_dim, capacity, settings, dtype, device, bits, region)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)  # `ArchiveStore`'s arguments
+        settings, n_kv_heads, device = self.settings, self.n_kv_heads, self.token_index.device
         self.attention, self.shortlist = settings.attention, settings.shortlist
         self.step_shortlist = step_pages(settings.shortlist, settings.step_shortlist)
         self.carry, self.chunk_weight = settings.carry, settings.chunk_weight
@@ -111,7 +97,7 @@ class PageScoring(ArchiveStore):
         self.section_pages = max(1, SECTION_TOKENS // self.page_size)
         sections = -(-self.pages // self.section_pages)
         self.section_summary = torch.zeros(
-            n_kv_heads, sections, 2 * head_dim, dtype=torch.float32, device=device
+            n_kv_heads, sections, 2 * self.head_dim, dtype=torch.float32, device=device
         )
         self._sections_at = None  # `tokens` when the section summaries were last refreshed (None: never)
         self._held_keys = None  # (pages, their keys, `tokens` then): `held_page_keys`' last result

@@ -61,6 +61,7 @@ class ArchiveStore:
         assert capacity % page_size == 0 and capacity >= 2 * page_size, "a whole number (>= 2) of pages"
         block_size = summary_block(page_size, settings.block_size)
         assert page_size % block_size == 0, "blocks divide the page"
+        self.settings = settings  # what it was built from (`PageScoring` reads its scoring settings)
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.capacity, self.page_size, self.block_size = capacity, page_size, block_size
         self.pages = capacity // page_size
@@ -220,9 +221,10 @@ class ArchiveStore:
         self.tokens += 1
 
     def write_fixed(self, keys: torch.Tensor, values: torch.Tensor, token: torch.Tensor) -> None:
-        """`_write_token` with the token's index a tensor `token` [1] (int64), for the fixed step
+        """`_write_piece` of one token with the token's index a tensor `token` [1] (int64), for the fixed step
         (h2o_cli.cache.fixed_step): the same writes, its slot, page and page start computed on the device, no
-        Python counter read. RAM archives only; `tokens` is advanced after the step (`stepped_fixed`)."""
+        Python counter read (held to it by tests/test_recall.py). RAM archives only; `tokens` is advanced
+        after the step (`stepped_fixed`)."""
         slot = token % self.capacity
         page = slot // self.page_size
         starts = (token % self.page_size == 0).view(1, 1)  # the ring page's old page is gone
