@@ -103,16 +103,18 @@ class PageScoring(ArchiveStore):
         self._held_keys = None  # (pages, their keys, `tokens` then): `held_page_keys`' last result
 
     def reset(self) -> None:
-        """Forget every token (the buffers stay) and the scores carried so far."""
-        self.carried_start.fill_(NOTHING)
-        self._sections_at = self._held_keys = None
+        """`ArchiveStore.reset` (every token forgotten), and the scores carried so far."""
+        self._forget_scores()
         super().reset()
 
     def rewind(self, tokens: int) -> None:
-        """`ArchiveStore.rewind`, and the scores carried so far are forgotten."""
-        self.carried_start.fill_(NOTHING)
-        self._sections_at = self._held_keys = None
+        """`ArchiveStore.rewind` (the tokens from `tokens` on forgotten), and the scores carried so far."""
+        self._forget_scores()
         super().rewind(tokens)
+
+    def _forget_scores(self) -> None:
+        self.carried_start.fill_(NOTHING)  # no ring page holds the page its carried score was given to
+        self._sections_at = self._held_keys = None  # the section summaries and held keys are read again
 
     def choice_bytes(self) -> int:
         """Bytes the page choice keeps beside the archive, in RAM: the carried scores, the section summaries
