@@ -12,7 +12,7 @@ from h2o_kernels.dispatch import use_native
 from h2o_cli.cache.fixed_step import accumulate_fixed, evict_fixed, fixed_query
 from h2o_cli.cache.layer import STEPS, Call, CallPath, H2OLayer, query_weights
 from h2o_cli.cache.positions import placed_order, rolling_positions, rotate, unrotate
-from h2o_cli.cache.recall.archive import PageArchive
+from h2o_cli.cache.recall.archive import PageArchive, PageSettings
 from h2o_cli.cache.recall.c_step import RecallCStep
 from h2o_cli.cache.recall.lead import LeadRanking
 from h2o_cli.cache.recall.step import RecallCounts, recall_is_full, rolling_step_positions
@@ -66,11 +66,10 @@ class RecallLayer(H2OLayer):
         """Allocate the archive (`capacity` tokens; `bits` and `region` as `PageArchive`) and the recall slots
         `[n_kv_heads, recall_slots, head_dim]` (in `dtype`, the compute dtype)."""
         store, policy = self.store, self.policy
+        pages = PageSettings.of(policy)
         self.archive = PageArchive(
-            store.n_kv_heads, store.head_dim, capacity, policy.page_size, dtype, device, bits, region,
-            policy.block_size, attention=policy.page_score == "attention", shortlist=policy.shortlist,
-            carry=policy.page_carry, chunk_weight=policy.chunk_weight, step_shortlist=policy.step_shortlist,
-        )  # fmt: skip
+            store.n_kv_heads, store.head_dim, capacity, pages, dtype, device, bits, region
+        )
         shape = (store.n_kv_heads, policy.recall_slots)
         self.recall_keys = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)
         self.recall_values = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)
