@@ -33,7 +33,7 @@ import time
 import torch
 from h2o_kernels import native
 
-from h2o_cli.cache.recall.archive import PageArchive
+from h2o_cli.cache.recall.archive import PageArchive, PageSettings
 from h2o_cli.cache.recall.c_step import StepScores
 
 LAYERS, N_KV, GROUP, HEAD_DIM = 30, 3, 3, 64
@@ -120,8 +120,8 @@ def main() -> None:
           "| C choose (ms) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for tokens in args.tokens:
-        archive = PageArchive(N_KV, HEAD_DIM, tokens, 16, torch.float32, torch.device("cpu"), attention=True,
-                              shortlist=args.shortlist, carry=0.9)  # fmt: skip
+        pages_settings = PageSettings(16, attention=True, shortlist=args.shortlist, carry=0.9)
+        archive = PageArchive(N_KV, HEAD_DIM, tokens, pages_settings, torch.float32, torch.device("cpu"))
         archive.write(torch.randn(N_KV, tokens, HEAD_DIM), torch.randn(N_KV, tokens, HEAD_DIM))
         query = torch.randn(N_KV, GROUP, HEAD_DIM)
         choosing = torch.randn(N_KV, GROUP * args.choosing, HEAD_DIM)

@@ -260,9 +260,9 @@ def main() -> None:
             if name == "recall" and args.parts:  # inside the page choice: the bound over every written page
                 from h2o_kernels import native
 
-                import h2o_cli.cache.recall.archive
+                import h2o_cli.cache.recall.scores
 
-                labelled(h2o_cli.cache.recall.archive, "best_page_bound", "recall:page_bound")
+                labelled(h2o_cli.cache.recall.scores, "best_page_bound", "recall:page_bound")
                 # The C step (a full S, float32 RAM archive): its choice and read-back, and the rest of it.
                 labelled(native, "archive_choose", "recall:c_choose")
                 labelled(native, "step", "recall:c_step")
