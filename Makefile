@@ -34,8 +34,10 @@ clean:
 # Measured results for docs/results.md (each target < 30 min on 2 shared cores; one heavy run at a time).
 # Override the limits on the command line, e.g. `make results-tasks TASK_LIMITS="copa:100" SHOTS=5`.
 H2O ?= $(BIN)/h2o
-DATA ?= ../shared/data
-RUN = OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 H2O_DATA=$(DATA)
+# The data folder of task files and books (`h2o eval`/`bench`): `make results DATA=/path/to/data`, or
+# set $H2O_DATA.
+DATA ?= $(H2O_DATA)
+RUN = $(if $(DATA),,$(error no data folder: set H2O_DATA, or DATA=/path/to/data on the command line))OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 H2O_DATA=$(DATA)
 OUT ?= docs/results
 THREADS ?= 1
 BOOKS_DIR ?= $(DATA)/gutenberg_books
@@ -105,4 +107,4 @@ results-longctx-qa:
 	$(RUN) $(H2O) eval kv-retrieval --budget 0.2 --policies full,local,h2o --limit $(KV_LIMIT) --threads $(THREADS) --json > $(OUT)/kv_retrieval.json
 
 results-plot:
-	$(BIN)/python scripts/results_tables.py --out $(OUT) --figs docs/figs
+	$(BIN)/python -m research.results_tables --out $(OUT) --figs docs/figs

@@ -1,5 +1,7 @@
 """`h2o bench` measurements: h2o vs plain transformers (decode, stream), decode vs our full cache, policy
-overhead, flat cost of a stream, prefill memory, llama.cpp.
+overhead, flat cost of a stream, prefill memory, llama.cpp; on request, cache settings against each other
+(`recall` vs `h2o`: bench_recall), two checkouts' decode side by side (bench_paired) and `h2o stream --ppl` per
+policy, chunk and length in fresh processes (bench_streams).
 
 Every ratio compares figures measured in the same run, on the same model and thread setting.
 """
@@ -9,19 +11,21 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
 import torch
 
-from h2o_cli import bench_speed
+from h2o_cli import bench_paired, bench_recall, bench_speed, bench_streams
 from h2o_cli.cache import H2OCache
+from h2o_cli.config import parse_budget
 from h2o_cli.runtime import context_window, make_settings, peak_rss_bytes
 from h2o_cli.streaming import chunks_of, forward_chunk, prefill
 
 BOOK = Path("gutenberg_books/war_and_peace_pg2600.txt")  # under the data folder (`--data-dir`, $H2O_DATA)
-PARTS = ("speed", "stream", "policies", "flat", "prefill", "llama_cpp")  # what `--only` may choose
+PARTS = ("speed", "stream", "policies", "flat", "prefill", "llama_cpp")  # what a plain `h2o bench` runs
+ON_REQUEST = ("recall", "paired", "streams")  # `--only` may choose these too
 
 
 @dataclass
@@ -41,6 +45,11 @@ class BenchPlan:
     rounds: int = 2
     stream_tokens: int = 8000
     kernels: str = "auto"
+    budget: str | None = None  # recall, paired: a count, or a fraction of each context (None: speed_fraction)
+    runs: bench_recall.RunsPlan = bench_recall.RunsPlan()  # recall: its budget and chunk are set per context
+    question: str | None = None  # recall: the read ends with it, as `h2o stream --prompt` asks one
+    paired: bench_paired.PairedPlan | None = None  # paired: the two checkouts
+    streams: bench_streams.StreamsPlan = bench_streams.StreamsPlan()
 
     @classmethod
     def quick(cls) -> BenchPlan:
@@ -51,6 +60,10 @@ class BenchPlan:
         """Name of the docs section a run of these parts fills: `bench` for all of them, else one per parts and
         thread count (so runs with 1 and 2 threads stand side by side)."""
         return "bench" if set(self.parts) == set(PARTS) else f"bench-{'-'.join(self.parts)}-threads-{threads}"
+
+    def budget_of(self, context: int) -> int:
+        """Tokens kept at `context` by the recall and paired parts."""
+        return parse_budget(self.budget or str(self.speed_fraction), context)
 
 
 @dataclass
@@ -63,6 +76,9 @@ class BenchReport:
     bandwidth: float | None = None  # bytes/s, copy (read + write)
     byte_model: bench_speed.ByteModel | None = None
     plan: BenchPlan | None = None
+    recall: list[dict] = field(default_factory=list)  # per context: {"context", "budget", "rows"}
+    paired: list[dict] = field(default_factory=list)  # per context: bench_paired.paired_context's row
+    streams: list[dict] = field(default_factory=list)  # per run: `h2o stream --json`'s report
 
 
 def current_rss_bytes() -> int:
@@ -146,14 +162,25 @@ def llama_cpp_speed(gguf: Path | None, context: int, tokens: int, threads: int) 
 def run(
     model, tokenizer, name: str, plan: BenchPlan, book: Path, gguf: Path | None = None, progress=print
 ) -> BenchReport:
-    """Every measurement of `plan` on `model`, reading `book` (a long plain-text file)."""
+    """Every measurement of `plan` on `model`, reading `book` (a long plain-text file). `model` may be None
+    when the parts are only `paired` (its workers load their own)."""
     threads = torch.get_num_threads()
     report = BenchReport(threads=threads, plan=plan)
     parts = plan.parts
+    if "paired" in parts:
+        budgets = [plan.budget_of(context) for context in plan.contexts]
+        report.paired = bench_paired.paired_decode(plan.paired, plan.contexts, budgets, progress)
+    if "streams" in parts:
+        report.streams = bench_streams.measure(plan.streams, name, book, threads, progress)
+    if model is None or set(parts) <= {"paired", "streams"}:
+        return report
     window = context_window(model)
     contexts = tuple(min(context, window - plan.decode_tokens) for context in plan.contexts)
     needed = [max(contexts) + plan.decode_tokens, plan.stream_tokens if "stream" in parts else 0]
+    needed += [max(plan.contexts)] if "recall" in parts else []
     ids = book_ids(tokenizer, max(needed + ([max(plan.flat_points)] if "flat" in parts else [])), book)
+    if "recall" in parts:
+        recall_rows(report, model, tokenizer, ids, plan, progress)
     if "speed" in parts or "stream" in parts:
         progress("copy bandwidth")
         report.bandwidth = bench_speed.copy_bandwidth(device=model.device)
@@ -206,6 +233,16 @@ def run(
     return report
 
 
+def recall_rows(report: BenchReport, model, tokenizer, ids: list[int], plan: BenchPlan, progress) -> None:
+    """The runs of `plan.runs` against each other at each context of `ids` (past the context window too: the
+    caches roll their positions)."""
+    question = tokenizer(plan.question, add_special_tokens=False)["input_ids"] if plan.question else None
+    for context in plan.contexts:
+        runs = replace(plan.runs, budget=plan.budget_of(context), chunk=plan.chunk)
+        rows = bench_recall.measure(model, ids[:context], runs, question, progress)
+        report.recall.append({"context": context, "budget": runs.budget, "rows": rows})
+
+
 def policy_rows(report: BenchReport, model, ids: list[int], contexts, plan: BenchPlan, progress) -> None:
     """Decode against our own full cache, and h2o against local (the policy's own cost), per context."""
     for context in contexts:
@@ -247,6 +284,12 @@ def markdown(report: BenchReport, command: str) -> str:
             report.byte_model, report.bandwidth, report.threads, plan.decode_tokens, plan.chunk,
             plan.speed_fraction,
         )]  # fmt: skip
+    for table in report.recall:
+        lines += ["", *bench_recall.markdown(table["rows"], table["context"], table["budget"], plan.chunk)]
+    if report.paired:
+        lines += ["", *bench_paired.markdown(report.paired, plan.paired)]
+    if report.streams:
+        lines += ["", *bench_streams.markdown(report.streams, plan.streams)]
     if report.rows:
         lines += ["", "| measurement | setting | value | ratio |", "|---|---|---|---|"]
     for row in report.rows:

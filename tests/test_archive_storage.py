@@ -21,7 +21,7 @@ from h2o_cli import memory
 from h2o_cli.cache import H2OCache
 from h2o_cli.cache.kvquant import dequantize, quantize
 from h2o_cli.cache.recall import limits
-from h2o_cli.cache.recall.archive import PageArchive
+from h2o_cli.cache.recall.archive import PageArchive, PageSettings
 from h2o_cli.cache.recall.archive_file import archive_location
 from h2o_cli.cache.recall.limits import archive_cap, archive_storage
 from h2o_cli.cli.app import app
@@ -117,7 +117,8 @@ def test_int8_archive_summaries_are_the_exact_keys_so_the_pages_chosen_are_the_s
     keys = torch.randn(n_kv, 70, d) * torch.logspace(-2, 1, d)  # channels of very different ranges
     values = torch.randn(n_kv, 70, d)
     archives = [
-        PageArchive(n_kv, d, 64, size, torch.float32, torch.device("cpu"), bits=bits) for bits in (None, 8)
+        PageArchive(n_kv, d, 64, PageSettings(size), torch.float32, torch.device("cpu"), bits)
+        for bits in (None, 8)
     ]
     for archive in archives:
         archive.write(keys[:, :33], values[:, :33])

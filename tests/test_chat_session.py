@@ -327,9 +327,9 @@ def test_a_recall_chat_brings_back_a_fact_every_head_evicted(smollm, excerpt, mo
     question's first answer step no head keeps the fact's digits resident, and the lead head's pages have
     brought all of them back into most heads' recall slots (observed 77 %). Whether the 135M model then
     answers with them is the model's part (docs/results.md: it copies its replies' pattern instead).
-    The conversation is scripts/chat_remembers.py's, answered one token long."""
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
-    from chat_remembers import code_tokens, converse
+    The conversation is research/chat_remembers.py's, answered one token long."""
+    monkeypatch.syspath_prepend(str(REPO))  # `research` is a folder of the repository, not of the package
+    from research.chat_remembers import code_tokens, converse
 
     model, tokenizer = smollm
     session = ChatSession(model, tokenizer, CacheSettings(budget=256, policy="recall", chunk=64))
@@ -354,15 +354,14 @@ def test_a_recall_chat_brings_back_a_fact_every_head_evicted(smollm, excerpt, mo
 @pytest.mark.slow
 @pytest.mark.data
 def test_a_recall_chat_answers_a_first_turn_fact_20k_tokens_later(smollm, monkeypatch):
-    """scripts/chat_remembers.py's conversation (seed 0): the locker code in the first turn, then 300-token
+    """research/chat_remembers.py's conversation (seed 0): the locker code in the first turn, then 300-token
     turns of Moby-Dick, each answered "OK." as it asks, until 20,000 tokens are read on 819 tokens (10 % of
     the window), then the question. `recall` answers with the code; `h2o`, which keeps no archive, cannot
     (measured: a list of "The code of the locker is:"), so the answer is the archive's doing."""
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
-    from chat_remembers import BOOK, converse, pick
-
+    monkeypatch.syspath_prepend(str(REPO))  # `research` is a folder of the repository, not of the package
     from h2o_cli.cli.chat import default_chunk
     from h2o_cli.eval.data import data_dir
+    from research.chat_remembers import BOOK, converse, pick
 
     model, tokenizer = smollm
     ids = tokenizer((data_dir() / BOOK).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]

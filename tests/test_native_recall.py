@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from h2o_cli.cache import H2OCache, RecallLayer
 from h2o_cli.cache.positions import Rope
-from h2o_cli.cache.recall.archive import PageArchive
+from h2o_cli.cache.recall.archive import PageArchive, PageSettings
 from h2o_cli.cache.recall.archive_file import ArchiveFile
 from h2o_cli.cache.recall.c_step import RecallCStep, StepScores
 from h2o_cli.cache.recall.layer import LeadMode
@@ -192,14 +192,10 @@ def test_c_step_scores_are_the_torch_step_bounds(page_size, step_shortlist):
             n_kv,
             HEAD_DIM,
             capacity,
-            page_size,
+            PageSettings(page_size, attention=True, shortlist=5, carry=0.9, step_shortlist=step_shortlist),
             torch.float32,
             torch.device("cpu"),
-            attention=True,
-            shortlist=5,
-            carry=0.9,
-            step_shortlist=step_shortlist,
-        )  # fmt: skip
+        )
         for _ in range(2)
     )
     scores = StepScores(c_archive)

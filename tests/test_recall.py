@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from h2o_cli.cache import H2OCache, RecallLayer
 from h2o_cli.cache.positions import Rope, rotate
-from h2o_cli.cache.recall.archive import PageArchive
+from h2o_cli.cache.recall.archive import PageArchive, PageSettings
 from h2o_cli.cache.store import LayerStore
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
@@ -252,18 +252,8 @@ def test_the_keys_an_answer_keeps_follow_the_writes(bits):
     own (rounded to float16, as the steps score them) after every write — tokens written into one of those
     pages, and a page the ring gives to a new one."""
     torch.manual_seed(11)
-    archive = PageArchive(
-        N_KV,
-        HEAD_DIM,
-        24,
-        4,
-        torch.float32,
-        torch.device("cpu"),
-        bits,
-        attention=True,
-        shortlist=3,
-        carry=0.9,
-    )
+    pages = PageSettings(4, attention=True, shortlist=3, carry=0.9)
+    archive = PageArchive(N_KV, HEAD_DIM, 24, pages, torch.float32, torch.device("cpu"), bits)
     keys = torch.randn(N_KV, 40, HEAD_DIM)
     archive.write(keys[:, :10], keys[:, :10])
     picked = torch.tensor([[0, 1, 2], [1, 2, 4]])  # ring pages of 4 tokens; page 2 is being written
@@ -279,7 +269,7 @@ def test_the_keys_an_answer_keeps_follow_the_writes(bits):
 def test_page_choice_agrees_with_the_exact_bound_and_finds_a_planted_key():
     torch.manual_seed(5)
     size, capacity = 4, 64
-    archive = PageArchive(N_KV, HEAD_DIM, capacity, size, torch.float32, torch.device("cpu"))
+    archive = PageArchive(N_KV, HEAD_DIM, capacity, PageSettings(size), torch.float32, torch.device("cpu"))
     keys = torch.randn(N_KV, 90, HEAD_DIM)
     queries = torch.randn(N_KV, 3, HEAD_DIM)  # e.g. 3 query heads of a group, or a chunk's queries
     needle = (
@@ -317,19 +307,28 @@ def test_page_choice_agrees_with_the_exact_bound_and_finds_a_planted_key():
     assert 45 not in archive.token_index[chosen[1][valid[1]]].tolist()  # head 1 holds it: never twice
 
 
+@pytest.mark.parametrize("form", ["token", "fixed"])
 @pytest.mark.parametrize("bits", [None, 8])
-def test_one_token_writes_are_the_piece_write(bits):
-    """`PageArchive.write` of one token (a decode step's fast form, and archive.c's twin of it) leaves the
-    archive bit for bit as writing the same tokens in pieces: through two wraps of the ring, pages starting
+def test_one_token_writes_are_the_piece_write(bits, form):
+    """The one-token writes — `PageArchive.write` of one token (a decode step's fast form, and archive.c's twin
+    of it) and `write_fixed` (the fixed step's, the token's index a tensor) — leave the archive bit for bit as
+    writing the same tokens in pieces (`_write_piece`, the rule): through two wraps of the ring, pages starting
     mid-piece, NaN-free keys with exact zeros (min/max ties)."""
     torch.manual_seed(9)
     keys, values = torch.randn(N_KV, 130, HEAD_DIM), torch.randn(N_KV, 130, HEAD_DIM)
     keys[:, ::5] = 0.0
     by_token, by_piece = (
-        PageArchive(N_KV, HEAD_DIM, 48, 3, torch.float32, torch.device("cpu"), bits) for _ in "ab"
+        PageArchive(N_KV, HEAD_DIM, 48, PageSettings(3), torch.float32, torch.device("cpu"), bits)
+        for _ in "ab"
     )
     for token in range(130):
-        by_token.write(keys[:, token : token + 1], values[:, token : token + 1])
+        if form == "token":
+            by_token.write(keys[:, token : token + 1], values[:, token : token + 1])
+        else:
+            by_token.write_fixed(
+                keys[:, token : token + 1], values[:, token : token + 1], torch.tensor([token])
+            )
+            by_token.stepped_fixed()
     for start in range(0, 130, 7):
         by_piece.write(keys[:, start : start + 7], values[:, start : start + 7])
     assert by_token.tokens == by_piece.tokens == 130

@@ -1,4 +1,4 @@
-"""scripts/recall_oracle.py's `Oracle`: what it forces into the recall slots, and what it keeps of the choice.
+"""research/recall_oracle.py's `Oracle`: what it forces into the recall slots, and what it keeps of the choice.
 
 The oracle is what every "is it the choice or the placement?" row of docs/results.md rests on, so its slot
 arithmetic is checked here on hand-made slots (no model): the needle's archived tokens not in S first, then
@@ -23,11 +23,11 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def oracle_class(monkeypatch):
     """`Oracle`, with everything it patches put back after the test."""
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    monkeypatch.syspath_prepend(str(REPO))  # `research` is a folder of the repository, not of the package
     for name in ("choose", "choose_one"):
         monkeypatch.setattr(PageArchive, name, getattr(PageArchive, name))
     monkeypatch.setattr(recall_layer, "recall_is_full", recall_layer.recall_is_full)
-    from recall_oracle import Oracle
+    from research.recall_oracle import Oracle
 
     return Oracle
 

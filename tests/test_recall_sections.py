@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_cli.cache.recall import archive as archive_module
-from h2o_cli.cache.recall.archive import PageArchive
+from h2o_cli.cache.recall import scores
+from h2o_cli.cache.recall.archive import PageArchive, PageSettings
+
+SECTIONED = PageSettings(8, block_size=4, attention=True, shortlist=8)  # pages of 8, blocks of 4, 8 scored
 
 
 def rule(
@@ -52,10 +54,9 @@ def test_sections_then_blocks_pick_the_pages_the_rule_picks(monkeypatch, tokens,
     (a quarter or less: two levels). Written in a piece, then token by token with picks in between, so the
     section summaries are refreshed where the writes went; the fixed-shape fold picks the same. A ring of
     4,040 tokens (505 pages) ends in a section of one page."""
-    monkeypatch.setattr(archive_module, "SECTION_TOKENS", 32)
+    monkeypatch.setattr(scores, "SECTION_TOKENS", 32)
     torch.manual_seed(0)
-    archive = PageArchive(2, 8, capacity, 8, torch.float32, torch.device("cpu"), block_size=4, attention=True,
-                          shortlist=8)  # fmt: skip
+    archive = PageArchive(2, 8, capacity, SECTIONED, torch.float32, torch.device("cpu"))
     assert archive.section_pages == 4 and archive.section_summary.shape[1] == -(-capacity // 32)
     keys, query = torch.randn(2, tokens, 8), torch.randn(2, 3, 8)
 
@@ -78,10 +79,9 @@ def test_sections_then_blocks_pick_the_pages_the_rule_picks(monkeypatch, tokens,
 def test_few_sections_use_the_flat_bound(monkeypatch):
     """When the kept sections would hold more than a quarter of the pages, every block is bounded (the flat
     shortlist): the pages of the rule with one section holding them all."""
-    monkeypatch.setattr(archive_module, "SECTION_TOKENS", 32)
+    monkeypatch.setattr(scores, "SECTION_TOKENS", 32)
     torch.manual_seed(1)
-    archive = PageArchive(2, 8, 1024, 8, torch.float32, torch.device("cpu"), block_size=4, attention=True,
-                          shortlist=8)  # fmt: skip
+    archive = PageArchive(2, 8, 1024, SECTIONED, torch.float32, torch.device("cpu"))
     keys, query = torch.randn(2, 400, 8), torch.randn(2, 3, 8)  # 50 pages: 13 sections < 4 * 4 kept
     archive.write(keys, keys)
     assert picks(archive, query) == rule(keys, query, 8, 4, 10**6, 8)

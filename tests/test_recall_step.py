@@ -12,7 +12,7 @@ from test_recall import HEAD_DIM, N_HEADS, N_KV, make_recall_layer, naive_settin
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from h2o_cli.cache import H2OCache, RecallLayer
-from h2o_cli.cache.recall.archive import PageArchive, order_key
+from h2o_cli.cache.recall.archive import PageArchive, PageSettings, order_key
 from h2o_cli.config import CacheSettings
 
 
@@ -141,7 +141,7 @@ def test_rolling_step_positions_rank_each_heads_entries_by_token_index(full):
 def planted_archive(seed: int, tokens: int, capacity: int = 48, size: int = 4) -> PageArchive:
     """An archive past its ring's wrap whose keys repeat, so that many pages share a bound (ties by age)."""
     generator = torch.Generator().manual_seed(seed)
-    archive = PageArchive(N_KV, HEAD_DIM, capacity, size, torch.float32, torch.device("cpu"))
+    archive = PageArchive(N_KV, HEAD_DIM, capacity, PageSettings(size), torch.float32, torch.device("cpu"))
     base = torch.randn(N_KV, 5, HEAD_DIM, generator=generator)
     pick = torch.randint(0, 5, (tokens,), generator=generator)
     keys = base[:, pick]  # tokens drawn from five keys: equal page summaries are common
@@ -254,7 +254,7 @@ def test_a_recall_decode_call_stays_within_its_op_budget(tiny_pair):
 def test_held_tokens_stay_exact_after_a_rewind_past_dropped_pages():
     """`recall_is_full` counts on `held()`: after a scorer's rewind the ring holds fewer tokens than its reach
     (pages dropped for the forgotten tokens do not come back), and `oldest`/`held` say so."""
-    archive = PageArchive(N_KV, HEAD_DIM, 12, 3, torch.float32, torch.device("cpu"))
+    archive = PageArchive(N_KV, HEAD_DIM, 12, PageSettings(3), torch.float32, torch.device("cpu"))
     archive.write(torch.randn(N_KV, 30, HEAD_DIM), torch.randn(N_KV, 30, HEAD_DIM))
     for rewind_to, kept in ((25, range(18, 25)), (19, [18]), (10, [])):
         archive.rewind(rewind_to)

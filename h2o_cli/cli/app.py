@@ -10,7 +10,18 @@ import sys
 import typer
 
 from h2o_cli import __version__
-from h2o_cli.cli import bench, chat, compare, lm_eval_cmd, memory, models_cmd, plot, stream
+from h2o_cli.cli import (
+    bench,
+    calibrate,
+    chat,
+    compare,
+    lm_eval_cmd,
+    memory,
+    models_cmd,
+    passkey,
+    plot,
+    stream,
+)
 from h2o_cli.cli import eval as eval_cmd
 from h2o_cli.errors import H2OError
 
@@ -27,6 +38,8 @@ app.command("chat")(chat.chat)
 app.command("models")(models_cmd.models)
 app.command("memory")(memory.memory)
 app.command("eval", no_args_is_help=True)(eval_cmd.eval)
+app.command("passkey", no_args_is_help=True)(passkey.passkey)
+app.command("calibrate")(calibrate.calibrate)
 app.command("compare", no_args_is_help=True)(compare.compare)
 app.command("plot", no_args_is_help=True)(plot.plot)
 app.command("bench")(bench.bench)

@@ -36,6 +36,7 @@ ChatChunk = Annotated[
         "whole and chooses what recall brings back (less where budget + chunk would pass the context "
         "window). budget + chunk must fit in the context window.",
         show_default=False,
+        rich_help_panel=opt.CACHE,
     ),
 ]
 
@@ -63,14 +64,20 @@ def chat(
     temperature: opt.Temperature = 0.0,
     top_p: opt.TopP = 1.0,
     seed: opt.Seed = None,
-    no_panel: Annotated[bool, typer.Option("--no-panel", help="Hide the live cache panel.")] = False,
+    no_panel: Annotated[
+        bool, typer.Option("--no-panel", help="Hide the live cache panel.", rich_help_panel=opt.OUTPUT)
+    ] = False,
     interactive: Annotated[
         bool,
         typer.Option("--interactive", "-i", help="Keep the chat loop even when stdin is not a terminal."),
     ] = False,
     as_json: Annotated[
         bool,
-        typer.Option("--json", help="One-shot mode: print one JSON object (answer and figures) on stdout."),
+        typer.Option(
+            "--json",
+            help="One-shot mode: print one JSON object (answer and figures) on stdout.",
+            rich_help_panel=opt.OUTPUT,
+        ),
     ] = False,
     quant: opt.Quant = "none",
     device: opt.Device = "auto",

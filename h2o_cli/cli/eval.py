@@ -20,11 +20,13 @@ from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
 
 EXAMPLES = """
+
 Examples:
+
   h2o eval copa piqa openbookqa winogrande rte mathqa --budget 0.2 --policies full,local,sink,tova,h2o --shots 5
   h2o eval rte --shots 5 --limit 200 --policies full,h2o,recall --processes 2 --threads 1 --json > rte.json
-  H2O_DATA=../shared/data h2o eval xsum --budget 0.2 --limit 200
-  h2o eval hotpotqa kv-retrieval needle --budget 0.1 --limit 20 --data-dir ../shared/data
+  H2O_DATA=~/h2o-data h2o eval xsum --budget 0.2 --limit 200
+  h2o eval hotpotqa kv-retrieval needle --budget 0.1 --limit 20 --data-dir ~/h2o-data
   h2o eval copa --data my_copa.xml --json > copa.json
   h2o eval copa piqa --policies full,h2o --quant 4bit --kv-bits 8 --limit 50
 
@@ -202,10 +204,20 @@ def eval(  # noqa: A001 - the command is called eval
     dtype: options.Dtype = "auto",
     quant: options.Quant = "none",
     threads: options.Threads = 0,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON list of rows on stdout.")] = False,
-    csv_out: Annotated[bool, typer.Option("--csv", help="Print the rows as CSV on stdout.")] = False,
+    json_out: Annotated[
+        bool,
+        typer.Option("--json", help="Print one JSON list of rows on stdout.", rich_help_panel=options.OUTPUT),
+    ] = False,
+    csv_out: Annotated[
+        bool, typer.Option("--csv", help="Print the rows as CSV on stdout.", rich_help_panel=options.OUTPUT)
+    ] = False,
     verbose: Annotated[
-        bool, typer.Option("--verbose", help="Keep lm-eval's log lines and progress bars on stderr.")
+        bool,
+        typer.Option(
+            "--verbose",
+            help="Keep lm-eval's log lines and progress bars on stderr.",
+            rich_help_panel=options.OUTPUT,
+        ),
     ] = False,
     processes: Annotated[
         int,
@@ -214,6 +226,7 @@ def eval(  # noqa: A001 - the command is called eval
             min=1,
             help="Split each lm-eval task's examples over this many processes, each with its own model and "
             "cache (set --threads for each); the metrics equal one process's.",
+            rich_help_panel=options.SPEED,
         ),
     ] = 1,
 ) -> None:

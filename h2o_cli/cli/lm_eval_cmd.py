@@ -20,6 +20,8 @@ Examples:
   h2o lm-eval --model h2o --model_args model=smollm2-135m,budget=0.2,policy=h2o --tasks h2o_copa
   h2o lm-eval --model h2o --model_args budget=0.1,policy=sink --tasks h2o_piqa --limit 50
   h2o lm-eval --model hf --model_args pretrained=FOLDER --tasks h2o_copa   (lm-eval's own model)
+  torchrun --nproc_per_node 2 -m h2o_cli lm-eval --model h2o --tasks h2o_copa   (2 processes)
+  accelerate launch --multi_gpu -m h2o_cli lm-eval --model h2o --tasks h2o_copa   (one per GPU)
   h2o lm-eval ls tasks
   h2o lm-eval run -h                  (lm-eval's own options)
 """
@@ -30,6 +32,8 @@ def lm_eval(ctx: typer.Context) -> None:
 
     Every argument goes to lm-eval unchanged; `h2o lm-eval run -h` lists its options. lm-eval's own
     models (hf, vllm, ...) stay available beside h2o, for comparisons on the same tasks.
+
+    Under torchrun or accelerate launch the documents are split over the processes.
 
     Added unless you give them: --include_path (the h2o task folder), --device auto.
 

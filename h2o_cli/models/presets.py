@@ -18,7 +18,7 @@ class ModelPreset:
     gguf_package: str | None = None
     gguf_file: str | None = None
     # The KV head `--recall-lead auto` names, (layer, KV head): the best retrieval head that
-    # scripts/retrieval_heads.py found (None: not calibrated).
+    # `h2o calibrate` ranks first (None: not calibrated).
     lead_head: tuple[int, int] | None = None
 
 

@@ -1,7 +1,7 @@
 /* The `recall` archive's C twins: one token's write (`archive_token`), a one-token step's pass 1 from the page
  * bounds on (`archive_choose`), and an answer step's pass 1 under a lead head (`archive_lead_choose`).
  *
- * `archive_token` is `PageArchive.write` of one token (h2o_cli/cache/recall/archive.py), bit for bit.
+ * `archive_token` is `PageArchive.write` of one token (h2o_cli/cache/recall/store.py), bit for bit.
  * `archive_choose` is `PageArchive.choose_one` from the page bounds on and the read-back into the recall slots
  * (`RecallLayer._read_back`): the candidates (archived tokens not in S), the pages that hold one ranked by
  * bound then age, the first `recall` candidates in reading order put into the recall slots, and the hits. A hit's
@@ -27,7 +27,7 @@ static void select_top(Pair *a, int64_t n, int64_t k) {
     }
 }
 
-/* `order_key` of h2o_cli/cache/recall/archive.py for one page: the bound's bits made monotone in its value (-0.0 first
+/* `order_key` of h2o_cli/cache/recall/scores.py for one page: the bound's bits made monotone in its value (-0.0 first
  * made +0.0) in the high 32 bits, minus the page's first token index in the low ones. */
 static inline int64_t order_key(float bound, int64_t page_start) {
     const float positive_zero = bound + 0.0f;

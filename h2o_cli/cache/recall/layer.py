@@ -14,7 +14,7 @@ from h2o_cli.cache.layer import H2OLayer
 from h2o_cli.cache.paths import Call
 from h2o_cli.cache.paths.base import Recalled
 from h2o_cli.cache.positions import placed_order, rolling_positions, rotate, unrotate
-from h2o_cli.cache.recall.archive import PageArchive
+from h2o_cli.cache.recall.archive import PageArchive, PageSettings
 from h2o_cli.cache.recall.c_step import RecallCStep
 from h2o_cli.cache.recall.lead import LeadRanking
 from h2o_cli.cache.recall.step import RecallCounts, recall_is_full, rolling_step_positions
@@ -69,11 +69,10 @@ class RecallLayer(H2OLayer):
         """Allocate the archive (`capacity` tokens; `bits` and `region` as `PageArchive`) and the recall slots
         `[n_kv_heads, recall_slots, head_dim]` (in `dtype`, the compute dtype)."""
         store, policy = self.store, self.policy
+        pages = PageSettings.of(policy)
         self.archive = PageArchive(
-            store.n_kv_heads, store.head_dim, capacity, policy.page_size, dtype, device, bits, region,
-            policy.block_size, attention=policy.page_score == "attention", shortlist=policy.shortlist,
-            carry=policy.page_carry, chunk_weight=policy.chunk_weight, step_shortlist=policy.step_shortlist,
-        )  # fmt: skip
+            store.n_kv_heads, store.head_dim, capacity, pages, dtype, device, bits, region
+        )
         shape = (store.n_kv_heads, policy.recall_slots)
         self.recall_keys = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)
         self.recall_values = torch.zeros(*shape, store.head_dim, dtype=dtype, device=device)

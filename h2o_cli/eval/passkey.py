@@ -1,0 +1,187 @@
+"""Passkey retrieval after a long text: the haystacks, the needles, and asking after the text.
+
+A haystack is Paul Graham essays (the needle task's haystack) read from an offset chosen by the seed, cut so
+the whole prompt is `length` tokens, with the passkey sentence inserted at `depth` % (at a sentence end).
+The question is asked **after** the text, exactly as `h2o stream FILE --prompt Q` asks it
+(`prompting.read_then_answer` -> `streaming.prefill` -> greedy `generation.generate_ids`). A run is correct
+when the answer contains the passkey's digits. `h2o passkey` runs the grid of them (`eval/passkey_grid.py`).
+
+With two needles a pass key sits at the depth and a vault code half the text further on (wrapping); each is
+asked in turn, the second as `h2o chat` asks a new turn on the same cache, and a run counts when each answer
+holds its key.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from h2o_cli.config import parse_run_spec
+from h2o_cli.errors import InputError
+
+NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+QUESTION = "What is the pass key? Answer with the number only."
+MAX_NEW_TOKENS = 12
+TWO_NEEDLES = (
+    "\nThe pass key is {key}. Remember it. {key} is the pass key.\n",
+    "\nThe vault code is {key}. Remember it. {key} is the vault code.\n",
+)
+TWO_QUESTIONS = (
+    "What is the pass key? Answer with the number only.",
+    "What is the vault code? Answer with the number only.",
+)
+TWO_MAX_NEW_TOKENS = 16  # per answer: "The vault code is 12345." and a little more
+
+
+def haystack_text(path: str | Path | None = None) -> str:
+    """The text haystacks are cut from: `path` if a file, the essays of `path` if a folder of *.txt, else the
+    Paul Graham essays of the data folder (`--data-dir` / $H2O_DATA)."""
+    from h2o_cli.eval.data import load_essays
+
+    if path is not None and Path(path).is_file():
+        try:
+            return Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise InputError(f"{path} is not UTF-8 text: {error}") from error
+    if path is not None and not Path(path).is_dir():
+        raise InputError(f"haystack {path} not found (a text file, or a folder of *.txt)")
+    return load_essays(path)
+
+
+def haystacks(tokenizer, essays: str, length: int, depths: list[int], seed: int, needles: int = 1):
+    """(depth, passkey, text) for one seed: `length` prompt tokens in all, the passkey at each depth. With
+    `needles=2` the passkey is the two keys joined by a space, the pass key at `depth`, the vault code at
+    `depth + 50` % (wrapping), each at a sentence end."""
+    from h2o_cli.prompting import document_frame
+
+    rng = random.Random(seed)
+    keys = [str(rng.randint(10000, 99999)) for _ in range(needles)]
+    texts = (NEEDLE,) if needles == 1 else TWO_NEEDLES
+    inserted = [text.format(key=key) for text, key in zip(texts, keys, strict=True)]
+    before, after = document_frame(tokenizer, QUESTION if needles == 1 else TWO_QUESTIONS[0])
+    overhead = len(tokenizer(before + "".join(inserted) + after)["input_ids"])
+    ids = tokenizer(essays, add_special_tokens=False)["input_ids"]
+    room = length - overhead
+    start = rng.randrange(0, max(1, len(ids) - room))
+    context = tokenizer.decode(ids[start : start + room])
+
+    def cut_at(depth: int) -> int:  # the sentence end before `depth` % of the context
+        cut = int(len(context) * depth / 100)
+        period = context.rfind(".", 0, cut)
+        return period + 1 if period >= 0 else cut
+
+    for depth in depths:
+        cuts = [cut_at(depth), cut_at((depth + 50) % 100)][: len(inserted)]
+        places = sorted(zip(cuts, inserted, strict=True))
+        text, last = "", 0
+        for cut, needle in places:
+            text, last = text + context[last:cut] + needle, cut
+        yield depth, " ".join(keys), text + context[last:]
+
+
+def needle_tokens(tokenizer, text: str, key: str, head: int) -> tuple[list[int], list[int]]:
+    """Stream indices of the (one) needle sentence's tokens in `text`, and of the passkey's first mention in
+    it (`head`: tokens read before the text)."""
+    needle = NEEDLE.format(key=key)
+    start = text.index(needle)
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+
+    def inside(begin: int, end: int) -> list[int]:
+        return [head + i for i, (a, b) in enumerate(offsets) if a < end and b > begin and text[a:b].strip()]
+
+    digits = start + needle.index(key)
+    return inside(start, start + len(needle)), inside(digits, digits + len(key))
+
+
+def answer(
+    model, tokenizer, settings, text: str, questions: tuple[str, ...] = (QUESTION,), heads=None
+) -> tuple[str, int, float]:
+    """What `h2o stream --prompt QUESTION` answers after `text`: (answer, prompt tokens, seconds). With more
+    than one question, each next one is asked as `h2o chat` asks a new turn, on the same cache (the answers
+    joined by " | "). `heads`: an object whose `attach(cache)` is called on the fresh cache before it reads
+    (research/recall_heads.py limits recall to some KV heads so)."""
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.streaming import prefill
+
+    started = time.perf_counter()
+    pieces = prompt_pieces(tokenizer, text, questions[0])
+    cache = H2OCache(model, settings, span=cache_span(sum(map(len, pieces)), questions))
+    if heads is not None:
+        heads.attach(cache)
+    logits, stats = prefill(model, cache, pieces, settings.chunk)
+    stats.reraise()
+    said, tokens = ask(model, tokenizer, cache, logits, text, questions, settings.chunk)
+    return said, stats.tokens + tokens, time.perf_counter() - started
+
+
+def prompt_pieces(tokenizer, text: str, question: str) -> list[list[int]]:
+    """The ids `h2o stream --prompt QUESTION` reads for `text`: `read_then_answer`'s pieces (the frame's head,
+    the text, and the question as a `NewChunk`)."""
+    from h2o_cli.prompting import read_then_answer
+
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return list(read_then_answer(tokenizer, [ids], question))
+
+
+def cache_span(prompt_tokens: int, questions: tuple[str, ...]) -> int:
+    """The most tokens a run's cache is given: its prompt, then per question an answer and a turn's frame."""
+    return prompt_tokens + len(questions) * (most_new(questions) + 64)
+
+
+def most_new(questions: tuple[str, ...]) -> int:
+    """The most tokens an answer may take: `MAX_NEW_TOKENS` for one question, `TWO_MAX_NEW_TOKENS` each for two."""
+    return MAX_NEW_TOKENS if len(questions) == 1 else TWO_MAX_NEW_TOKENS
+
+
+def ask(model, tokenizer, cache, logits, text: str, questions: tuple[str, ...], chunk: int):
+    """Answer `questions[0]` from `logits` (the cache has read `text` and it), then each next question as a new
+    chat turn. Returns (the answers joined by " | ", the tokens of the later turns read)."""
+    from h2o_cli.chat.framing import answer_suffix, turn_text
+    from h2o_cli.generation import Sampling, TextStreamer, generate_ids
+    from h2o_cli.prompting import NewChunk
+    from h2o_cli.streaming import prefill
+
+    most = most_new(questions)
+    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    history, answers, tokens = [{"role": "user", "content": text + "\n\n" + questions[0]}], [], 0
+    for number, question in enumerate(questions):
+        if number:  # the next question, as chat frames a new turn after the answer
+            history.append({"role": "assistant", "content": answers[-1]})
+            turn = answer_suffix(tokenizer, None) + turn_text(tokenizer, None, history, question)
+            history.append({"role": "user", "content": question})
+            ids = NewChunk(tokenizer(turn, add_special_tokens=False)["input_ids"])
+            logits, stats = prefill(model, cache, [ids], chunk)
+            stats.reraise()
+            tokens += stats.tokens
+        streamer = TextStreamer(tokenizer)
+        for token in generate_ids(model, cache, logits, Sampling(max_new_tokens=most), stop):
+            streamer.push(token)
+        answers.append(streamer.printed.strip() if len(questions) > 1 else streamer.printed)
+    return " | ".join(answers), tokens
+
+
+def correct(key: str, said: str) -> bool:
+    """Each key (space-separated) in its answer (answers joined by " | ", in the keys' order)."""
+    keys, answers = key.split(), said.split(" | ")
+    return len(answers) == len(keys) and all(k in part for k, part in zip(keys, answers, strict=True))
+
+
+def answer_in_chat(
+    spec: str, budget_tokens: int, chunk: int, text: str, threads: int
+) -> tuple[str, int, float]:
+    """The same question through `h2o chat` (one-shot: the text and the question as one piped message)."""
+    name, extra = parse_run_spec(spec)
+    flags = [f"--{field.replace('_', '-')}={value}" for field, value in extra.items()]
+    command = [sys.executable, "-c", "from h2o_cli.cli.app import main; main()", "chat", "--no-panel", "--json",
+               "--policy", name, "--budget", str(budget_tokens), "--chunk", str(chunk), "--threads", str(threads),
+               "--max-new-tokens", str(MAX_NEW_TOKENS), *flags]  # fmt: skip
+    started = time.perf_counter()
+    done = subprocess.run(command, input=text + "\n\n" + QUESTION, capture_output=True, text=True)
+    if done.returncode != 0:
+        return f"ERROR: {done.stderr.strip()[-200:]}", 0, 0.0
+    report = json.loads(done.stdout)
+    return report["answer"], report.get("last_prompt_tokens", 0), time.perf_counter() - started
