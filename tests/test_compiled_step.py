@@ -74,8 +74,10 @@ def assert_same_cache(eager: H2OCache, captured: H2OCache, hits_rel: float | Non
             assert torch.equal(kept, reference.token_index[head][reference.valid[head]].sort().values)
     if mine.archive:
         exact = [key for key in ARCHIVE_FIGURES if key != "recall_hits"]
-        assert [mine.archive[key] for key in exact] == pytest.approx([theirs.archive[key] for key in exact])
-        assert mine.archive["recall_hits"] == pytest.approx(theirs.archive["recall_hits"], rel=hits_rel)
+        assert [getattr(mine.archive, key) for key in exact] == pytest.approx(
+            [getattr(theirs.archive, key) for key in exact]
+        )
+        assert mine.archive.recall_hits == pytest.approx(theirs.archive.recall_hits, rel=hits_rel)
 
 
 @pytest.fixture(scope="module")

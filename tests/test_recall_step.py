@@ -92,9 +92,9 @@ def test_decode_step_equals_the_chunk_path(tiny_pair, tmp_path, step_calls, posi
         "archive_reach",
     )
     mine, theirs = fast.archive_summary(), slow.archive_summary()
-    assert [mine[key] for key in figures] == pytest.approx([theirs[key] for key in figures])
+    assert [getattr(mine, key) for key in figures] == pytest.approx([getattr(theirs, key) for key in figures])
     # The ring wraps during decode; the slots start partly empty with a short prefill only.
-    assert mine["archive_reach"] > 0 and mine["recall_hits"] > 0
+    assert mine.archive_reach > 0 and mine.recall_hits > 0
     assert any(partly_empty) == (prefill == 14) and not partly_empty[-1]
     fast.close()
     slow.close()

@@ -54,7 +54,7 @@ def test_recall_past_a_tiny_models_window_equals_the_naive_simulation(monkeypatc
     want = naive_model_nll(model, ids, settings, chunk=8)
     assert early_recalls > 0, "no token of the first window was recalled in the fifth"
     assert max(lengths) <= 16 + 8 < WINDOW  # rolling: E_q ranks, never the token index
-    assert cache.archive_summary()["archive_oldest"] == 0
+    assert cache.archive_summary().archive_oldest == 0
     assert len(ours) == len(want) == 319
     for position, (got, expected) in enumerate(zip(ours, want, strict=True)):
         assert abs(got - expected) <= NLL_TOLERANCE, f"prediction {position}: {got} vs {expected}"
@@ -91,7 +91,7 @@ def test_recall_in_named_layers_equals_the_naive_simulation(kernels):
     for position, (got, expected) in enumerate(zip(ours, want, strict=True)):
         assert abs(got - expected) <= NLL_TOLERANCE, f"prediction {position}: {got} vs {expected}"
     summary, recalled = cache.archive_summary(), cache.layer_slots()[0].recalled
-    assert summary["archive_bytes"] == cache.layers[1].archive.nbytes()
+    assert summary.archive_bytes == cache.layers[1].archive.nbytes()
     assert recalled.shape == cache.layers[1].recall_index.shape and bool((recalled == -1).all())
 
 
@@ -202,7 +202,7 @@ def test_recall_past_the_embedded_models_window(smollm):
             handle.remove()
     with torch.no_grad():
         want, queries = reference_last_call(model, ids[first:], resident, recalled, keys, values)
-    assert cache.tokens_seen == total and cache.archive_summary()["archive_oldest"] == 0
+    assert cache.tokens_seen == total and cache.archive_summary().archive_oldest == 0
     # A book read far better than chance (uniform over the vocabulary: log(vocab) nats per token).
     assert math.isfinite(nll / predictions) and nll / predictions < math.log(config.vocab_size) / 2
     far = [t for layer in recalled for head in layer for t in head if first - t > MODEL_WINDOW]
