@@ -151,6 +151,20 @@ def smollm():
     return load_model("smollm2-135m", device="cpu", dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def plain_smollm(smollm):
+    """The embedded model's weights in a plain transformers model (sdpa attention, no h2o code): the reference
+    a cache that evicts nothing must equal."""
+    from transformers import AutoModelForCausalLM
+
+    model, _ = smollm
+    config = copy.deepcopy(model.config)
+    config._attn_implementation = "sdpa"
+    plain = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    plain.load_state_dict(model.state_dict())
+    return plain
+
+
 @pytest.fixture(scope="session")
 def excerpt() -> str:
     """A real-text excerpt shipped in the repo (Frankenstein, Project Gutenberg, public domain)."""
