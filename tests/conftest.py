@@ -67,6 +67,19 @@ def feed_chunk(layer, q, k, v, start: int) -> torch.Tensor:
     return layer.attend(rotate(q, cos, sin)[None], q.shape[-1] ** -0.5)[0].transpose(0, 1)
 
 
+def feed_torch_and_c(torch_layer, c_layer, q, k, v, start: int, c_calls) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk (as `feed_chunk`) to a torch-step layer, then to a C-step layer: their outputs (torch's, C's).
+    `c_calls`, a mock wrapping `native.step`, proves the two took different paths: the torch layer made no C
+    call, and the C layer one exactly when the call is a one-token step of a full store (its C step)."""
+    before = c_calls.call_count
+    c_step = q.shape[1] == 1 and c_layer.store.length == c_layer.store.budget
+    want = feed_chunk(torch_layer, q, k, v, start)
+    assert c_calls.call_count == before, "the torch layer called the C step"
+    got = feed_chunk(c_layer, q, k, v, start)
+    assert c_calls.call_count == before + c_step, f"token {start}: the C layer's C calls, want {int(c_step)}"
+    return want, got
+
+
 def feed_against_naive(
     layer, settings, inv_freq, chunks, n_heads: int, after_chunk=None, dtype=torch.float64
 ) -> None:

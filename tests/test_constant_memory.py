@@ -88,19 +88,49 @@ def test_original_positions_stop_at_the_window_and_keep_the_partial_result(tiny_
     assert stats.tokens == window - window % 50 and stats.predictions == stats.tokens - 1
 
 
+def sliding_window_nll(plain, ids: list[int], window: int) -> list[float]:
+    """NLL of each next token when every chunk of `window` tokens is read after the `window` before it (and no
+    older one), by plain transformers: one forward per chunk over those 2 * `window` tokens at positions
+    0 .. 2 * window - 1. What `local` with budget = chunk = `window` attends on rolling positions."""
+    nll = []
+    with torch.no_grad():
+        for start in range(0, len(ids), window):
+            low = max(0, start - window)
+            logits = plain(torch.tensor([ids[low : start + window]])).logits[0, start - low :].float()
+            targets = torch.tensor(ids[start + 1 : start + window + 1])
+            logprobs = torch.log_softmax(logits[: len(targets)], -1)
+            nll += (-logprobs.gather(1, targets[:, None])[:, 0]).tolist()
+    return nll
+
+
 @pytest.mark.slow
-def test_embedded_model_streams_past_8192_in_fixed_buffers(smollm):
-    from conftest import FIXTURES
+@pytest.mark.parametrize("policy", ["h2o", "local"])
+def test_embedded_model_streams_past_8192_in_fixed_buffers(smollm, plain_smollm, excerpt, policy):
+    """9,000 tokens, past the model's 8,192-token window, in buffers that never move or grow. Under `local`,
+    each chunk's NLL is plain transformers' over the chunk and the 256 tokens before it (`sliding_window_nll`),
+    to float rounding (tests/test_reference.py's per-token tolerance); `h2o`'s values past the window are the
+    naive simulation's on the tiny model above."""
+    from test_reference import NLL_TOLERANCE
 
     model, tokenizer = smollm
-    text = (FIXTURES / "frankenstein_excerpt.txt").read_text()
-    ids = (tokenizer(text)["input_ids"] * 12)[:9000]
-    cache = H2OCache(model, CacheSettings(budget=256, chunk=256))
-    before = buffer_layout(cache)
-    stats, layouts = stream_and_watch(model, cache, ids, 256)
+    ids = (tokenizer(excerpt)["input_ids"] * 12)[:9000]
+    cache = H2OCache(model, CacheSettings(budget=256, chunk=256, policy=policy))
+    before, running, layouts = buffer_layout(cache), [0.0], []
+
+    def watch(stats) -> None:
+        running.append(stats.nll)
+        layouts.append(buffer_layout(cache))
+
+    stats = stream_perplexity(model, cache, [ids], 256, on_chunk=watch)
     assert stats.error is None and stats.tokens == 9000 > model.config.max_position_embeddings
     assert all(layout == before for layout in layouts)
-    assert stats.ppl < 50
+    if policy == "local":
+        ours = [after - before for before, after in zip(running, running[1:], strict=False)]
+        want = sliding_window_nll(plain_smollm, ids, 256)
+        per_chunk = [sum(want[:255])] + [
+            sum(want[start - 1 : start + 255]) for start in range(256, 9000, 256)
+        ]
+        assert ours == pytest.approx(per_chunk, abs=256 * NLL_TOLERANCE)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "local", "sink", "tova"])

@@ -8,7 +8,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import assert_same_store, feed_against_naive, feed_chunk, tiny_config
+from conftest import assert_same_store, feed_against_naive, feed_chunk, feed_torch_and_c, tiny_config
 from h2o_kernels import native
 from naive import inv_freq_of
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -42,22 +42,17 @@ def run_both(steps: int, **options) -> int:
     full (else both arms ran the torch step and the comparison proved nothing). Returns the C calls."""
     torch_layer, c_layer = make_layer("torch", **options), make_layer("native", **options)
     torch.manual_seed(7)
-    start, taken = 0, 0
+    start = 0
     with mock.patch.object(native, "step", wraps=native.step) as c_calls:
         for chunk in [6, 5] + [1] * steps:
             q = torch.randn(N_HEADS, chunk, HEAD_DIM) * 2
             k = torch.randn(N_KV, chunk, HEAD_DIM) * 2
             v = torch.randn(N_KV, chunk, HEAD_DIM)
-            c_step = chunk == 1 and c_layer.store.length == c_layer.store.budget
-            want = feed_chunk(torch_layer, q, k, v, start)
-            assert c_calls.call_count == taken, "the torch layer called the C step"
-            got = feed_chunk(c_layer, q, k, v, start)
-            taken += c_step
-            assert c_calls.call_count == taken, f"the C layer's call {start} took the C step: {c_step}"
+            want, got = feed_torch_and_c(torch_layer, c_layer, q, k, v, start, c_calls)
             torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
             assert_same_store(c_layer.store, torch_layer.store, start)
             start += chunk
-    return taken
+    return c_calls.call_count
 
 
 def run_native_against_naive(steps: int, **options) -> H2OLayer:
