@@ -20,11 +20,23 @@ def buffer_layout(cache: H2OCache) -> list[tuple[int, tuple[int, ...]]]:
 
 
 def stream_and_watch(model, cache, ids, chunk):
-    layouts = []
-    stats = stream_perplexity(
-        model, cache, [ids], chunk, on_chunk=lambda _: layouts.append(buffer_layout(cache))
-    )
-    return stats, layouts
+    """`stream_perplexity` of `ids` in chunks of `chunk`: (its stats, the buffers' layout after each chunk,
+    each chunk's NLL: its tokens' predictions, the first from the chunk before)."""
+    layouts, running = [], [0.0]
+
+    def watch(stats) -> None:
+        layouts.append(buffer_layout(cache))
+        running.append(stats.nll)
+
+    stats = stream_perplexity(model, cache, [ids], chunk, on_chunk=watch)
+    return stats, layouts, [after - before for before, after in zip(running, running[1:], strict=False)]
+
+
+def per_chunk(nll: list[float], chunk: int) -> list[float]:
+    """Per-prediction NLLs (the first predicts token 1) summed as `stream_and_watch` reports them per chunk."""
+    return [sum(nll[: chunk - 1])] + [
+        sum(nll[start - 1 : start - 1 + chunk]) for start in range(chunk, len(nll) + 1, chunk)
+    ]
 
 
 @pytest.fixture
@@ -40,42 +52,26 @@ def short_window():
 
 @pytest.mark.parametrize("policy", ["h2o", "local", "sink", "tova"])
 @pytest.mark.parametrize("chunk", [1, 16])
-def test_tiny_model_streams_6x_its_window_in_fixed_buffers(short_window, policy, chunk):
+def test_tiny_model_streams_6x_its_window_in_fixed_buffers_as_the_naive_simulation(
+    short_window, policy, chunk
+):
+    """Six windows of tokens through 32 slots on rolling positions: the buffers never move or grow, and every
+    chunk's NLL equals the naive SPEC.md simulation's."""
     model = short_window
     window = model.config.max_position_embeddings
     ids = torch.randint(
         0, model.config.vocab_size, (6 * window,), generator=torch.Generator().manual_seed(0)
     ).tolist()
-    cache = H2OCache(model, CacheSettings(budget=32, policy=policy, chunk=chunk))
+    settings = CacheSettings(budget=32, policy=policy, chunk=chunk)
+    cache = H2OCache(model, settings)
     before = buffer_layout(cache)
-    stats, layouts = stream_and_watch(model, cache, ids, chunk)
+    stats, layouts, ours = stream_and_watch(model, cache, ids, chunk)
     assert stats.error is None and stats.tokens == len(ids) and stats.predictions == len(ids) - 1
     assert all(layout == before for layout in layouts)
     assert cache.length == 32 and cache.tokens_seen == len(ids)
-
-
-@pytest.mark.parametrize(
-    ("policy", "chunk"), [("h2o", 1), ("h2o", 16), ("local", 16), ("sink", 16), ("tova", 16)]
-)
-def test_rolling_stream_past_the_window_matches_naive(short_window, policy, chunk):
-    """Three windows of tokens through 32 slots: every chunk's NLL equals the naive SPEC.md simulation's."""
-    model = short_window
-    window = model.config.max_position_embeddings
-    ids = torch.randint(
-        0, model.config.vocab_size, (3 * window,), generator=torch.Generator().manual_seed(1)
-    ).tolist()
-    settings = CacheSettings(budget=32, policy=policy, chunk=chunk)
-    running = [0.0]
-    stream_perplexity(
-        model, H2OCache(model, settings), [ids], chunk, on_chunk=lambda s: running.append(s.nll)
-    )
-    ours = [after - before for before, after in zip(running, running[1:], strict=False)]
-    naive = naive_model_nll(model, ids, settings, chunk=chunk)  # one entry per prediction
-    per_chunk = [sum(naive[: chunk - 1])] + [
-        sum(naive[start - 1 : start - 1 + chunk]) for start in range(chunk, len(ids), chunk)
-    ]
-    assert len(ours) == len(per_chunk) == -(-len(ids) // chunk)
-    assert ours == pytest.approx(per_chunk, abs=1e-4)  # float32 sums of up to 16 NLLs of ~5 nats
+    want = per_chunk(naive_model_nll(model, ids, settings, chunk=chunk), chunk)  # one entry per prediction
+    assert len(ours) == len(want) == -(-len(ids) // chunk)
+    assert ours == pytest.approx(want, abs=1e-4)  # float32 sums of up to 16 NLLs of ~5 nats
 
 
 def test_original_positions_stop_at_the_window_and_keep_the_partial_result(tiny_pair):
@@ -115,22 +111,13 @@ def test_embedded_model_streams_past_8192_in_fixed_buffers(smollm, plain_smollm,
     model, tokenizer = smollm
     ids = (tokenizer(excerpt)["input_ids"] * 12)[:9000]
     cache = H2OCache(model, CacheSettings(budget=256, chunk=256, policy=policy))
-    before, running, layouts = buffer_layout(cache), [0.0], []
-
-    def watch(stats) -> None:
-        running.append(stats.nll)
-        layouts.append(buffer_layout(cache))
-
-    stats = stream_perplexity(model, cache, [ids], 256, on_chunk=watch)
+    before = buffer_layout(cache)
+    stats, layouts, ours = stream_and_watch(model, cache, ids, 256)
     assert stats.error is None and stats.tokens == 9000 > model.config.max_position_embeddings
     assert all(layout == before for layout in layouts)
     if policy == "local":
-        ours = [after - before for before, after in zip(running, running[1:], strict=False)]
-        want = sliding_window_nll(plain_smollm, ids, 256)
-        per_chunk = [sum(want[:255])] + [
-            sum(want[start - 1 : start + 255]) for start in range(256, 9000, 256)
-        ]
-        assert ours == pytest.approx(per_chunk, abs=256 * NLL_TOLERANCE)
+        want = per_chunk(sliding_window_nll(plain_smollm, ids, 256), 256)
+        assert len(ours) == len(want) and ours == pytest.approx(want, abs=256 * NLL_TOLERANCE)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "local", "sink", "tova"])
