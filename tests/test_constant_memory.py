@@ -84,17 +84,23 @@ def test_original_positions_stop_at_the_window_and_keep_the_partial_result(tiny_
     assert stats.tokens == window - window % 50 and stats.predictions == stats.tokens - 1
 
 
-def sliding_window_nll(plain, ids: list[int], window: int) -> list[float]:
-    """NLL of each next token when every chunk of `window` tokens is read after the `window` before it (and no
-    older one), by plain transformers: one forward per chunk over those 2 * `window` tokens at positions
-    0 .. 2 * window - 1. What `local` with budget = chunk = `window` attends on rolling positions."""
-    nll = []
+def local_window_nll(plain, ids: list[int], window: int) -> list[float]:
+    """NLL of each next token by plain transformers when each chunk of `window` tokens attends the `window`
+    tokens before it and itself, causally: a `DynamicCache` whose oldest entries are dropped after each chunk,
+    every key rotated at its own position (RoPE is relative: rolling ranks give the same logits). What `local`
+    with budget = chunk = `window` attends."""
+    from transformers import DynamicCache
+
+    cache, nll = DynamicCache(), []
     with torch.no_grad():
         for start in range(0, len(ids), window):
-            low = max(0, start - window)
-            logits = plain(torch.tensor([ids[low : start + window]])).logits[0, start - low :].float()
+            piece = ids[start : start + window]
+            positions = torch.arange(start, start + len(piece))[None]
+            logits = plain(torch.tensor([piece]), cache=cache, position_ids=positions).logits[0]
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, -window:], layer.values[:, :, -window:]
             targets = torch.tensor(ids[start + 1 : start + window + 1])
-            logprobs = torch.log_softmax(logits[: len(targets)], -1)
+            logprobs = torch.log_softmax(logits[: len(targets)].float(), -1)
             nll += (-logprobs.gather(1, targets[:, None])[:, 0]).tolist()
     return nll
 
@@ -103,7 +109,7 @@ def sliding_window_nll(plain, ids: list[int], window: int) -> list[float]:
 @pytest.mark.parametrize("policy", ["h2o", "local"])
 def test_embedded_model_streams_past_8192_in_fixed_buffers(smollm, plain_smollm, excerpt, policy):
     """9,000 tokens, past the model's 8,192-token window, in buffers that never move or grow. Under `local`,
-    each chunk's NLL is plain transformers' over the chunk and the 256 tokens before it (`sliding_window_nll`),
+    each chunk's NLL is plain transformers' over the chunk and the 256 tokens before it (`local_window_nll`),
     to float rounding (tests/test_reference.py's per-token tolerance); `h2o`'s values past the window are the
     naive simulation's on the tiny model above."""
     from test_reference import NLL_TOLERANCE
@@ -116,7 +122,7 @@ def test_embedded_model_streams_past_8192_in_fixed_buffers(smollm, plain_smollm,
     assert stats.error is None and stats.tokens == 9000 > model.config.max_position_embeddings
     assert all(layout == before for layout in layouts)
     if policy == "local":
-        want = per_chunk(sliding_window_nll(plain_smollm, ids, 256), 256)
+        want = per_chunk(local_window_nll(plain_smollm, ids, 256), 256)
         assert len(ours) == len(want) and ours == pytest.approx(want, abs=256 * NLL_TOLERANCE)
 
 
