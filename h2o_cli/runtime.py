@@ -51,6 +51,6 @@ def cache_summary(cache: H2OCache) -> dict:
         "kv_cache_bytes_per_head": per_head,
         "cached_tokens": report.length,
         "evictions": report.evictions,
-        **report.archive,
+        **report.archive_row,
         **slot_stats(cache.layer_slots(), report.recent_window).summary(),  # what the heavy slots hold now
     }

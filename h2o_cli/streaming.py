@@ -172,7 +172,7 @@ def prefill(
             input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
             asks = getattr(ids, "asks", 0)
             asking = asks and isinstance(cache, H2OCache)
-            again = asking and asks > 1 and cache.lead is not None
+            again = asking and asks > 1 and cache.report().has_lead
             if again:  # read the question once for the lead head's ranking, put the cache back, read it again
                 state = cache.state()
                 with cache.asking(asks):

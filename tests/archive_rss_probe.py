@@ -61,7 +61,7 @@ def main(archive: str, marks: list[int]) -> dict:
             if start + CHUNK in marks:
                 peaks[start + CHUNK] = peak_rss()
                 now[start + CHUNK] = current_rss()
-    return {"peak_rss_bytes": peaks, "rss_bytes": now, **cache.archive_summary()}
+    return {"peak_rss_bytes": peaks, "rss_bytes": now, **cache.report().archive_row}
 
 
 if __name__ == "__main__":

@@ -67,11 +67,27 @@ def feed_chunk(layer, q, k, v, start: int) -> torch.Tensor:
     return layer.attend(rotate(q, cos, sin)[None], q.shape[-1] ** -0.5)[0].transpose(0, 1)
 
 
-def feed_against_naive(layer, settings, inv_freq, chunks, n_heads: int, after_chunk=None) -> None:
+def feed_torch_and_c(torch_layer, c_layer, q, k, v, start: int, c_calls) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk (as `feed_chunk`) to a torch-step layer, then to a C-step layer: their outputs (torch's, C's).
+    `c_calls`, a mock wrapping `native.step`, proves the two took different paths: the torch layer made no C
+    call, and the C layer one exactly when the call is a one-token step of a full store (its C step)."""
+    before = c_calls.call_count
+    c_step = q.shape[1] == 1 and c_layer.store.length == c_layer.store.budget
+    want = feed_chunk(torch_layer, q, k, v, start)
+    assert c_calls.call_count == before, "the torch layer called the C step"
+    got = feed_chunk(c_layer, q, k, v, start)
+    assert c_calls.call_count == before + c_step, f"token {start}: the C layer's C calls, want {int(c_step)}"
+    return want, got
+
+
+def feed_against_naive(
+    layer, settings, inv_freq, chunks, n_heads: int, after_chunk=None, dtype=torch.float64
+) -> None:
     """Random chunks (spiky logits, so a few tokens become heavy hitters) through `layer` and through the naive
     simulation (tests/naive.py): after each chunk the outputs and every KV head's kept tokens must agree (a chunk
     given as (size, asks) ends in a question of `asks` tokens, `H2OCache.asking`);
-    `after_chunk(store)` adds the caller's own checks."""
+    `after_chunk(store)` adds the caller's own checks. `dtype`: what the layer is given (float32: the model's
+    dtype, which the one-token steps of a float32 store take; the naive simulation gets the same values)."""
     from naive import NaiveHeadState, naive_attend_chunk
 
     store = layer.store
@@ -80,15 +96,17 @@ def feed_against_naive(layer, settings, inv_freq, chunks, n_heads: int, after_ch
     start = 0
     for c in chunks:
         c, asks = c if isinstance(c, tuple) else (c, 0)  # (size, question tokens ending it)
-        q = torch.randn(n_heads, c, head_dim, dtype=torch.float64) * 2
-        k = torch.randn(n_kv, c, head_dim, dtype=torch.float64) * 2
-        v = torch.randn(n_kv, c, head_dim, dtype=torch.float64)
+        q = (torch.randn(n_heads, c, head_dim, dtype=torch.float64) * 2).to(dtype).double()
+        k = (torch.randn(n_kv, c, head_dim, dtype=torch.float64) * 2).to(dtype).double()
+        v = torch.randn(n_kv, c, head_dim, dtype=torch.float64).to(dtype).double()
         layer.asks = asks
-        got = feed_chunk(layer, q, k, v, start)
+        got = feed_chunk(layer, q.to(dtype), k.to(dtype), v.to(dtype), start).double()
         layer.asks = 0
         want = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, head_dim**-0.5, asks)
-        # The model's rotary tables are float32 (cos/sin error ~1e-7); everything else is float64.
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # The model's rotary tables are float32 (cos/sin error ~1e-7); everything else is float64, or float32
+        # throughout (softmax sums of ~20 terms: ~1e-6 relative, held to 1e-4 as the float32 decode tests are).
+        tolerance = 1e-5 if dtype == torch.float64 else 1e-4
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
         start += c
         for j, head in enumerate(heads):
             kept = sorted(store.token_index[j][store.valid[j]].tolist())
@@ -144,6 +162,20 @@ def smollm():
 
     torch.set_num_threads(torch_threads())
     return load_model("smollm2-135m", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def plain_smollm(smollm):
+    """The embedded model's weights in a plain transformers model (sdpa attention, no h2o code): the reference
+    a cache that evicts nothing must equal."""
+    from transformers import AutoModelForCausalLM
+
+    model, _ = smollm
+    config = copy.deepcopy(model.config)
+    config._attn_implementation = "sdpa"
+    plain = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    plain.load_state_dict(model.state_dict())
+    return plain
 
 
 @pytest.fixture(scope="session")

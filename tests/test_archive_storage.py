@@ -73,18 +73,18 @@ def test_a_file_archive_recalls_bit_for_bit_what_the_ram_archive_does(
     got, disk = run_stream(model, CacheSettings(**base, archive=f"{tmp_path}/"), ids, chunk)
     assert torch.equal(got, want)
     on_disk, in_ram = disk.archive_summary(), ram.archive_summary()
-    path = on_disk["archive_path"]
-    assert os.path.dirname(path) == str(tmp_path) and os.path.getsize(path) >= on_disk["archive_disk_bytes"]
-    assert in_ram["archive_storage"] == "ram" and in_ram["archive_disk_bytes"] == 0
-    assert on_disk["archive_storage"] == "disk" and on_disk["archive_bytes"] == in_ram["archive_bytes"]
+    path = on_disk.archive_path
+    assert os.path.dirname(path) == str(tmp_path) and os.path.getsize(path) >= on_disk.archive_disk_bytes
+    assert in_ram.archive_storage == "ram" and in_ram.archive_disk_bytes == 0
+    assert on_disk.archive_storage == "disk" and on_disk.archive_bytes == in_ram.archive_bytes
     # The file holds the K/V (and scales); the token index and page summaries stay in RAM.
     layers, shape = len(disk.layers), disk.shape
     kv = 64 * shape.n_kv_heads * memory.token_kv_bytes(shape, bits, 4)
-    assert on_disk["archive_disk_bytes"] == layers * kv
-    assert on_disk["archive_ram_bytes"] == in_ram["archive_ram_bytes"] - layers * kv
+    assert on_disk.archive_disk_bytes == layers * kv
+    assert on_disk.archive_ram_bytes == in_ram.archive_ram_bytes - layers * kv
     for key in ("archive_reach", "archive_tokens", "recalled_per_step", "recall_hits"):
-        assert on_disk[key] == in_ram[key]
-    assert on_disk["archive_reach"] == 150 - 62 and on_disk["recalled_per_step"] > 0
+        assert getattr(on_disk, key) == getattr(in_ram, key)
+    assert on_disk.archive_reach == 150 - 62 and on_disk.recalled_per_step > 0
     disk.close()
     assert not os.listdir(tmp_path)
 
@@ -104,9 +104,7 @@ def test_recall_hits_are_tokens_kept_in_the_recall_slots_from_one_step_to_the_ne
             assert layer.hits == counted[-1]
     assert layer.hits_total == pytest.approx(sum(counted)) and 0 < sum(counted) < layer.recalled_total
     summary = cache.archive_summary()
-    assert summary["archive_reads_per_step"] == pytest.approx(
-        summary["recalled_per_step"] - summary["recall_hits"]
-    )
+    assert summary.archive_reads_per_step == pytest.approx(summary.recalled_per_step - summary.recall_hits)
 
 
 def test_int8_archive_summaries_are_the_exact_keys_so_the_pages_chosen_are_the_same():
@@ -157,7 +155,7 @@ def test_an_int8_archive_errs_no_more_than_an_int8_kv_cache(tiny_pair, chunk):
     )
     int8_error = float((int8_kv - want).abs().max())
     assert float((got - want).abs().max()) <= 2 * int8_error + 1e-5
-    assert cache.archive_summary()["recalled_per_step"] > 0 and int8_error > 0
+    assert cache.archive_summary().recalled_per_step > 0 and int8_error > 0
 
 
 def test_a_cap_in_bytes_holds_the_whole_pages_that_fit(tiny_pair):
@@ -178,11 +176,9 @@ def test_a_cap_in_bytes_holds_the_whole_pages_that_fit(tiny_pair):
         )
         cache = H2OCache(model, settings)
         summary = cache.archive_summary()
-        assert summary["archive_capacity"] == 40 * 1024 // page_bytes * 8
-        assert summary["archive_bytes"] <= 40 * 1024 < summary["archive_bytes"] + page_bytes
-        assert summary["archive_bytes"] == memory.archive_bytes(
-            shape, summary["archive_capacity"], 8, 4, bits
-        )
+        assert summary.archive_capacity == 40 * 1024 // page_bytes * 8
+        assert summary.archive_bytes <= 40 * 1024 < summary.archive_bytes + page_bytes
+        assert summary.archive_bytes == memory.archive_bytes(shape, summary.archive_capacity, 8, 4, bits)
     with pytest.raises(UsageError, match="--archive-max 2KiB holds fewer than two pages of 8 tokens"):
         H2OCache(model, CacheSettings(budget=16, policy="recall", chunk=4, page_size=8, archive_max="2KiB"))
 
@@ -243,7 +239,7 @@ EXIT_SCRIPT = textwrap.dedent(
     cache = H2OCache(model, settings)
     with torch.no_grad():
         model(torch.arange(40)[None], cache=cache)
-    print(cache.archive_summary()["archive_path"], flush=True)
+    print(cache.archive_summary().archive_path, flush=True)
     if how == "exception":
         raise RuntimeError("boom")
     if how == "interrupt":
@@ -433,14 +429,14 @@ def test_the_default_archive_goes_to_a_file_past_the_ram_limit(tiny_pair, monkey
     settings = CacheSettings(budget=24, policy="recall", chunk=4, archive_max=256)
     assert settings.archive == "auto" and CacheSettings(budget=24).archive_max == 131072
     small = H2OCache(model, settings)
-    assert small.archive_summary()["archive_storage"] == "ram"
+    assert small.archive_summary().archive_storage == "ram"
     monkeypatch.setattr(limits, "AUTO_RAM_BYTES", 1024)
     large = H2OCache(model, settings)
     summary = large.archive_summary()
-    assert summary["archive_storage"] == "disk"
-    assert os.path.dirname(summary["archive_path"]) == str(tmp_path / "archive")
+    assert summary.archive_storage == "disk"
+    assert os.path.dirname(summary.archive_path) == str(tmp_path / "archive")
     large.close()
-    assert not os.path.exists(summary["archive_path"])
+    assert not os.path.exists(summary.archive_path)
 
 
 @pytest.mark.model
@@ -476,11 +472,11 @@ def test_the_page_choice_reports_the_keys_it_holds(tiny_pair, kernels):
     )  # fmt: skip
     cache = H2OCache(model, settings)
     ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(3))
-    before = cache.archive_summary()["choice_bytes"]
+    before = cache.archive_summary().choice_bytes
     with torch.no_grad():
         for step in range(100):
             model(ids[:, step : step + 1], cache=cache)
-    after = cache.archive_summary()["choice_bytes"]
+    after = cache.archive_summary().choice_bytes
     shape = cache.shape
     held = len(cache.layers) * shape.n_kv_heads * shortlist * page * shape.head_dim * 2  # float16 keys
     assert after - before >= held

@@ -11,7 +11,6 @@ import torch
 from conftest import feed_against_naive, feed_chunk
 from test_eviction import SETTINGS, make_layer
 from test_recall import HEAD_DIM, N_HEADS, N_KV, make_recall_layer, naive_settings
-from test_recall_step import planted_archive
 
 from h2o_cli.cache import H2OLayer
 from h2o_cli.config import CacheSettings
@@ -123,24 +122,3 @@ def test_fixed_recall_step_equals_the_torch_step_past_the_archive_cap():
         start += chunk
     assert mine.archive.oldest > 0 and mine.hits_total > 0
     assert (mine.recalled_total, mine.hits_total) == pytest.approx((theirs.recalled_total, theirs.hits_total))
-
-
-@pytest.mark.parametrize("tokens", [9, 30, 75, 130])
-@pytest.mark.parametrize("slots", [1, 6, 40])
-def test_choose_fixed_is_choose(tokens, slots):
-    """`choose_fixed` (every page scored, S with empty slots) picks `choose`'s tokens in `choose`'s order."""
-    for seed in range(6):
-        archive = planted_archive(seed, tokens)
-        generator = torch.Generator().manual_seed(100 + seed)
-        query = torch.randn(N_KV, 3, HEAD_DIM, generator=generator)
-        if seed % 2:
-            query = -query.abs()
-        resident = torch.stack([torch.randperm(tokens - 1, generator=generator)[:5] for _ in range(N_KV)])
-        resident = torch.cat([resident, torch.full((N_KV, 1), tokens - 1)], dim=1)  # the step's own token
-        resident[:, ::3] = -1  # empty slots of S
-        resident[:, -1] = tokens - 1
-        want, want_valid = archive.choose(query, resident, tokens - 1, slots)
-        got, got_valid = archive.choose_fixed(query, resident, slots)
-        assert torch.equal(got_valid, want_valid)
-        for head in range(N_KV):
-            assert torch.equal(got[head][got_valid[head]], want[head][want_valid[head]]), (seed, head)

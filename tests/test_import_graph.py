@@ -206,6 +206,7 @@ def test_settings_check_policy_names_in_a_fresh_interpreter():
 
 CACHE_INSIDES = {"stores", "store", "recall_index"}  # the cache's layers' stores and recall slots
 OWNERS = {"policy", "archive"}  # `cache.policy.x`, `layer.archive.x`: a policy's or an archive's fields
+SUMMARIES = {"report"}  # `report.archive.x`: a field of the cache's public summary (`ArchiveReport`)
 
 
 def inside_reads(tree: ast.AST) -> list[int]:
@@ -219,7 +220,11 @@ def inside_reads(tree: ast.AST) -> list[int]:
         if (
             node.attr in CACHE_INSIDES
             or (node.attr == "layers" and owner.endswith("cache"))
-            or (isinstance(node.value, ast.Attribute) and node.value.attr in OWNERS)
+            or (
+                isinstance(node.value, ast.Attribute)
+                and node.value.attr in OWNERS
+                and getattr(node.value.value, "id", "") not in SUMMARIES
+            )
         ):
             lines.append(node.lineno)
     return sorted(lines)
@@ -228,6 +233,7 @@ def inside_reads(tree: ast.AST) -> list[int]:
 def test_the_inside_reads_rule_sees_them():
     code = "a = cache.stores[0].budget\nb = cache.policy.recall_slots\nc = self.cache.layers[0]\nd = cache.report()\n"
     assert inside_reads(ast.parse(code)) == [1, 2, 3]
+    assert inside_reads(ast.parse("e = layer.archive.tokens\nf = report.archive.archive_oldest\n")) == [1]
     assert inside_reads(ast.parse("model.model.layers = settings.archive\n")) == []
 
 

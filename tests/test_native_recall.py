@@ -5,11 +5,13 @@ and statistics, and the outputs and scores to float tolerance, call by call; and
 from __future__ import annotations
 
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
-from conftest import assert_same_store, feed_chunk, tiny_config
+from conftest import assert_same_store, feed_against_naive, feed_chunk, feed_torch_and_c, tiny_config
 from h2o_kernels import native
+from naive import inv_freq_of
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from h2o_cli.cache import H2OCache, RecallLayer
@@ -25,6 +27,9 @@ N_HEADS, N_KV, HEAD_DIM = 6, 2, 16
 needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
 
 
+CONFIG = tiny_config(hidden_size=N_HEADS * HEAD_DIM, num_attention_heads=N_HEADS, num_key_value_heads=N_KV)
+
+
 def make_layer(
     kernels: str,
     budget: int = 20,
@@ -33,9 +38,6 @@ def make_layer(
     file: Path | None = None,
     **extra,
 ):
-    config = tiny_config(
-        hidden_size=N_HEADS * HEAD_DIM, num_attention_heads=N_HEADS, num_key_value_heads=N_KV
-    )
     settings = CacheSettings(
         budget=budget,
         chunk=6,
@@ -47,7 +49,7 @@ def make_layer(
     ).resolved(512)
     resident = settings.budget - round(settings.budget * settings.recall_ratio)
     store = LayerStore(N_KV, HEAD_DIM, resident, 6, torch.float32, torch.device("cpu"))
-    layer = RecallLayer(store, settings, Rope(LlamaRotaryEmbedding(config), HEAD_DIM), 512)
+    layer = RecallLayer(store, settings, Rope(LlamaRotaryEmbedding(CONFIG), HEAD_DIM), 512)
     region = None
     if file is not None:  # the archive's K/V in a mapped file, as `--archive PATH` keeps them
         size = PageArchive.stored_bytes(N_KV, HEAD_DIM, settings.archive_max, torch.float32, None)
@@ -92,23 +94,26 @@ def run_both(steps: int, chunks=(6, 5), tie_keys: bool = False, c_file: Path | N
     """The same chunks (a prefill, then one-token steps) through a torch-step and a C-step layer, comparing
     the outputs and the whole state after each call. `tie_keys`: most keys are zero (exactly so after the
     model's rotation is undone), so many pages share their summaries and hence their bounds (ties: by age).
-    `c_file`: the C layer's archive in this file (the torch layer's stays in RAM)."""
+    `c_file`: the C layer's archive in this file (the torch layer's stays in RAM). The C calls are counted
+    (`native.step`): none from the torch layer, one for each one-token call of the C layer once S is full
+    (else both arms ran the torch step and the comparison proved nothing)."""
     torch_layer, c_layer = make_layer("torch", **options), make_layer("native", file=c_file, **options)
     torch.manual_seed(7)
     start, not_full = 0, 0
-    for chunk in [*chunks] + [1] * steps:
-        q = torch.randn(N_HEADS, chunk, HEAD_DIM) * 2
-        k = torch.randn(N_KV, chunk, HEAD_DIM) * 2
-        if tie_keys:
-            k[:, torch.rand(chunk) < 0.8] = 0.0
-        v = torch.randn(N_KV, chunk, HEAD_DIM)
-        c_step = chunk == 1 and c_layer.store.length == c_layer.store.budget  # the C step takes this call
-        want = feed_chunk(torch_layer, q, k, v, start)
-        got = feed_chunk(c_layer, q, k, v, start)
-        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
-        same_state(c_layer, torch_layer, start)
-        not_full += c_step and bool((c_layer.recall_index < 0).any())
-        start += chunk
+    with mock.patch.object(native, "step", wraps=native.step) as c_calls:
+        for chunk in [*chunks] + [1] * steps:
+            q = torch.randn(N_HEADS, chunk, HEAD_DIM) * 2
+            k = torch.randn(N_KV, chunk, HEAD_DIM) * 2
+            if tie_keys:
+                k[:, torch.rand(chunk) < 0.8] = 0.0
+            v = torch.randn(N_KV, chunk, HEAD_DIM)
+            taken = c_calls.call_count
+            want, got = feed_torch_and_c(torch_layer, c_layer, q, k, v, start, c_calls)
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+            same_state(c_layer, torch_layer, start)
+            not_full += c_calls.call_count > taken and bool((c_layer.recall_index < 0).any())
+            start += chunk
+    assert c_calls.call_count >= steps - 24  # S fills within a few steps of any prefill here (budget <= 40)
     return torch_layer, c_layer, not_full
 
 
@@ -353,17 +358,25 @@ def test_c_step_scores_on_the_embedded_model(smollm, excerpt, monkeypatch):
 
 
 def test_without_a_compiler_the_torch_recall_step_runs(monkeypatch, tmp_path):
-    """`--kernels native` and no C compiler: the torch step, with the same results as `--kernels torch`."""
+    """`--kernels native` and no C compiler: the torch step, no C call, outputs, resident sets and recalled
+    tokens by docs/spec.md (the naive simulation, which has no archive cap: the archive holds every token)."""
     monkeypatch.setenv("H2O_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
     native.library.cache_clear()
     native.available.cache_clear()
     try:
-        _, c_layer, _ = run_both(20)
+        layer = make_layer("native", archive_max=64)
+        torch.manual_seed(7)
+        with mock.patch.object(native, "step", wraps=native.step) as c_calls:
+            feed_against_naive(
+                layer, layer.settings, inv_freq_of(CONFIG, HEAD_DIM), [6, 5] + [1] * 20, N_HEADS,
+                dtype=torch.float32,
+            )  # fmt: skip
     finally:
         native.library.cache_clear()
         native.available.cache_clear()
-    assert c_layer._c_buffers is None
+    assert c_calls.call_count == 0 and layer._c_buffers is None
+    assert layer.archive.oldest == 0 and layer.recalled_total > 0
 
 
 @pytest.mark.parametrize("kernels", ["torch", "native"])

@@ -200,7 +200,7 @@ def test_recall_with_room_for_every_token_equals_plain_transformers(tiny_pair, p
         want = reference(ids).logits
         got = torch.cat([model(ids[:, s : s + chunk], cache=cache).logits for s in range(0, 61, chunk)], 1)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert cache.length == 32 and cache.archive_summary()["recalled_per_step"] > 0  # evicted, then recalled
+    assert cache.length == 32 and cache.archive_summary().recalled_per_step > 0  # evicted, then recalled
 
 
 @pytest.mark.parametrize("chunk", [1, 5])
@@ -365,7 +365,7 @@ def test_archive_drops_the_oldest_pages_and_keeps_its_buffers(tiny_pair):
             recalled = layer.recall_index[layer.recall_index >= 0]
             assert bool((recalled >= oldest).all())
     summary = cache.archive_summary()
-    assert summary["archive_tokens"] == 300 - 264 and summary["archive_oldest"] == 264
+    assert summary.archive_tokens == 300 - 264 and summary.archive_oldest == 264
     # The summaries of each full ring page are its keys' min and max.
     keys = archive.keys.view(archive.n_kv_heads, archive.pages, 8, -1).float()
     full = (archive.token_index.view(archive.pages, 8) >= 0).all(dim=1)
@@ -383,7 +383,7 @@ def test_recall_past_the_models_window_with_rolling_positions(tiny_pair):
     assert torch.isfinite(logits[:, -8:]).all() and cache.tokens_seen == 600
     early = [int((layer.recall_index[(layer.recall_index >= 0)] < 256).sum()) for layer in cache.layers]
     assert sum(early) > 0, "no token from before the model's window was recalled"
-    assert cache.archive_summary()["archive_oldest"] == 0
+    assert cache.archive_summary().archive_oldest == 0
     assert cache.layers[0].rope._cos.shape[0] <= 2 * (64 + 8)  # positions never went past budget + chunk
 
 
@@ -436,9 +436,7 @@ def test_recall_with_room_for_every_token_equals_full_on_the_embedded_model(smol
     ):
         cache = H2OCache(model, settings, span=len(ids))
         results.append(stream_perplexity(model, cache, [ids], 32))
-    assert (
-        results[1].error is None and cache.length == 128 and cache.archive_summary()["recalled_per_step"] > 0
-    )
+    assert results[1].error is None and cache.length == 128 and cache.archive_summary().recalled_per_step > 0
     assert results[1].ppl == pytest.approx(results[0].ppl, rel=1e-4)
 
 

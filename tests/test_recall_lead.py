@@ -297,10 +297,10 @@ def test_auto_is_the_models_calibrated_lead_where_pages_carry_attention(tiny_pai
     cache = H2OCache(model, settings)
     assert (cache.lead.layer, cache.lead.head) == (1, 0) and cache.lead.archive is cache.layers[1].archive
     assert all(layer.lead is cache.lead for layer in cache.layers)
-    assert cache.archive_summary()["recall_lead"] == "1.0" and cache.archive_summary()["lead_text"] is True
-    assert H2OCache(model, replace(settings, lead_text=False)).archive_summary()["lead_text"] is False
+    assert cache.archive_summary().recall_lead == "1.0" and cache.archive_summary().lead_text is True
+    assert H2OCache(model, replace(settings, lead_text=False)).archive_summary().lead_text is False
     with_none = replace(settings, lead_text=True, recall_lead="none")  # no lead: nothing leads the text
-    assert H2OCache(model, with_none).archive_summary()["lead_text"] is False
+    assert H2OCache(model, with_none).archive_summary().lead_text is False
     for other in (
         dict(page_score="unrotated"),
         dict(page_carry=0.0),

@@ -33,8 +33,8 @@ def test_recall_with_room_for_every_token_equals_plain_transformers(smollm, exce
     cache = H2OCache(model, settings)
     got = through_cache(model, cache, ids)
     summary = cache.archive_summary()
-    assert cache.length == 160 and summary["recalled_per_step"] > 0  # evicted, then recalled
-    assert summary["lead_text"] is lead_text  # the embedded model's calibrated lead leads the text
+    assert cache.length == 160 and summary.recalled_per_step > 0  # evicted, then recalled
+    assert summary.lead_text is lead_text  # the embedded model's calibrated lead leads the text
     last_call = (TOKENS - 1) // CHUNK * CHUNK  # its first token: every older token not in S was recalled
     for layer in cache.layers:
         assert (layer.recall_index >= 0).sum(dim=1).eq(last_call - 160).all()

@@ -92,9 +92,9 @@ def test_decode_step_equals_the_chunk_path(tiny_pair, tmp_path, step_calls, posi
         "archive_reach",
     )
     mine, theirs = fast.archive_summary(), slow.archive_summary()
-    assert [mine[key] for key in figures] == pytest.approx([theirs[key] for key in figures])
+    assert [getattr(mine, key) for key in figures] == pytest.approx([getattr(theirs, key) for key in figures])
     # The ring wraps during decode; the slots start partly empty with a short prefill only.
-    assert mine["archive_reach"] > 0 and mine["recall_hits"] > 0
+    assert mine.archive_reach > 0 and mine.recall_hits > 0
     assert any(partly_empty) == (prefill == 14) and not partly_empty[-1]
     fast.close()
     slow.close()
@@ -151,10 +151,13 @@ def planted_archive(seed: int, tokens: int, capacity: int = 48, size: int = 4) -
     return archive
 
 
+@pytest.mark.parametrize("form", ["choose_one", "choose_fixed"])
 @pytest.mark.parametrize("tokens", [9, 30, 75, 130])
 @pytest.mark.parametrize("slots", [1, 6, 40])
-def test_choose_one_is_choose_for_one_query(tokens, slots):
-    """`choose_one` picks `choose`'s tokens in `choose`'s order (the newest token resident, as in a step)."""
+def test_one_token_choices_are_choose(form, tokens, slots):
+    """A one-token call's choice picks `choose`'s tokens in `choose`'s order, the newest token resident:
+    `choose_one` (the torch step: S full) and `choose_fixed` (the fixed step: every page scored, S with
+    empty slots)."""
     for seed in range(6):
         archive = planted_archive(seed, tokens)
         generator = torch.Generator().manual_seed(100 + seed)
@@ -163,8 +166,11 @@ def test_choose_one_is_choose_for_one_query(tokens, slots):
             query = -query.abs()  # negative queries: negative bounds
         resident = torch.stack([torch.randperm(tokens - 1, generator=generator)[:5] for _ in range(N_KV)])
         resident = torch.cat([resident, torch.full((N_KV, 1), tokens - 1)], dim=1)  # the step's own token
+        if form == "choose_fixed":
+            resident[:, ::3] = -1  # empty slots of S
+            resident[:, -1] = tokens - 1
         want, want_valid = archive.choose(query, resident, tokens - 1, slots)
-        got, got_valid = archive.choose_one(query, resident, slots)
+        got, got_valid = getattr(archive, form)(query, resident, slots)
         assert torch.equal(got_valid, want_valid)
         for head in range(N_KV):
             assert torch.equal(got[head][got_valid[head]], want[head][want_valid[head]]), (seed, head)

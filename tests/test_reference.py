@@ -62,20 +62,6 @@ def plain_transformers_nll(plain, ids: list[int]) -> list[float]:
     return (-logprobs[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]).tolist()
 
 
-@pytest.fixture(scope="module")
-def plain_smollm(smollm):
-    import copy
-
-    from transformers import AutoModelForCausalLM
-
-    model, _ = smollm
-    config = copy.deepcopy(model.config)
-    config._attn_implementation = "sdpa"
-    plain = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    plain.load_state_dict(model.state_dict())
-    return plain
-
-
 @pytest.mark.parametrize(
     "overrides",
     [

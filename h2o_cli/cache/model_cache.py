@@ -15,7 +15,7 @@ from h2o_cli.cache.build import build_layers
 from h2o_cli.cache.devices import check_kernels, compute_dtype, execution_device, layer_devices
 from h2o_cli.cache.families import check_family
 from h2o_cli.cache.fixed_step import FIXED_DTYPES
-from h2o_cli.cache.report import CacheReport, LayerSlots
+from h2o_cli.cache.report import ArchiveReport, CacheReport, LayerSlots
 from h2o_cli.cache.store import LayerStore
 from h2o_cli.cache.threads import DecodeThreads
 from h2o_cli.config import CacheSettings
@@ -237,52 +237,44 @@ class H2OCache(Cache):
         for layer in self.layers:
             layer.rewind(tokens)
 
-    def archive_summary(self) -> dict:
-        """The archive's figures with a recalling policy, else {} (docs/spec.md, recall: reporting).
-
-        `archive_bytes` (all layers, preallocated) = `archive_ram_bytes` (token index, summaries, and the K/V of
-        a RAM archive) + `archive_disk_bytes` (the K/V of a file archive); `archive_token_bytes` per token;
-        `archive_tokens` (tokens held), `archive_reach` = `archive_oldest` (the oldest token still recallable);
-        `recall_slots` and their bytes; `recall_lead` (the lead head as LAYER.HEAD, or none); `lead_text`
-        (whether chunks of text recall the lead's pages); `choice_bytes` (what the page choice keeps in RAM
-        beside them: carried scores, section summaries, the shortlist's held keys, scratch); `recalled_per_step` (tokens per KV head,
-        mean over layers and steps), of which `recall_hits` were already in the recall slots and
-        `archive_reads_per_step` were read."""
+    def archive_summary(self) -> ArchiveReport | None:
+        """The archive's figures with a recalling policy (`ArchiveReport`, whose docs say what each is), else
+        None (docs/spec.md, recall: reporting)."""
         layers = [layer for layer in self.layers if layer.archive is not None]
         if not layers:
-            return {}
+            return None
         archive = layers[0].archive
         steps = sum(layer.steps for layer in layers)
         recalled = sum(layer.recalled_total for layer in layers) / steps if steps else 0.0
         hits = sum(layer.hits_total for layer in layers) / steps if steps else 0.0
         kept = self.archive_file is not None and self.settings.keep_archive
-        return {
-            "archive_storage": "ram" if self.archive_file is None else "disk",
-            "archive_path": None if self.archive_file is None else str(self.archive_file.path),
-            "archive_kept": kept,
-            "archive_bits": self.settings.archive_bits,
-            "archive_bytes": sum(layer.archive.nbytes() for layer in layers),
-            "archive_ram_bytes": sum(layer.archive.ram_bytes() for layer in layers),
-            "archive_disk_bytes": sum(layer.archive.disk_bytes() for layer in layers),
-            "archive_token_bytes": sum(layer.archive.token_bytes() for layer in layers),
-            "archive_capacity": archive.capacity,
-            "archive_tokens": archive.held(),
-            "archive_reach": archive.oldest,
-            "archive_oldest": archive.oldest,
-            "recall_slots": self.policy.recall_slots,
-            "recall_lead": "none" if self.lead is None else f"{self.lead.layer}.{self.lead.head}",
-            "lead_text": self.lead is not None and self.policy.lead_text,
-            "recall_place": self.policy.recall_place,
-            "recall_slot_bytes": sum(
+        return ArchiveReport(
+            archive_storage="ram" if self.archive_file is None else "disk",
+            archive_path=None if self.archive_file is None else str(self.archive_file.path),
+            archive_kept=kept,
+            archive_bits=self.settings.archive_bits,
+            archive_bytes=sum(layer.archive.nbytes() for layer in layers),
+            archive_ram_bytes=sum(layer.archive.ram_bytes() for layer in layers),
+            archive_disk_bytes=sum(layer.archive.disk_bytes() for layer in layers),
+            archive_token_bytes=sum(layer.archive.token_bytes() for layer in layers),
+            archive_capacity=archive.capacity,
+            archive_tokens=archive.held(),
+            archive_reach=archive.oldest,
+            archive_oldest=archive.oldest,
+            recall_slots=self.policy.recall_slots,
+            recall_lead="none" if self.lead is None else f"{self.lead.layer}.{self.lead.head}",
+            lead_text=self.lead is not None and self.policy.lead_text,
+            recall_place=self.policy.recall_place,
+            recall_slot_bytes=sum(
                 tensor.nbytes
                 for layer in layers
                 for tensor in (layer.recall_keys, layer.recall_values, layer.recall_index)
             ),
-            "choice_bytes": sum(layer.choice_bytes() for layer in layers),
-            "recalled_per_step": recalled,
-            "recall_hits": hits,
-            "archive_reads_per_step": recalled - hits,
-        }
+            choice_bytes=sum(layer.choice_bytes() for layer in layers),
+            recalled_per_step=recalled,
+            recall_hits=hits,
+            archive_reads_per_step=recalled - hits,
+        )
 
     @property
     def length(self) -> int:

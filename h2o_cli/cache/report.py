@@ -6,12 +6,55 @@ archives or policy, so the cache may change how it keeps things without breaking
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from h2o_cli.config import CacheSettings
 from h2o_cli.memory import ModelShape
+
+
+@dataclass(frozen=True)
+class ArchiveReport:
+    """A recalling cache's archive now (docs/spec.md, recall: reporting); each field is a key of `--json`.
+
+    - `archive_storage`: "ram" or "disk"; `archive_path`: the file of a disk archive (None in RAM);
+      `archive_kept`: whether that file outlives the run (`--keep-archive`); `archive_bits`: bits per stored
+      K/V element (`--archive-bits`).
+    - `archive_bytes` (all layers, preallocated) = `archive_ram_bytes` (token index, summaries, and the K/V of a
+      RAM archive) + `archive_disk_bytes` (the K/V of a file archive); `archive_token_bytes`: bytes per token.
+    - `archive_capacity`: tokens the ring holds at most; `archive_tokens`: tokens held now; `archive_reach` =
+      `archive_oldest`: the oldest token still recallable.
+    - `recall_slots`: slots per KV head refilled at every step; `recall_lead`: the lead head as LAYER.HEAD,
+      or "none"; `lead_text`: whether chunks of text recall the lead's pages; `recall_place`: where R sits
+      among the resident entries (`--recall-place`); `recall_slot_bytes`: bytes of the recall slots.
+    - `choice_bytes`: what the page choice keeps in RAM beside them (carried scores, section summaries, the
+      shortlist's held keys, scratch).
+    - `recalled_per_step`: tokens recalled per KV head and step (mean over layers and steps), of which
+      `recall_hits` were already in the recall slots and `archive_reads_per_step` were read.
+    """
+
+    archive_storage: str
+    archive_path: str | None
+    archive_kept: bool
+    archive_bits: int
+    archive_bytes: int
+    archive_ram_bytes: int
+    archive_disk_bytes: int
+    archive_token_bytes: int
+    archive_capacity: int
+    archive_tokens: int
+    archive_reach: int
+    archive_oldest: int
+    recall_slots: int
+    recall_lead: str
+    lead_text: bool
+    recall_place: str
+    recall_slot_bytes: int
+    choice_bytes: int
+    recalled_per_step: float
+    recall_hits: float
+    archive_reads_per_step: float
 
 
 @dataclass(frozen=True)
@@ -34,8 +77,8 @@ class CacheReport:
     - `nbytes`: bytes of every layer's preallocated buffers (`H2OCache.nbytes`, the archive apart);
       `compute_bytes`: bytes of one element of the dtype attention runs in; `kv_element_bytes`: of one
       stored K or V element (1 for int8).
-    - `archive`: the recall archive's figures (`H2OCache.archive_summary`), {} without one; its keys are
-      those `--json` prints.
+    - `archive`: the recall archive's figures (`ArchiveReport`, `H2OCache.archive_summary`), None without
+      one; `archive_row` gives them as `--json` prints them.
     """
 
     settings: CacheSettings
@@ -56,7 +99,18 @@ class CacheReport:
     nbytes: int
     compute_bytes: int
     kv_element_bytes: int
-    archive: dict
+    archive: ArchiveReport | None
+
+    @property
+    def archive_row(self) -> dict:
+        """The archive's figures under the keys `--json` prints (its field names), {} without an archive."""
+        return {} if self.archive is None else asdict(self.archive)
+
+    @property
+    def has_lead(self) -> bool:
+        """Whether a lead head ranks the archive's pages for every layer (`--recall-lead`): a question is then
+        read twice, once for the lead's ranking and once for the answer."""
+        return self.archive is not None and self.archive.recall_lead != "none"
 
     @property
     def policy(self) -> str:
@@ -106,4 +160,4 @@ class LayerSlots:
     recalled: torch.Tensor | None = None
 
 
-__all__ = ["CacheReport", "LayerSlots"]
+__all__ = ["ArchiveReport", "CacheReport", "LayerSlots"]

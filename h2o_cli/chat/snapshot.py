@@ -133,7 +133,7 @@ def take_snapshot(cache: H2OCache) -> CacheSnapshot:
     recalled, archive_oldest = None, None
     if layers[0].recalled is not None:  # recall: the last step's recall slots, and the archive's reach
         recalled = torch.stack([layer.recalled for layer in layers]).cpu()
-        archive_oldest = int(report.archive["archive_oldest"])
+        archive_oldest = report.archive.archive_oldest
     return CacheSnapshot(
         token_index=torch.where(valid, token_index, -1),
         heavy=heavy,

@@ -148,12 +148,12 @@ class ChatLoop:
                     sys.stdout.flush()
         sys.stdout.write("\n")
         sys.stdout.flush()
-        last = session.last
+        last, report = session.last, session.cache.report()
         note = " [yellow](stopped)[/]" if last.stopped == "interrupted" else ""
         stderr.print(
             f"[dim]{last.generated_tokens} tokens · {last.tokens_per_s:.1f} tok/s · cache "
-            f"{session.cache.length}/{session.cache.settings.budget} per head · "
-            f"{session.cache.tokens_seen:,} tokens so far[/]{note}"
+            f"{report.length}/{report.settings.budget} per head · "
+            f"{report.tokens_seen:,} tokens so far[/]{note}"
         )
         self._save_transcript()
 
@@ -196,7 +196,9 @@ class ChatLoop:
             raise UsageError("/budget needs a value, e.g. /budget 256 or /budget 0.05")
         tokens = parse_budget(argument, context_window(self.session.model))
         self._rebuild(f"/budget {argument}", self.session.set_budget, tokens)
-        stderr.print(f"budget {tokens} tokens per KV head; {self.session.cache.tokens_seen:,} tokens re-read")
+        stderr.print(
+            f"budget {tokens} tokens per KV head; {self.session.cache.report().tokens_seen:,} tokens re-read"
+        )
 
     def _policy(self, argument: str) -> None:
         from h2o_cli.policies import policy_names
@@ -209,7 +211,7 @@ class ChatLoop:
         self._rebuild(f"/policy {argument}", lambda name: self.session.set_policy(name, chunk), argument)
         stderr.print(
             f"policy {argument} ({self.session.settings.chunk} spare slots); "
-            f"{self.session.cache.tokens_seen:,} tokens re-read"
+            f"{self.session.cache.report().tokens_seen:,} tokens re-read"
         )
 
     def _rebuild(self, command: str, change, value) -> None:

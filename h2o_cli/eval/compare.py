@@ -49,7 +49,7 @@ def compare_perplexity(
             "quant": getattr(model, "h2o_quant", "none"),
             "tokens": stats.tokens,
             "ppl": stats.ppl,
-            **report.archive,  # recall: the archive's bytes (RAM, disk), reach and recalls
+            **report.archive_row,  # recall: the archive's bytes (RAM, disk), reach and recalls
         }
         cache.close()
         rows.append(row)
