@@ -25,7 +25,9 @@ from h2o_cli.streaming import chunks_of, forward_chunk, prefill
 
 BOOK = Path("gutenberg_books/war_and_peace_pg2600.txt")  # under the data folder (`--data-dir`, $H2O_DATA)
 PARTS = ("speed", "stream", "policies", "flat", "prefill", "llama_cpp")  # what a plain `h2o bench` runs
-ON_REQUEST = ("recall", "paired", "streams")  # `--only` may choose these too
+# The bench part that times cache settings against each other (`--only recall`): a part's name, not a policy's.
+RECALL_PART = "recall"
+ON_REQUEST = (RECALL_PART, "paired", "streams")  # `--only` may choose these too
 
 
 @dataclass
@@ -177,9 +179,9 @@ def run(
     window = context_window(model)
     contexts = tuple(min(context, window - plan.decode_tokens) for context in plan.contexts)
     needed = [max(contexts) + plan.decode_tokens, plan.stream_tokens if "stream" in parts else 0]
-    needed += [max(plan.contexts)] if "recall" in parts else []
+    needed += [max(plan.contexts)] if RECALL_PART in parts else []
     ids = book_ids(tokenizer, max(needed + ([max(plan.flat_points)] if "flat" in parts else [])), book)
-    if "recall" in parts:
+    if RECALL_PART in parts:
         recall_rows(report, model, tokenizer, ids, plan, progress)
     if "speed" in parts or "stream" in parts:
         progress("copy bandwidth")

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from h2o_cli.policies import policy_class
+
 
 @dataclass(frozen=True)
 class StreamsPlan:
@@ -33,7 +35,7 @@ class StreamsPlan:
             for chunk in self.chunks:
                 for policy in self.policies:
                     tokens = min(length, self.chunk1_tokens) if chunk == 1 else length
-                    tokens = min(tokens, self.window - chunk) if policy == "full" else tokens
+                    tokens = tokens if policy_class(policy).evicts else min(tokens, self.window - chunk)
                     if (policy, chunk, tokens) not in runs:
                         runs.append((policy, chunk, tokens))
         return runs

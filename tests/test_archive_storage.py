@@ -1,32 +1,25 @@
 """Where the `recall` archive lives (docs/spec.md, recall: storage): RAM or a memory-mapped file, float or int8,
-capped in tokens or bytes; the file goes at exit unless kept; a disk archive keeps the peak RSS flat."""
+capped in tokens or bytes, and what it reports (its file: test_archive_file.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import textwrap
-import time
 
 import pytest
 import torch
-from conftest import REPO, run_stream
+from conftest import run_stream
 from test_cli_stream import h2o_in_process, one_error_line
 from typer.testing import CliRunner
 
 from h2o_cli import memory
 from h2o_cli.cache import H2OCache
 from h2o_cli.cache.kvquant import dequantize, quantize
-from h2o_cli.cache.recall import limits
 from h2o_cli.cache.recall.archive import PageArchive, PageSettings
-from h2o_cli.cache.recall.archive_file import archive_location
-from h2o_cli.cache.recall.limits import archive_cap, archive_storage
+from h2o_cli.cache.recall.limits import archive_cap
 from h2o_cli.cli.app import app
 from h2o_cli.config import CacheSettings
-from h2o_cli.errors import ArchiveError, UsageError
+from h2o_cli.errors import UsageError
 
 MiB = 2**20
 
@@ -183,135 +176,6 @@ def test_a_cap_in_bytes_holds_the_whole_pages_that_fit(tiny_pair):
         H2OCache(model, CacheSettings(budget=16, policy="recall", chunk=4, page_size=8, archive_max="2KiB"))
 
 
-def test_an_unwritable_archive_path_is_one_error_naming_it_and_the_fix(tiny_pair, tmp_path):
-    _, model = tiny_pair
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")
-    where = f"{blocker}/archive.kv"
-    with pytest.raises(ArchiveError) as caught:
-        H2OCache(model, CacheSettings(budget=16, policy="recall", chunk=4, archive=where))
-    message = str(caught.value)
-    assert where in message and "--archive PATH" in message and "--archive ram" in message
-    assert "\n" not in message and caught.value.exit_code == 1
-
-
-def test_an_existing_file_is_never_overwritten(tiny_pair, tmp_path):
-    _, model = tiny_pair
-    notes = tmp_path / "notes.txt"
-    notes.write_text("keep me")
-    with pytest.raises(ArchiveError, match="notes.txt exists; the recall archive never overwrites a file"):
-        H2OCache(model, CacheSettings(budget=16, policy="recall", chunk=4, archive=str(notes)))
-    assert notes.read_text() == "keep me"
-
-
-def test_archive_location_names_a_fresh_file_in_a_folder_or_the_given_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("H2O_HOME", str(tmp_path / "home"))
-    disk = archive_location("disk")
-    assert disk.parent == tmp_path / "home" / "archive" and disk.name.startswith(f"recall-{os.getpid()}-")
-    assert archive_location(str(tmp_path)).parent == tmp_path  # an existing folder
-    assert archive_location(f"{tmp_path}/new/").parent == tmp_path / "new"  # a folder to be made
-    assert archive_location(str(tmp_path / "mine.kv")) == tmp_path / "mine.kv"
-    assert archive_location("disk", keep=True).name.startswith("recall-kept-")
-
-
-def test_a_killed_runs_archive_is_removed_by_the_next_one_in_its_folder(tiny_pair, tmp_path):
-    _, model = tiny_pair
-    stale = tmp_path / "recall-999999999-0123abcd.kv"  # no such process
-    kept = tmp_path / "recall-kept-0123abcd.kv"
-    for path in (stale, kept):
-        path.write_bytes(b"x")
-    cache = H2OCache(model, CacheSettings(budget=16, policy="recall", chunk=4, archive=str(tmp_path)))
-    assert not stale.exists() and kept.exists()
-    cache.close()
-
-
-EXIT_SCRIPT = textwrap.dedent(
-    """
-    import sys, torch
-    from transformers import LlamaForCausalLM
-    from conftest import tiny_config
-    from h2o_cli.cache import H2OCache
-    from h2o_cli.config import CacheSettings
-
-    folder, how = sys.argv[1], sys.argv[2]
-    model = LlamaForCausalLM(tiny_config()).eval()
-    settings = CacheSettings(budget=16, policy="recall", chunk=4, archive=folder + "/", keep_archive=how == "keep")
-    cache = H2OCache(model, settings)
-    with torch.no_grad():
-        model(torch.arange(40)[None], cache=cache)
-    print(cache.archive_summary().archive_path, flush=True)
-    if how == "exception":
-        raise RuntimeError("boom")
-    if how == "interrupt":
-        raise KeyboardInterrupt
-    """
-)
-
-
-@pytest.mark.heavy  # four fresh interpreters importing torch and transformers
-def test_the_archive_file_is_removed_at_exit_unless_kept(tmp_path):
-    """A normal end, an exception, Ctrl-C (KeyboardInterrupt) and --keep-archive, one process each (at once)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), str(REPO / "kernels")]),
-    }
-    ways = ("normal", "exception", "interrupt", "keep")
-    for how in ways:
-        (tmp_path / how).mkdir()
-    runs = {
-        how: subprocess.Popen(
-            [sys.executable, "-c", EXIT_SCRIPT, str(tmp_path / how), how],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for how in ways
-    }
-    for how, run in runs.items():
-        out, err = run.communicate(timeout=600)
-        assert (run.returncode == 0) == (how in ("normal", "keep")), err
-        path = out.strip()
-        assert os.path.dirname(path) == str(tmp_path / how), err
-        assert os.listdir(tmp_path / how) == ([os.path.basename(path)] if how == "keep" else []), how
-
-
-def rss_probe(archive: str, env: dict) -> subprocess.Popen:
-    """Peak RSS after 512 and 2,048 tokens, in a fresh process (tests/archive_rss_probe.py)."""
-    probe = str(REPO / "tests" / "archive_rss_probe.py")
-    return subprocess.Popen(
-        [sys.executable, probe, archive, "512", "2048"], stdout=subprocess.PIPE, text=True, env=env
-    )
-
-
-@pytest.mark.heavy  # two fresh interpreters streaming 2,048 tokens through a wide model
-def test_a_disk_archive_keeps_the_peak_rss_flat_where_a_ram_archive_grows(tmp_path):
-    """1,536 more tokens of 64 KiB of K/V each: 96 MiB more archive. In RAM the peak RSS grows by about that;
-    in a file (written through the page cache, mapped pages released after each read) it does not."""
-    env = {**os.environ, "H2O_HOME": str(tmp_path)}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "kernels")])
-    runs = {archive: rss_probe(archive, env) for archive in ("ram", "disk")}  # at once: half the wait
-    reports = {archive: json.loads(run.communicate(timeout=600)[0]) for archive, run in runs.items()}
-    growth = {  # the peak: what the flat-RSS claim bounds
-        archive: report["peak_rss_bytes"]["2048"] - report["peak_rss_bytes"]["512"]
-        for archive, report in reports.items()
-    }
-    # What is resident now: a transient peak before 512 tokens (seen under load) cannot hide the RAM archive.
-    resident = {
-        archive: report["rss_bytes"]["2048"] - report["rss_bytes"]["512"]
-        for archive, report in reports.items()
-    }
-    archive_growth = 1536 * 64 * 1024
-    for report in reports.values():
-        assert report["archive_token_bytes"] == 64 * 1024
-        assert report["archive_tokens"] == 2048  # the cap (4,096) exceeds the stream
-    assert resident["ram"] > 0.8 * archive_growth, resident
-    assert growth["disk"] < 0.15 * archive_growth, growth
-    assert resident["disk"] < 0.15 * archive_growth, resident
-    assert reports["disk"]["archive_disk_bytes"] > archive_growth
-    assert not os.listdir(tmp_path / "archive")
-
-
 def test_memory_accounts_the_archive_per_token_for_each_storage():
     """llama-7b fp16, by hand: 32 layers x 32 KV heads x 128 dims."""
     args = [
@@ -365,99 +229,6 @@ def test_compare_rows_report_the_archive(tiny_pair, tmp_path):
     assert rows[1]["archive_storage"] == "disk" and rows[1]["archive_bits"] == 8
     assert rows[1]["archive_disk_bytes"] > 0 and rows[1]["recalled_per_step"] > 0
     assert rows[1]["archive_path"].startswith(str(tmp_path)) and not os.listdir(tmp_path)  # closed
-
-
-@pytest.mark.model
-def test_stream_with_a_file_archive_as_a_user_runs_it(tmp_path):
-    """`h2o stream` with an int8 archive in a folder: the same perplexity as in RAM, the file's figures in
-    --json, the file kept with --keep-archive and gone without; an unwritable path is one error line, exit 1."""
-    from test_cli_stream import EXCERPT, h2o
-
-    args = ["--ppl", "--json", "--budget", "64", "--max-tokens", "300", "--chunk", "32", "--policy", "recall"]
-    args += ["--archive-bits", "8", "--archive-max", "4MiB", "--page-size", "8", "--block-size", "8"]
-    kept = h2o("stream", EXCERPT, *args, "--archive", f"{tmp_path}/", "--keep-archive")
-    assert kept.returncode == 0, kept.stderr.decode()
-    on_disk = json.loads(kept.stdout)
-    path = on_disk["archive_path"]
-    assert (
-        on_disk["archive_storage"] == "disk"
-        and on_disk["archive_kept"]
-        and os.path.dirname(path) == str(tmp_path)
-    )
-    assert os.listdir(tmp_path) == [os.path.basename(path)]
-    assert os.path.getsize(path) >= on_disk["archive_disk_bytes"] > 0
-    # SmolLM2 int8: 30 layers x 3 KV heads x (K and V of 64 int8 + two fp32 scales) per token.
-    assert on_disk["archive_token_bytes"] == 30 * 3 * (2 * 64 + 2 * 4)
-    # 4 MiB / (8 tokens x (that + int64 index + fp32 min/max of 3 x 64 per 8 tokens) x 30 layers) = 28 pages:
-    # 224 tokens; after 300 tokens the newest page starts at 296, so recall reaches back to 296 + 8 - 224 = 80.
-    assert on_disk["archive_capacity"] == 224 and on_disk["archive_reach"] == 80
-    assert on_disk["archive_bytes"] <= 4 * MiB
-    os.unlink(path)
-    removed = h2o("stream", EXCERPT, *args, "--archive", f"{tmp_path}/")
-    assert removed.returncode == 0 and not os.listdir(tmp_path)
-    in_ram = json.loads(h2o("stream", EXCERPT, *args).stdout)
-    assert in_ram["archive_storage"] == "ram" and in_ram["ppl"] == on_disk["ppl"]
-    assert in_ram["recall_hits"] == on_disk["recall_hits"] > 0
-    (tmp_path / "a-file").write_text("not a folder")
-    where = f"{tmp_path}/a-file/archive.kv"
-    bad = h2o("stream", EXCERPT, *args, "--archive", where)
-    assert bad.returncode == 1 and not bad.stdout
-    line = one_error_line(bad.stderr.decode())
-    assert where in line and "--archive PATH" in line
-
-
-@pytest.mark.parametrize(
-    ("setting", "stored", "device", "want"),
-    [
-        ("auto", 2**30, "cpu", "ram"),
-        ("auto", 2**30 + 1, "cpu", "disk"),
-        ("auto", 2**40, "cuda", "ram"),
-        ("ram", 2**40, "cpu", "ram"),
-        ("disk", 1, "cpu", "disk"),
-        ("/some/folder/", 1, "cpu", "/some/folder/"),
-    ],
-)
-def test_auto_keeps_a_small_archive_in_ram_and_a_large_one_on_disk(setting, stored, device, want):
-    assert archive_storage(setting, stored, device) == want
-
-
-def test_the_default_archive_goes_to_a_file_past_the_ram_limit(tiny_pair, monkeypatch, tmp_path):
-    """`--archive auto` (the default) with every layer's K/V above `AUTO_RAM_BYTES`: a file in
-    $H2O_HOME/archive/, removed when the cache closes; below it, RAM."""
-    _, model = tiny_pair
-    monkeypatch.setenv("H2O_HOME", str(tmp_path))
-    settings = CacheSettings(budget=24, policy="recall", chunk=4, archive_max=256)
-    assert settings.archive == "auto" and CacheSettings(budget=24).archive_max == 131072
-    small = H2OCache(model, settings)
-    assert small.archive_summary().archive_storage == "ram"
-    monkeypatch.setattr(limits, "AUTO_RAM_BYTES", 1024)
-    large = H2OCache(model, settings)
-    summary = large.archive_summary()
-    assert summary.archive_storage == "disk"
-    assert os.path.dirname(summary.archive_path) == str(tmp_path / "archive")
-    large.close()
-    assert not os.path.exists(summary.archive_path)
-
-
-@pytest.mark.model
-def test_a_terminated_stream_removes_its_archive_file(tmp_path):
-    """SIGTERM (`kill`, `timeout`) mid-stream: exit code 143 and the recall archive's file removed, as after
-    Ctrl-C or an error."""
-    code = "from h2o_cli.cli.app import main; main()"
-    args = ["stream", "--sample", "--ppl", "--policy", "recall", "--budget", "64", "--chunk", "16"]
-    args += ["--max-tokens", "20000", "--archive", f"{tmp_path}/", "--threads", "1"]
-    run = subprocess.Popen(
-        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    deadline = time.monotonic() + 120
-    while not os.listdir(tmp_path) and run.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert os.listdir(tmp_path), "the archive file never appeared"
-    time.sleep(1.0)  # inside the read
-    run.send_signal(signal.SIGTERM)
-    _, err = run.communicate(timeout=60)
-    assert run.returncode == 143, err.decode()
-    assert not os.listdir(tmp_path)
 
 
 @pytest.mark.parametrize("kernels", ["torch", "auto"])

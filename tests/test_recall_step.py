@@ -8,7 +8,8 @@ import collections
 import pytest
 import torch
 from conftest import feed_against_naive
-from test_recall import HEAD_DIM, N_HEADS, N_KV, make_recall_layer, naive_settings, rank_key
+from test_recall import HEAD_DIM, N_HEADS, N_KV, make_recall_layer, naive_settings
+from test_recall_archive import rank_key
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from h2o_cli.cache import H2OCache, RecallLayer

@@ -20,6 +20,7 @@ from h2o_cli.cache.c_step import CStep, KeyPlacement
 from h2o_cli.cache.paths import Call, choose_path
 from h2o_cli.cache.paths.base import Recalled
 from h2o_cli.cache.positions import Rope
+from h2o_cli.cache.report import LayerSlots
 from h2o_cli.cache.step import DecodeMaps
 from h2o_cli.cache.store import LayerStore
 from h2o_cli.config import CacheSettings
@@ -180,6 +181,30 @@ class H2OLayer(CacheLayerMixin):
         """Every tensor a fixed step reads or writes in place (`H2OCache.fixed_buffers`)."""
         store = self.store
         return [getattr(store, name) for name in store._state_names()] + [*self.fixed_tables()]
+
+    def report(self, recall_slots: int | None = None) -> LayerSlots:
+        """What this layer's slots hold now (`LayerSlots`: views of the live buffers). `recall_slots`: the
+        cache's recall slots per KV head when its policy recalls (a layer that does not, under
+        `--recall-layers`, shows them empty), None otherwise."""
+        recalled = None
+        if recall_slots is not None:
+            store = self.store
+            shape = (store.n_kv_heads, recall_slots)
+            recalled = torch.full(shape, -1, dtype=torch.int64, device=store.token_index.device)
+        return self._slots(recalled)
+
+    def _slots(self, recalled: torch.Tensor | None) -> LayerSlots:
+        store = self.store
+        return LayerSlots(
+            token_index=store.token_index,
+            rank=store.rank,
+            valid=store.valid,
+            scores=store.scores,
+            last_probs=store.last_probs,
+            length=store.length,
+            tokens_seen=store.tokens_seen,
+            recalled=recalled,
+        )
 
     # The hooks through which a layer supplies its R and the positions of E_q to the path bodies.
 

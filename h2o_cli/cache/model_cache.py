@@ -189,29 +189,8 @@ class H2OCache(Cache):
 
     def layer_slots(self) -> list[LayerSlots]:
         """What each layer's slots hold now (`LayerSlots`: views of the live buffers, not copies)."""
-        return [
-            LayerSlots(
-                token_index=layer.store.token_index,
-                rank=layer.store.rank,
-                valid=layer.store.valid,
-                scores=layer.store.scores,
-                last_probs=layer.store.last_probs,
-                length=layer.store.length,
-                tokens_seen=layer.store.tokens_seen,
-                recalled=self._recall_index(layer),
-            )
-            for layer in self.layers
-        ]
-
-    def _recall_index(self, layer) -> torch.Tensor | None:
-        """A layer's recall slots' token indices [n_kv_heads, recall_slots]; with a recalling policy a layer
-        that does not recall (`--recall-layers`) shows them empty (-1); None without one."""
-        if layer.recall_index is not None:
-            return layer.recall_index
-        if not self.policy.recalls:
-            return None
-        shape = (layer.store.n_kv_heads, self.policy.recall_slots)
-        return torch.full(shape, -1, dtype=torch.int64, device=layer.store.token_index.device)
+        shown = self.policy.recall_slots if self.policy.recalls else None
+        return [layer.report(shown) for layer in self.layers]
 
     def state(self) -> list[dict]:
         """A copy of every layer's entries and counters (`LayerStore.state`), to put back with `restore`."""

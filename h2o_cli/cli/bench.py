@@ -90,9 +90,10 @@ def paired_plan(old: Path | None, new: Path | None, **sizes):
 
 def check_runs(plan, parts: tuple[str, ...]) -> None:
     """Each `--run` spec names a policy and its fields (parsed now, so a typo stops before any model loads)."""
+    from h2o_cli import bench as lib
     from h2o_cli.config import CacheSettings
 
-    if "recall" not in parts:
+    if lib.RECALL_PART not in parts:
         return
     for spec in plan.runs.runs:
         for context in plan.contexts:
@@ -269,7 +270,7 @@ def bench(
     stderr.print(f"torch threads: {torch.get_num_threads()}; another process may share the CPU")
     report = lib.run(lm, tokenizer, model, plan, book, gguf, progress=lambda text: stderr.print(f"· {text}"))
     given = {"--contexts": contexts, "--rounds": rounds, "--decode": decode, "--chunk": chunk if chunk != 256 else None,
-             "--budget": budget, "--block": block, "--read-block": read_block if "recall" in parts else None,
+             "--budget": budget, "--block": block, "--read-block": read_block if lib.RECALL_PART in parts else None,
              "--question": shlex.quote(question) if question else None, "--old": old, "--new": new,
              "--chunks": chunks if "streams" in parts else None,
              "--max-chunk1-tokens": max_chunk1_tokens if "streams" in parts else None}  # fmt: skip

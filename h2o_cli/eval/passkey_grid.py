@@ -104,7 +104,11 @@ def plan(grid: Grid, tokenizer, essays: str, window: int, done: set[tuple] = fro
                 text_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
                 for given in grid.policies:
                     name, _ = parse_run_spec(given)
-                    spec = f"{given}@heads{top}" if grid.heads is not None and name == "recall" else given
+                    spec = (
+                        f"{given}@heads{top}"
+                        if grid.heads is not None and policy_class(name).recalls
+                        else given
+                    )
                     evicts = policy_class(name).evicts
                     if not evicts and length > window:
                         continue  # full attention past the window: positions the model never saw

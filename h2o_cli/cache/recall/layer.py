@@ -18,6 +18,7 @@ from h2o_cli.cache.recall.archive import PageArchive, PageSettings
 from h2o_cli.cache.recall.c_step import RecallCStep
 from h2o_cli.cache.recall.lead import LeadRanking
 from h2o_cli.cache.recall.step import RecallCounts, recall_is_full, rolling_step_positions
+from h2o_cli.cache.report import LayerSlots
 from h2o_cli.errors import UsageError
 
 
@@ -117,6 +118,9 @@ class RecallLayer(H2OLayer):
     def rewind(self, tokens: int) -> None:
         self.archive.rewind(tokens)
         self.recall_index.fill_(-1)
+
+    def report(self, recall_slots: int | None = None) -> LayerSlots:
+        return self._slots(self.recall_index)
 
     def archive_call(self, call: Call) -> None:
         """Archive the call's unrotated K/V (write-through, before any eviction): in fixed shapes on the fixed
