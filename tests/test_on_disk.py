@@ -283,7 +283,10 @@ def test_a_hung_up_stream_removes_its_archive_file(tmp_path):
     args = ["stream", "--sample", "--ppl", "--policy", "recall", "--budget", "64", "--chunk", "16"]
     args += ["--max-tokens", "20000", "--archive", f"{tmp_path}/", "--threads", "1"]
     run = subprocess.Popen(
-        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [sys.executable, "-c", code, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),  # a terminal's child, not nohup's
     )
     deadline = time.monotonic() + 120
     while not os.listdir(tmp_path) and run.poll() is None and time.monotonic() < deadline:
