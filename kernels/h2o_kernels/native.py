@@ -332,7 +332,10 @@ def archive_lead_choose(
     [lead_pages] int64, [max(recall, 1)] int64, [2, max(recall, 1), head_dim] float32 and [pages] int64 (0
     between calls) buffers. Returns the hits summed over KV heads."""
     n_kv = counts.shape[0]
-    assert n_kv <= 255 and ranked.dtype == torch.int64 and ranked.is_contiguous()
+    if not (n_kv <= 255 and ranked.dtype == torch.int64 and ranked.is_contiguous()):  # read as int64 [n]
+        raise ValueError(
+            f"archive_lead_choose takes at most 255 KV heads and contiguous int64 pages; got {n_kv}, {ranked.dtype}"
+        )
     return library().archive_lead_choose(
         n_kv, head_dim, slots, active, *store, new_token, capacity, page_size, used,
         *archive, ranked.data_ptr(), ranked.numel(), lead_pages, recall, *recall_slots, *scratch,
