@@ -74,8 +74,8 @@ def _fail(message: str, code: int) -> None:
 
 class Terminated(SystemExit):
     """SIGTERM (`kill`, `timeout`) or SIGHUP (the terminal closed): the process ends as after an error, its
-    `finally` blocks and exit hooks run (a recall archive's file is removed, a chat's transcript saved), with
-    exit code 128 + the signal's number."""
+    `finally` blocks and exit hooks run (a recall archive's file is removed), with exit code 128 + the signal's
+    number."""
 
 
 def _terminate(number: int, frame) -> None:
