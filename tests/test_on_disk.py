@@ -1,6 +1,7 @@
 """What h2o keeps on disk stays whole and its own: the C library it loads (refused when another user could
 have planted it), transcripts (written aside then renamed, one name per chat), the recall archive (a private
-folder, removed on SIGHUP, a full disk one line), and the C step's buffers whatever torch's default dtype."""
+folder, a full disk one line; its removal on SIGHUP is in test_archive_storage.py), and the C step's buffers
+whatever torch's default dtype."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import contextlib
 import errno
 import logging
 import os
-import signal
 import stat
 import subprocess
 import sys
@@ -274,29 +274,6 @@ def test_a_full_disk_during_the_archive_write_is_one_line_naming_the_folder(tmp_
     message = str(failed.value)
     assert str(tmp_path) in message and "--archive ram" in message and "\n" not in message
     file.close()
-
-
-@pytest.mark.model
-def test_a_hung_up_stream_removes_its_archive_file(tmp_path):
-    """SIGHUP (the terminal closed) mid-stream: as SIGTERM, exit code 128 + 1 and the archive's file removed."""
-    code = "from h2o_cli.cli.app import main; main()"
-    args = ["stream", "--sample", "--ppl", "--policy", "recall", "--budget", "64", "--chunk", "16"]
-    args += ["--max-tokens", "20000", "--archive", f"{tmp_path}/", "--threads", "1"]
-    run = subprocess.Popen(
-        [sys.executable, "-c", code, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),  # a terminal's child, not nohup's
-    )
-    deadline = time.monotonic() + 120
-    while not os.listdir(tmp_path) and run.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert os.listdir(tmp_path), "the archive file never appeared"
-    time.sleep(1.0)  # inside the read
-    run.send_signal(signal.SIGHUP)
-    _, err = run.communicate(timeout=60)
-    assert run.returncode == 128 + signal.SIGHUP, err.decode()
-    assert not os.listdir(tmp_path)
 
 
 # The C step's buffers and checks.
