@@ -18,6 +18,7 @@ from h2o_cli.errors import H2OError
 
 FOLDER_MODE = 0o700
 FILE_MODE = 0o600
+FULL = (errno.ENOSPC, errno.EDQUOT)  # the errors a full disk (or quota) gives
 
 
 def h2o_home() -> Path:
@@ -62,9 +63,9 @@ def write_private(path: str | Path, text: str) -> Path:
         with contextlib.suppress(OSError):
             os.unlink(aside)
         if isinstance(error, OSError):
+            fix = "free some space or save elsewhere" if error.errno in FULL else "save elsewhere"
             raise H2OError(
-                f"cannot write {path} ({error.strerror or error}); it keeps its previous content: free some "
-                "space or choose another place"
+                f"cannot write {path} ({error.strerror or error}); it keeps its previous content: {fix}"
             ) from None
         raise
     return path

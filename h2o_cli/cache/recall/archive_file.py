@@ -5,8 +5,9 @@ folder; a folder it makes, and `$H2O_HOME/archive/` always, is 0700, the file 06
 reserved when the cache is built (`posix_fallocate`: a full disk is a one-line error then, not a crash in the
 middle of a stream; where the file system cannot reserve, the file is sparse and the free space is checked
 instead, since the C step's writes through the mapping into a full disk would end the process with SIGBUS),
-each layer's K/V lie in their own region of it, aligned to the OS page size. The archive writes through the file (`os.pwrite`: into the page cache, not the process) and
-reads the chosen tokens as tensors over the mapping; after every read it calls `release()`:
+each layer's K/V lie in their own region of it, aligned to the OS page size. The archive writes through the
+file (`os.pwrite`: into the page cache, not the process; a disk found full then is one line) and reads the
+chosen tokens as tensors over the mapping; after every read it calls `release()`:
 `madvise(MADV_DONTNEED)` takes the region's pages out of the process (a shared file mapping keeps their data in
 the file and the page cache), so the peak RSS, which counts mapped pages left resident, does not grow with the
 archive. The file is removed when the cache is closed or collected, or at the
