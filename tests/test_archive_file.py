@@ -228,21 +228,25 @@ def test_the_default_archive_goes_to_a_file_past_the_ram_limit(tiny_pair, monkey
 
 
 @pytest.mark.model
-def test_a_terminated_stream_removes_its_archive_file(tmp_path):
-    """SIGTERM (`kill`, `timeout`) mid-stream: exit code 143 and the recall archive's file removed, as after
-    Ctrl-C or an error."""
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_terminated_stream_removes_its_archive_file(tmp_path, number):
+    """SIGTERM (`kill`, `timeout`) or SIGHUP (the terminal closed) mid-stream: exit code 128 + the signal's
+    number and the recall archive's file removed, as after Ctrl-C or an error."""
     code = "from h2o_cli.cli.app import main; main()"
     args = ["stream", "--sample", "--ppl", "--policy", "recall", "--budget", "64", "--chunk", "16"]
     args += ["--max-tokens", "20000", "--archive", f"{tmp_path}/", "--threads", "1"]
     run = subprocess.Popen(
-        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [sys.executable, "-c", code, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),  # a terminal's child, not nohup's
     )
     deadline = time.monotonic() + 120
     while not os.listdir(tmp_path) and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert os.listdir(tmp_path), "the archive file never appeared"
     time.sleep(1.0)  # inside the read
-    run.send_signal(signal.SIGTERM)
+    run.send_signal(number)
     _, err = run.communicate(timeout=60)
-    assert run.returncode == 143, err.decode()
+    assert run.returncode == 128 + number, err.decode()
     assert not os.listdir(tmp_path)

@@ -1,7 +1,9 @@
 """The cache's side of the C decode step (h2o_kernels.native.step): the buffers one layer's step takes, held
 once per layer, and the call that runs it on the layer's `LayerStore` and keeps the store's counters.
 
-The kernel takes addresses and sizes only; which store buffers it takes, in which order, lives here.
+The kernel takes addresses and sizes only; which store buffers it takes, in which order, lives here, and so do
+the checks that keep it inside them: each buffer's dtype, shape, layout and device, made once per store (real
+checks, not `assert`s, which `python -O` removes).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from h2o_kernels import native
 
 from h2o_cli.cache.store import LayerStore
 
-# The store's buffers the C step takes, in its argument order.
+# The store's buffers the C step takes, in its argument order, and the dtype it reads and writes each in.
 STORE_BUFFERS = ("keys", "values", "scores", "seen", "last_probs", "token_index", "rank", "valid")
+STORE_DTYPES = (torch.float32,) * 5 + (torch.int64, torch.int64, torch.bool)
 
 
 class KeyPlacement(enum.IntEnum):
@@ -27,13 +30,33 @@ class KeyPlacement(enum.IntEnum):
     )
 
 
+def checked(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """`tensor` if C code may take it as a contiguous CPU buffer of `shape` in `dtype`; else raises ValueError
+    (C code given anything else would read or write past it)."""
+    if (
+        tensor.dtype != dtype
+        or tuple(tensor.shape) != tuple(shape)
+        or not tensor.is_contiguous()
+        or tensor.device.type != "cpu"
+    ):
+        raise ValueError(
+            f"the C step cannot take {name}: want a contiguous CPU {dtype} {list(shape)}, got "
+            f"{'a contiguous' if tensor.is_contiguous() else 'a strided'} {tensor.device.type} {tensor.dtype} "
+            f"{list(tensor.shape)}"
+        )
+    return tensor
+
+
 def store_pointers(store: LayerStore) -> tuple[int, ...]:
-    """The addresses of a float32 CPU store's buffers (`STORE_BUFFERS`), in the C step's argument order: they
-    never move, so they are taken once per store."""
-    buffers = [getattr(store, name) for name in STORE_BUFFERS]
-    assert all(tensor.is_contiguous() and tensor.device.type == "cpu" for tensor in buffers)
-    assert store.keys.dtype == torch.float32
-    return tuple(tensor.data_ptr() for tensor in buffers)
+    """The addresses of a float32 CPU store's buffers (`STORE_BUFFERS`), in the C step's argument order, each
+    checked (`checked`): they never move, so they are taken once per store."""
+    slots = (store.n_kv_heads, store.slots)
+    shapes = {"keys": (*slots, store.head_dim), "values": (*slots, store.head_dim)}  # the others: `slots`
+    buffers = zip(STORE_BUFFERS, STORE_DTYPES, strict=True)
+    return tuple(
+        checked(f"the store's {name}", getattr(store, name), dtype, shapes.get(name, slots)).data_ptr()
+        for name, dtype in buffers
+    )
 
 
 class CStep:

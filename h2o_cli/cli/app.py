@@ -73,8 +73,9 @@ def _fail(message: str, code: int) -> None:
 
 
 class Terminated(SystemExit):
-    """SIGTERM (`kill`, `timeout`): the process ends as after an error, its `finally` blocks and exit hooks run
-    (a recall archive's file is removed), with exit code 128 + the signal's number."""
+    """SIGTERM (`kill`, `timeout`) or SIGHUP (the terminal closed): the process ends as after an error, its
+    `finally` blocks and exit hooks run (a recall archive's file is removed), with exit code 128 + the signal's
+    number."""
 
 
 def _terminate(number: int, frame) -> None:
@@ -87,6 +88,8 @@ def main() -> None:
     command = typer.main.get_command(app)
     with contextlib.suppress(ValueError):  # not the main thread (an embedding app): leave its handler alone
         signal.signal(signal.SIGTERM, _terminate)
+        if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:  # not under nohup, which asks to keep running
+            signal.signal(signal.SIGHUP, _terminate)
     try:
         try:
             command.main(prog_name="h2o", standalone_mode=False)

@@ -15,7 +15,7 @@ from h2o_cli.cli.common import stderr
 from h2o_cli.cli.panel import LivePanel, PanelView, render_panel
 from h2o_cli.errors import H2OError, UsageError
 from h2o_cli.models import h2o_home
-from h2o_cli.private import private_file, private_folder
+from h2o_cli.private import claim_private, private_file, private_folder
 
 HELP = """\
 [bold]Commands[/]
@@ -89,7 +89,10 @@ class ChatLoop:
         home = h2o_home()
         terminal = sys.stdin.isatty()
         self.reader = reader or (TerminalReader(history_path(home)) if terminal else LineReader())
-        self.transcript_path = home / "chats" / time.strftime("chat-%Y%m%d-%H%M%S.json")
+        # Named by the chat's start, made unique when first saved (`claim_private`): chats started in the
+        # same second, in one process or two, never share a file.
+        self.chats, self.transcript_name = home / "chats", time.strftime("chat-%Y%m%d-%H%M%S")
+        self.transcript_path: Path | None = None
         self.running = True
 
     def run(self) -> None:
@@ -229,7 +232,7 @@ class ChatLoop:
     def _reset(self, argument: str) -> None:
         self._save_transcript()
         self.session.reset()
-        self.transcript_path = self.transcript_path.with_name(time.strftime("chat-%Y%m%d-%H%M%S-reset.json"))
+        self.transcript_name, self.transcript_path = time.strftime("chat-%Y%m%d-%H%M%S-reset"), None
         stderr.print("conversation cleared")
 
     def _save(self, argument: str) -> None:
@@ -280,7 +283,8 @@ class ChatLoop:
     def _save_transcript(self, final: bool = False) -> None:
         if not self.session.turns:
             return
-        private_folder(self.transcript_path.parent)
+        if self.transcript_path is None:
+            self.transcript_path = claim_private(self.chats, self.transcript_name, ".json")
         path = self.session.save(self.transcript_path)
         if final:
             stderr.print(f"transcript saved to {escape(str(path))}")

@@ -9,6 +9,11 @@ function does the same steps in one call. It is built once per source, compiler 
 `$H2O_HOME/kernels/` (`cc -O3 -march=native`, a second or two) and loaded with ctypes, so it needs no Python
 headers, no build at install time, and nothing but a C compiler. Without one, or if the build fails, the torch
 path runs: quietly under `--kernels auto`, with one warning line under `--kernels native`.
+
+Loading a library runs its code, so only one that nobody else could have written is loaded: the folder is
+made (and kept) 0700, the library built is its owner's alone, and a library found there that belongs to
+another user or that group or others may write is refused (`UnsafeLibraryError`: one warning line naming it
+and the fix, whatever `--kernels` says, and the torch path runs).
 """
 
 from __future__ import annotations
@@ -71,9 +76,42 @@ def compiler() -> str | None:
     return os.environ.get(ENV_CC) or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def build(folder: Path | None = None) -> Path:
-    """The shared library for these sources, compiler and CPU, compiled unless already there. Raises
-    `RuntimeError` (no compiler) or `subprocess.CalledProcessError` (the compiler failed)."""
+class UnsafeLibraryError(RuntimeError):
+    """A library (or its folder) that another user could have written: never loaded."""
+
+
+def check_owned(path: Path) -> None:
+    """Raises `UnsafeLibraryError`, naming `path` and the fix, unless it belongs to this user and neither
+    group nor others may write it."""
+    status = os.stat(path)
+    if status.st_uid != os.geteuid():
+        problem = f"{path} belongs to another user (uid {status.st_uid})"
+    elif status.st_mode & 0o022:
+        problem = f"{path} is writable by group or others (mode {status.st_mode & 0o777:o})"
+    else:
+        return
+    raise UnsafeLibraryError(
+        f"refusing {problem}; remove it (h2o builds its own again) or set $H2O_HOME to a folder of yours"
+    )
+
+
+def owned_folder(folder: Path) -> Path:
+    """`folder` (and its parents as needed), made 0700; an existing one of this user's is made 0700 too.
+    Raises `UnsafeLibraryError` for one of another user's."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    status = os.stat(folder)
+    if status.st_uid != os.geteuid():
+        raise UnsafeLibraryError(
+            f"refusing the library folder {folder}: it belongs to another user; set $H2O_HOME to a folder of yours"
+        )
+    if status.st_mode & 0o077:
+        os.chmod(folder, 0o700)
+    return folder
+
+
+def library_path(folder: Path | None = None) -> Path:
+    """Where the library for these sources, compiler and CPU lives in `folder` (`cache_folder()`). Raises
+    `RuntimeError` if there is no compiler."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC)")
@@ -81,28 +119,42 @@ def build(folder: Path | None = None) -> Path:
     key = hashlib.sha256(
         b"\0".join([*texts, " ".join(FLAGS).encode(), cc.encode(), cpu_signature().encode()])
     )
-    folder = folder or cache_folder()
-    target = folder / f"h2o_steps-{key.hexdigest()[:16]}.so"
+    return (folder or cache_folder()) / f"h2o_steps-{key.hexdigest()[:16]}.so"
+
+
+def build(folder: Path | None = None) -> Path:
+    """The shared library for these sources, compiler and CPU, compiled unless already there, in a 0700
+    folder and writable by its owner only. Raises `RuntimeError` (no compiler), `UnsafeLibraryError` (a
+    folder of another user's) or `subprocess.CalledProcessError` (the compiler failed)."""
+    target = library_path(folder)
+    owned_folder(target.parent)
     if target.exists():
         return target
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as scratch:  # built aside, then renamed: no torn library
+    with tempfile.TemporaryDirectory(
+        dir=target.parent
+    ) as scratch:  # built aside, then renamed: no torn library
         built = Path(scratch) / target.name
         subprocess.run(
-            [cc, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
+            [compiler(), *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
             check=True,
             capture_output=True,
             text=True,
             timeout=120,
         )
+        os.chmod(
+            built, 0o700
+        )  # not the umask's: a group-writable umask must not make h2o refuse its own build
         os.replace(built, target)
     return target
 
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The loaded step function (built on the first call of the process; raises as `build`)."""
-    lib = ctypes.CDLL(str(build()))
+    """The loaded step function (built on the first call of the process; raises as `build`, and
+    `UnsafeLibraryError` for a library that others could have written)."""
+    path = build()
+    check_owned(path)
+    lib = ctypes.CDLL(str(path))
     lib.cache_step.argtypes = STEP_ARGTYPES
     lib.cache_step.restype = _INT
     lib.h2o_exp_nonpositive.argtypes = [_PTR, _PTR, _INT]  # its e**x, for the accuracy test
@@ -138,11 +190,12 @@ def failure_text(error: BaseException) -> str:
 @functools.cache
 def available(explicit: bool = False) -> bool:
     """Whether the C step can run in this process. The first failure is logged once: as a warning when
-    the C step was asked for (`--kernels native`), at info level under `auto`."""
+    the C step was asked for (`--kernels native`) or the library was refused as unsafe, at info level under
+    `auto` otherwise."""
     try:
         library()
-    except Exception as error:  # no compiler, a compile error, a library the loader refuses
-        level = logging.WARNING if explicit else logging.INFO
+    except Exception as error:  # no compiler, a compile error, an unsafe library, one the loader refuses
+        level = logging.WARNING if explicit or isinstance(error, UnsafeLibraryError) else logging.INFO
         logger.log(level, "C decode step unavailable (%s); using the torch path", failure_text(error))
         return False
     return True
@@ -279,7 +332,10 @@ def archive_lead_choose(
     [lead_pages] int64, [max(recall, 1)] int64, [2, max(recall, 1), head_dim] float32 and [pages] int64 (0
     between calls) buffers. Returns the hits summed over KV heads."""
     n_kv = counts.shape[0]
-    assert n_kv <= 255 and ranked.dtype == torch.int64 and ranked.is_contiguous()
+    if not (n_kv <= 255 and ranked.dtype == torch.int64 and ranked.is_contiguous()):  # read as int64 [n]
+        raise ValueError(
+            f"archive_lead_choose takes at most 255 KV heads and contiguous int64 pages; got {n_kv}, {ranked.dtype}"
+        )
     return library().archive_lead_choose(
         n_kv, head_dim, slots, active, *store, new_token, capacity, page_size, used,
         *archive, ranked.data_ptr(), ranked.numel(), lead_pages, recall, *recall_slots, *scratch,

@@ -1,16 +1,19 @@
 """Where the `recall` archive's K/V live on disk: one memory-mapped file per cache, never kept resident.
 
 `--archive disk` names a fresh file in `$H2O_HOME/archive/`, `--archive PATH` a file (or a fresh name inside a
-folder). The file's space is reserved when the cache is built (`posix_fallocate`: a full disk is a one-line
-error then, not a crash in the middle of a stream), each layer's K/V lie in their own region of it, aligned to
-the OS page size. The archive writes through the file (`os.pwrite`: into the page cache, not the process) and
-reads the chosen tokens as tensors over the mapping; after every read it calls `release()`:
+folder; a folder it makes, and `$H2O_HOME/archive/` always, is 0700, the file 0600). The file's space is
+reserved when the cache is built (`posix_fallocate`: a full disk is a one-line error then, not a crash in the
+middle of a stream; where the file system cannot reserve, the file is sparse and the free space is checked
+instead, since the C step's writes through the mapping into a full disk would end the process with SIGBUS),
+each layer's K/V lie in their own region of it, aligned to the OS page size. The archive writes through the
+file (`os.pwrite`: into the page cache, not the process; a disk found full then is one line) and reads the
+chosen tokens as tensors over the mapping; after every read it calls `release()`:
 `madvise(MADV_DONTNEED)` takes the region's pages out of the process (a shared file mapping keeps their data in
 the file and the page cache), so the peak RSS, which counts mapped pages left resident, does not grow with the
 archive. The file is removed when the cache is closed or collected, or at the
-latest when the interpreter exits (normal end, exception, Ctrl-C), unless it is kept (`--keep-archive`).
-A run killed outright (SIGKILL) leaves its file: the next archive made in the same folder removes the files
-whose process is gone.
+latest when the interpreter exits (normal end, exception, Ctrl-C; SIGTERM and SIGHUP for the `h2o` command),
+unless it is kept (`--keep-archive`). A run killed outright (SIGKILL) leaves its file: the next archive made in
+the same folder removes the files whose process is gone.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ from pathlib import Path
 import torch
 
 from h2o_cli.errors import ArchiveError
-from h2o_cli.private import h2o_home
+from h2o_cli.private import h2o_home, private_folder
 
 ARCHIVE_FOLDER = "archive"  # under $H2O_HOME
 SUFFIX = ".kv"
-OWNED = re.compile(r"recall-(\d+)-[0-9a-f]{8}\.kv")  # files this module names (not the kept ones)
+OWNED = re.compile(r"recall-(\d{1,10})-[0-9a-f]{8}\.kv")  # files this module names (not the kept ones)
+PID_LIMIT = 2**31  # a process id is a positive C int
+FIX = "use --archive ram, or a folder with room with --archive PATH"
 ALIGN = mmap.PAGESIZE
 
 
@@ -63,8 +68,10 @@ class ArchiveFile:
         self.path, self.size, self.keep = Path(path), size, keep
         self._next = 0
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            remove_stale(self.path.parent)
+            folder = self.path.parent
+            if folder == h2o_home() / ARCHIVE_FOLDER or not folder.exists():
+                private_folder(folder)  # the text's keys and values: nobody else's to list
+            remove_stale(folder)
             # Never an existing file: `--archive notes.txt` by mistake must not truncate (and remove) notes.txt.
             descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
@@ -90,11 +97,14 @@ class ArchiveFile:
             except OSError as error:
                 if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # e.g. ENOSPC
                     raise
-                os.ftruncate(descriptor, size)  # a file system without fallocate: a sparse file
+                check_free_space(self.path.parent, size)  # a sparse file: no write may find the disk full
+                os.ftruncate(descriptor, size)
             self.map = mmap.mmap(descriptor, size, flags=mmap.MAP_SHARED)
-        except OSError as error:
+        except (OSError, ArchiveError) as error:
             os.close(descriptor)
             self._finalizer()
+            if isinstance(error, ArchiveError):
+                raise
             raise ArchiveError(
                 f"cannot reserve {size:,} bytes for the recall archive {self.path} ({error.strerror}); "
                 "lower --archive-max, choose another place with --archive PATH, or use --archive ram"
@@ -121,15 +131,28 @@ def _remove(path: Path, keep: bool) -> None:
             path.unlink()
 
 
+def check_free_space(folder: Path, size: int) -> None:
+    """Raises ArchiveError, naming `folder` and the fix, unless its file system has `size` bytes free."""
+    status = os.statvfs(folder)
+    free = status.f_bavail * status.f_frsize
+    if free < size:
+        raise ArchiveError(
+            f"the recall archive needs {size:,} bytes in {folder}, which has {free:,} free; lower "
+            f"--archive-max, or {FIX}"
+        )
+
+
 def remove_stale(folder: Path) -> None:
-    """Remove archive files this module named in `folder` whose process no longer runs (a killed run's)."""
+    """Remove archive files this module named in `folder` whose process no longer runs (a killed run's);
+    a name whose PID no process can have is not one of them, and is left alone."""
     with contextlib.suppress(OSError):
         for entry in os.scandir(folder):
             owner = OWNED.fullmatch(entry.name)
-            if owner is None or int(owner[1]) == os.getpid():
+            pid = int(owner[1]) if owner else 0
+            if not 0 < pid < PID_LIMIT or pid == os.getpid():
                 continue
             try:
-                os.kill(int(owner[1]), 0)
+                os.kill(pid, 0)
             except ProcessLookupError:
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
@@ -170,7 +193,21 @@ class ArchiveRegion:
         for head in range(data.shape[0]):
             for begin, end, slot in runs:
                 piece = memoryview(data[head, begin:end].view(torch.uint8).numpy()).cast("B")
-                os.pwrite(self.file.descriptor, piece, offset + (head * capacity + slot) * row)
+                self._pwrite(piece, offset + (head * capacity + slot) * row)
+
+    def _pwrite(self, piece: memoryview, offset: int) -> None:
+        """`os.pwrite` of every byte of `piece` at `offset` (a write may take part of them). Raises
+        ArchiveError naming the folder and the fix (a full disk: one line, not a bare OSError)."""
+        try:
+            while piece:
+                written = os.pwrite(self.file.descriptor, piece, offset)
+                if written <= 0:  # nothing taken: it would never finish
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                piece, offset = piece[written:], offset + written
+        except OSError as error:
+            raise ArchiveError(
+                f"cannot write the recall archive {self.file.path} ({error.strerror or error}); {FIX}"
+            ) from None
 
     def release(self) -> None:
         """Drop the region's pages from the process's resident set (their data stays in the file)."""

@@ -1,6 +1,7 @@
 """The cache's side of `recall`'s C step (h2o_kernels/archive.c and step.c): one `RecallLayer`'s archive and
 recall-slot buffers next to its store's (`CStep`), and the calls that run the archive write, the page choice and
-the step on them."""
+the step on them. Every buffer C code reads or writes has its dtype stated (never torch's default, which a
+library user may have set to bfloat16) and is checked once per layer (`checked`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import ctypes
 import torch
 from h2o_kernels import native
 
-from h2o_cli.cache.c_step import CStep
+from h2o_cli.cache.c_step import CStep, checked
+
+MOST_KV_HEADS = 255  # archive.c counts the heads holding a token in a byte
 
 
 class RecallCStep(CStep):
@@ -22,15 +25,12 @@ class RecallCStep(CStep):
         super().__init__(store)
         self.archive = archive
         self.recall_index = layer.recall_index
-        assert archive.keys.dtype == torch.float32
-        slots_held = (layer.recall_keys, layer.recall_values, layer.recall_index)
-        tensors = (archive.token_index, archive.keys, archive.values, *slots_held)
-        assert all(tensor.is_contiguous() for tensor in tensors)
+        self.recall = recall = layer.recall_index.shape[1]
+        tensors = checked_buffers(layer, recall)
         self.archive_pointers = tuple(tensor.data_ptr() for tensor in tensors[:3])
         self.recall_pointers = tuple(tensor.data_ptr() for tensor in tensors[3:])
         self.summary_pointer = archive.summary.data_ptr()
         self.store_index_pointers = (store.token_index.data_ptr(), store.valid.data_ptr())
-        self.recall = recall = layer.recall_index.shape[1]
         self.blocked = torch.zeros(archive.capacity, dtype=torch.uint8)  # 0 between calls
         self.held_by = torch.zeros(archive.capacity, dtype=torch.uint8)  # `lead_choose`'s: 0 between calls
         self.previous = torch.full((archive.capacity,), -1, dtype=torch.int64)  # -1 between calls
@@ -110,6 +110,30 @@ class RecallCStep(CStep):
         return super().run(query, key, value, table, rolling, limit, decay, self.recall_arguments, entries)
 
 
+def checked_buffers(layer, recall: int) -> tuple[torch.Tensor, ...]:
+    """The archive's token index, keys and values and the recall slots' keys, values and token indices of
+    `layer`, each checked (`checked`: dtype, shape, contiguous CPU), and its summaries; raises ValueError for
+    any the C calls cannot take (they would read or write past it)."""
+    store, archive = layer.store, layer.archive
+    n_kv, head_dim, capacity = store.n_kv_heads, store.head_dim, archive.capacity
+    if not 0 < n_kv <= MOST_KV_HEADS or capacity % archive.page_size or capacity % archive.block_size:
+        raise ValueError(
+            f"the C recall step takes 1 to {MOST_KV_HEADS} KV heads and whole pages and blocks; got {n_kv} heads, "
+            f"capacity {capacity}, pages of {archive.page_size}, blocks of {archive.block_size}"
+        )
+    held, slots = (n_kv, capacity, head_dim), (n_kv, recall, head_dim)
+    summary = (n_kv, capacity // archive.block_size, 2 * head_dim)
+    checked("the archive's summaries", archive.summary, torch.float32, summary)
+    return (
+        checked("the archive's token index", archive.token_index, torch.int64, (capacity,)),
+        checked("the archive's keys", archive.keys, torch.float32, held),
+        checked("the archive's values", archive.values, torch.float32, held),
+        checked("the recall keys", layer.recall_keys, torch.float32, slots),
+        checked("the recall values", layer.recall_values, torch.float32, slots),
+        checked("the recall token indices", layer.recall_index, torch.int64, (n_kv, recall)),
+    )
+
+
 class StepScores:
     """A one-token step's page scores on a float32 CPU archive (in RAM or a mapped file): `PageArchive.step_bounds`,
     in one C call (archive.c's `archive_step_scores`) when the step scores the `step_shortlist` pages its
@@ -121,7 +145,11 @@ class StepScores:
     Held keys and scratch are made on the first C call and again after the archive is reset or rewound."""
 
     def __init__(self, archive) -> None:
-        assert archive.keys.dtype == torch.float32 and archive.keys.is_contiguous()
+        n_kv, capacity, head_dim = archive.n_kv_heads, archive.capacity, archive.head_dim
+        checked("the archive's keys", archive.keys, torch.float32, (n_kv, capacity, head_dim))
+        checked("the archive's token index", archive.token_index, torch.int64, (capacity,))
+        checked("the carried scores", archive.carried, torch.float32, (n_kv, archive.pages))
+        checked("the carried pages' starts", archive.carried_start, torch.int64, (archive.pages,))
         self.archive = archive
         self.archive_pointers = (archive.token_index.data_ptr(), archive.keys.data_ptr())
         self.carried_pointers = (archive.carried.data_ptr(), archive.carried_start.data_ptr())
@@ -146,12 +174,14 @@ class StepScores:
                 torch.empty(n_kv, shortlist * size, head_dim, dtype=torch.float16),  # the keys
                 torch.empty(ring, 2, dtype=torch.int64),  # scratch: the ranking
                 torch.zeros(ring, dtype=torch.uint8),  # the shortlist's pages (0 between calls)
-                torch.empty(group, shortlist * size),  # the logits
-                torch.empty(group * head_dim + shortlist),  # the scaled queries, each column's mass
+                torch.empty(group, shortlist * size, dtype=torch.float32),  # the logits
+                torch.empty(
+                    group * head_dim + shortlist, dtype=torch.float32
+                ),  # the scaled queries, each column's mass
             )
             self._held = (archive.epoch, tensors, tuple(tensor.data_ptr() for tensor in tensors))
         used = archive.span // size
-        bound = torch.empty(n_kv, used)
+        bound = torch.empty(n_kv, used, dtype=torch.float32)
         pointers = self._held[2]
         native.archive_step_scores(
             query, archive.capacity, size, used, shortlist, archive.carry, head_dim**-0.5, archive.tokens,
