@@ -1,0 +1,161 @@
+"""Gemma 3, whose decoder mixes sliding-window layers with global ones, as a tiny random-weight model: the
+cache with `full` equals plain transformers, an evicting policy on the global layers equals the naive
+reference (its windows written out independently), `recall` with room for every token equals `full`, and the
+report and memory arithmetic count the windows beside the budget."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from naive import naive_gemma3_nll
+
+from h2o_cli import memory
+from h2o_cli.cache import H2OCache
+from h2o_cli.config import CacheSettings
+from h2o_cli.errors import UsageError
+
+WINDOW = 8
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+@pytest.fixture(scope="module")
+def gemma_pair():
+    """(plain model, identical model for the H2O cache): window 8, layers sliding, sliding, full, sliding,
+    local and global RoPE bases apart, a query scale that is not head_dim's, random norm weights."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(LAYER_TYPES),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        sliding_window=WINDOW,
+        layer_types=LAYER_TYPES,
+        query_pre_attn_scalar=24,
+        rope_theta=1000.0,
+        rope_local_base_freq=50.0,
+    )
+    torch.manual_seed(0)
+    reference = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():  # Gemma's norms scale by (1 + weight): random weights exercise every one
+        for name, param in reference.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.1)
+    model = transformers.Gemma3ForCausalLM(copy.deepcopy(config)).eval()
+    model.load_state_dict(reference.state_dict())
+    return reference, model
+
+
+def run(model, cache, ids: list[int], sizes: list[int]) -> torch.Tensor:
+    """Logits [len(ids), vocab] of `ids` fed in calls of `sizes` tokens."""
+    logits, start = [], 0
+    with torch.inference_mode():
+        for size in sizes:
+            logits.append(model(input_ids=torch.tensor([ids[start : start + size]]), cache=cache).logits[0])
+            start += size
+    return torch.cat(logits)
+
+
+def nll(logits: torch.Tensor, ids: list[int]) -> list[float]:
+    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    return [-float(logprobs[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+
+
+def tokens(count: int, seed: int) -> list[int]:
+    return torch.randint(0, 128, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_full_equals_plain_transformers_through_chunks_and_steps(gemma_pair):
+    """Past the window (8) the sliding layers keep only theirs, exactly as transformers' sliding attention."""
+    reference, model = gemma_pair
+    ids = tokens(60, 1)
+    cache = H2OCache(model, CacheSettings(budget=64, policy="full", positions="original", chunk=16))
+    ours = run(model, cache, ids, [16, 16, 16] + [1] * 12)
+    with torch.inference_mode():
+        plain = reference(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, plain, rtol=1e-4, atol=1e-4)
+    windows = [layer.store for layer in cache.layers if layer.is_sliding]
+    assert len(windows) == 3 and all(store.length == WINDOW - 1 for store in windows)
+
+
+@pytest.mark.parametrize("positions", ["rolling", "original"])
+@pytest.mark.parametrize("policy", ["h2o", "sink", "tova"])
+def test_evicting_policy_equals_the_naive_reference(gemma_pair, policy, positions):
+    """The global layer evicts (budget 12 of 48 tokens); the naive windows rotate at token indices, so under
+    rolling positions this also holds the sliding layers' ranks to the model's own distances."""
+    _, model = gemma_pair
+    ids = tokens(48, 2)
+    settings = CacheSettings(budget=12, policy=policy, positions=positions, chunk=4)
+    got = nll(run(model, H2OCache(model, settings), ids, [4] * 12), ids)
+    assert got == pytest.approx(naive_gemma3_nll(model, ids, settings, chunk=4), abs=2e-4)
+
+
+def test_one_token_steps_equal_the_naive_reference(gemma_pair):
+    _, model = gemma_pair
+    ids = tokens(30, 3)
+    settings = CacheSettings(budget=10, policy="h2o", positions="rolling", chunk=1)
+    got = nll(run(model, H2OCache(model, settings), ids, [1] * 30), ids)
+    assert got == pytest.approx(naive_gemma3_nll(model, ids, settings, chunk=1), abs=2e-4)
+
+
+def test_recall_with_room_for_every_token_equals_full(gemma_pair):
+    """Budget 64 over 48 tokens: S = 32 and R = 32 recalled hold every token, so the global layer is `full`."""
+    _, model = gemma_pair
+    ids = tokens(48, 4)
+    results = []
+    for settings in (
+        CacheSettings(budget=64, policy="full", chunk=4, positions="original"),
+        CacheSettings(budget=64, policy="recall", chunk=4, positions="rolling", page_size=4),
+    ):
+        cache = H2OCache(model, settings, span=len(ids))
+        results.append(run(model, cache, ids, [4] * 12))
+    assert cache.archive_summary().recalled_per_step > 0
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
+
+
+def test_rolling_window_positions_stay_below_the_window_past_the_context(gemma_pair):
+    """300 tokens through a 256-position model: the sliding layers' ranks stay below window - 1 + chunk and
+    the global layer's below its slots, while their token indices run on."""
+    _, model = gemma_pair
+    cache = H2OCache(model, CacheSettings(budget=16, policy="h2o", positions="rolling", chunk=4))
+    run(model, cache, tokens(300, 5), [4] * 75)
+    for layer, slots in zip(cache.layers, cache.layer_slots(), strict=True):
+        held = slots.rank[slots.valid]
+        assert int(slots.token_index.max()) == 299 and int(held.max()) == slots.length - 1
+        assert slots.length == (WINDOW - 1 if layer.is_sliding else 16)
+
+
+def test_the_budget_is_the_global_layers_and_the_report_counts_the_windows(gemma_pair):
+    """`--budget 0.1` is 10 % of the context window for the global layer; the sliding layers hold their
+    window (less one) and the chunk whatever the budget, in the report, `--json`, nbytes and memory's table."""
+    from h2o_cli.runtime import cache_summary
+
+    _, model = gemma_pair
+    settings = CacheSettings(budget=0.1, policy="h2o", chunk=4)
+    cache = H2OCache(model, settings)
+    run(model, cache, tokens(40, 6), [4] * 10)
+    report = cache.report()
+    assert report.resident_slots == round(0.1 * 256)
+    assert (report.windowed_layers, report.window_slots) == (3, WINDOW - 1 + 4)
+    assert report.length == round(0.1 * 256)
+    shape = memory.ModelShape.from_config(model.config)
+    assert (shape.window, shape.windowed_layers, shape.budgeted_layers) == (WINDOW, 3, 1)
+    assert cache.nbytes() == memory.h2o_cache_bytes(shape, round(0.1 * 256), 4, None, 4)
+    summary = cache_summary(cache)
+    assert summary["window_slots"] == WINDOW - 1 + 4 and summary["kv_cache_bytes"] == cache.nbytes()
+    table = memory.memory_table(shape, round(0.1 * 256), chunk=4, contexts=(4096,))
+    assert table["windowed_layers"] == 3 and table["rows"][0]["h2o_kv_bytes"] == cache.nbytes()
+    assert table["kv_heads_total"] == 2  # the global layer's two KV heads take the budget
+
+
+def test_the_fixed_step_refuses_sliding_window_layers(gemma_pair):
+    _, model = gemma_pair
+    cache = H2OCache(model, CacheSettings(budget=16, policy="h2o", chunk=4))
+    with pytest.raises(UsageError, match="sliding-window layers"):
+        cache.fix_steps()
