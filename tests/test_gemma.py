@@ -159,3 +159,37 @@ def test_the_fixed_step_refuses_sliding_window_layers(gemma_pair):
     cache = H2OCache(model, CacheSettings(budget=16, policy="h2o", chunk=4))
     with pytest.raises(UsageError, match="sliding-window layers"):
         cache.fix_steps()
+
+
+def tiny_gguf(path, architecture: str):
+    """A GGUF file holding only a header (`general.architecture`) and one small tensor."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_family_the_cache_cannot_serve_is_refused_before_conversion(tmp_path, monkeypatch, capsys):
+    """One line naming the family and the supported ones, exit 1, and no conversion started."""
+    from test_cli_stream import h2o_in_process, one_error_line
+
+    from h2o_cli.models import gguf as gguf_module
+    from h2o_cli.models import sources
+
+    def never(*args):
+        raise AssertionError("the file was converted before its family was checked")
+
+    monkeypatch.setattr(sources, "convert_gguf", never)
+    monkeypatch.setenv("H2O_HOME", str(tmp_path / "home"))
+    path = tiny_gguf(tmp_path / "tiny-gpt2.gguf", "gpt2")
+    code, out, err = h2o_in_process(monkeypatch, capsys, "stream", "--ppl", "--sample", "--model", str(path))
+    line = one_error_line(err)
+    assert code == 1 and out == ""
+    assert "'gpt2'" in line and "llama, mistral, qwen2, qwen3, gemma3_text" in line
+    assert gguf_module.gguf_family(tiny_gguf(tmp_path / "gemma.gguf", "gemma3")) == "gemma3_text"

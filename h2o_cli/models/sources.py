@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 from h2o_cli.cache.families import SUPPORTED_FAMILIES
 from h2o_cli.errors import H2OError, ModelNotFoundError, UsageError
-from h2o_cli.models.gguf import convert_gguf
+from h2o_cli.models.gguf import check_gguf_family, convert_gguf
 from h2o_cli.models.presets import DEFAULT_MODEL, PRESETS, PUBLIC_CONFIGS, ModelPreset
 from h2o_cli.private import h2o_home
 
@@ -80,6 +80,7 @@ def local_folder(source: ModelSource) -> str:
         return source.location
     target = gguf_cache_dir(Path(source.location))
     if not (target / "config.json").is_file() or not any(target.glob("*.safetensors")):
+        check_gguf_family(Path(source.location))  # from the header: refuse before a minute of conversion
         convert_gguf(Path(source.location), target)
     return str(target)
 
