@@ -307,12 +307,17 @@ def naive_model_nll(
                 hidden = hidden + attn.o_proj(out)
                 hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
             logprobs = torch.log_softmax(model.lm_head(model.model.norm(hidden)).double(), dim=-1)
-            if previous is not None:
-                nlls.append(-float(previous[piece[0]]))
-            for i in range(c - 1):
-                nlls.append(-float(logprobs[i, piece[i + 1]]))
-            previous = logprobs[-1]
+            previous = add_nlls(nlls, previous, logprobs, piece)
     return nlls
+
+
+def add_nlls(nlls: list[float], previous, logprobs: torch.Tensor, piece: list[int]) -> torch.Tensor:
+    """Append the NLL of a chunk's tokens: its first from the previous chunk's last log-probabilities
+    (`previous`, None for the first chunk), the others from its own [c, vocab]. Returns its last row."""
+    if previous is not None:
+        nlls.append(-float(previous[piece[0]]))
+    nlls.extend(-float(logprobs[i, piece[i + 1]]) for i in range(len(piece) - 1))
+    return logprobs[-1]
 
 
 def naive_window_chunk(heads, queries, keys, values, first_token, window, inv_freq, scaling):
@@ -377,12 +382,7 @@ def naive_gemma3_nll(model, ids: list[int], settings, chunk: int = 1) -> list[fl
             logits = model.lm_head(model.model.norm(hidden)).double()
             if config.final_logit_softcapping:
                 logits = torch.tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping
-            logprobs = torch.log_softmax(logits, dim=-1)
-            if previous is not None:
-                nlls.append(-float(previous[piece[0]]))
-            for i in range(c - 1):
-                nlls.append(-float(logprobs[i, piece[i + 1]]))
-            previous = logprobs[-1]
+            previous = add_nlls(nlls, previous, torch.log_softmax(logits, dim=-1), piece)
     return nlls
 
 
