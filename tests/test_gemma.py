@@ -244,3 +244,15 @@ def test_the_embedded_gemma_equals_plain_transformers_past_its_window(excerpt):
         plain = model(input_ids=torch.tensor([ids])).logits[0]
     assert nll(ours, ids) == pytest.approx(nll(plain, ids), abs=1e-3)
     torch.testing.assert_close(ours, plain, rtol=1e-3, atol=1e-3)
+
+
+def test_generate_with_the_cache_equals_plain_generate(gemma_pair):
+    """transformers' own `generate` (its masks sized by `get_mask_sizes` for both layer kinds) past the
+    window: greedy tokens equal plain transformers'."""
+    reference, model = gemma_pair
+    prompt = torch.tensor([tokens(20, 7)])
+    settings = CacheSettings(budget=64, policy="full", positions="original", chunk=8)
+    with torch.inference_mode():
+        plain = reference.generate(prompt, max_new_tokens=24, do_sample=False)
+        ours = model.generate(prompt, cache=H2OCache(model, settings), max_new_tokens=24, do_sample=False)
+    assert ours.tolist() == plain.tolist()
