@@ -155,6 +155,14 @@ def test_the_budget_is_the_global_layers_and_the_report_counts_the_windows(gemma
     assert table["kv_heads_total"] == 2  # the global layer's two KV heads take the budget
 
 
+def test_recall_leaves_the_sliding_layers_alone_and_refuses_a_lead_head_there(gemma_pair):
+    _, model = gemma_pair
+    cache = H2OCache(model, CacheSettings(budget=32, policy="recall", chunk=4))
+    assert [layer.archive is not None for layer in cache.layers] == [False, False, True, False]
+    with pytest.raises(UsageError, match="layer 1 attends over a sliding window"):
+        H2OCache(model, CacheSettings(budget=32, policy="recall", chunk=4, recall_lead="1.0"))
+
+
 def test_the_fixed_step_refuses_sliding_window_layers(gemma_pair):
     _, model = gemma_pair
     cache = H2OCache(model, CacheSettings(budget=16, policy="h2o", chunk=4))

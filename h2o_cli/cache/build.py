@@ -123,6 +123,11 @@ def lead_ranking(model, layers: list[H2OLayer], policy, shape: ModelShape) -> Le
     lead = policy.lead_head(shape.n_layers, shape.n_kv_heads, calibrated, name)
     if lead is None:
         return None
+    if layers[lead[0]].is_sliding:
+        raise UsageError(
+            f"--recall-lead {policy.recall_lead}: layer {lead[0]} attends over a sliding window and keeps no "
+            "archive; name a head of a global layer"
+        )
     ranking = LeadRanking(layers[lead[0]].archive, lead[1], policy.lead_pages, lead[0])
     for layer in layers:
         layer.follow(ranking)
