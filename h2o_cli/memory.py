@@ -7,6 +7,9 @@ Every figure is bytes and follows how the code allocates (SPEC.md "Memory accoun
 - KV cache, H2O: what `LayerStore` preallocates — `budget + chunk` slots per KV head, each holding K and V
   (int8 adds two fp32 scales) plus the score, index and position arrays (29 bytes).
 - KV cache, full: a dense cache of `context` tokens (K and V only), what a plain full-attention run holds.
+- A model with sliding-window layers (Gemma 3): those hold `window - 1 + chunk` slots per KV head under H2O
+  (the window, whatever the budget) and `min(context, window)` tokens in a plain run; the budget, the
+  per-head figures and the recall archive are the global layers'.
 - activations: the largest transient buffers of one chunk — the `[n_heads, chunk, slots]` fp32 attention
   logits and probabilities with the rotated/dequantised keys, the MLP, or the `[chunk, vocab]` fp32 logits.
 """
@@ -35,6 +38,18 @@ class ModelShape:
     intermediate: int
     context: int
     tied_embeddings: bool
+    window: int = 0  # tokens a sliding-window layer attends over (0: none)
+    windowed_layers: int = 0  # layers that attend over `window` tokens; the others take the budget
+
+    @property
+    def budgeted_layers(self) -> int:
+        """The layers that attend globally: the policy, the budget and a recall archive are theirs."""
+        return self.n_layers - self.windowed_layers
+
+    def window_slots(self, chunk: int) -> int:
+        """Slots per KV head of a sliding-window layer: the `window - 1` tokens kept between calls and the
+        chunk (`h2o_cli.cache.window.WindowLayer`); 0 without one."""
+        return self.window - 1 + chunk if self.windowed_layers else 0
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -42,6 +57,9 @@ class ModelShape:
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()
         n_heads = config.num_attention_heads
+        types = getattr(config, "layer_types", None) or []
+        window = int(getattr(config, "sliding_window", None) or 0)
+        windowed = sum(kind == "sliding_attention" for kind in types) if window else 0
         return cls(
             n_layers=config.num_hidden_layers,
             hidden=config.hidden_size,
@@ -52,6 +70,8 @@ class ModelShape:
             intermediate=config.intermediate_size,
             context=int(config.max_position_embeddings),
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            window=window if windowed else 0,
+            windowed_layers=windowed,
         )
 
     def linear_shapes(self) -> list[tuple[int, int]]:
@@ -114,8 +134,11 @@ def h2o_head_bytes(shape: ModelShape, slots: int, kv_bits: int | None, dtype_byt
 
 
 def h2o_cache_bytes(shape: ModelShape, budget: int, chunk: int, kv_bits: int | None, dtype_bytes: int) -> int:
-    """Bytes of a whole `H2OCache`: every layer and KV head, `budget + chunk` slots each."""
-    return shape.n_layers * shape.n_kv_heads * h2o_head_bytes(shape, budget + chunk, kv_bits, dtype_bytes)
+    """Bytes of a whole `H2OCache`: every KV head of a global layer `budget + chunk` slots, of a
+    sliding-window layer `window - 1 + chunk`."""
+    budgeted = shape.budgeted_layers * h2o_head_bytes(shape, budget + chunk, kv_bits, dtype_bytes)
+    windowed = shape.windowed_layers * h2o_head_bytes(shape, shape.window_slots(chunk), kv_bits, dtype_bytes)
+    return shape.n_kv_heads * (budgeted + windowed)
 
 
 def archive_bytes(
@@ -210,10 +233,12 @@ def memory_table(
     what its page choice keeps in RAM beside it (`choice_bytes`: answer steps score a `shortlist` of pages),
     in `recall_layers` layers (`--recall-layers`; None: every one)."""
     weights = weight_bytes(shape, quant, dtype_bytes)
-    archived = shape if recall_layers is None else replace(shape, n_layers=recall_layers)
-    heads = shape.n_layers * shape.n_kv_heads
+    archived = replace(shape, n_layers=shape.budgeted_layers if recall_layers is None else recall_layers)
+    heads = shape.budgeted_layers * shape.n_kv_heads  # the sliding-window layers' heads are counted apart
+    window_heads = shape.windowed_layers * shape.n_kv_heads
     slots = budget + chunk
     h2o_head = h2o_head_bytes(shape, slots, kv_bits, dtype_bytes)
+    window_head = h2o_head_bytes(shape, shape.window_slots(chunk), kv_bits, dtype_bytes)
     h2o_activations = activation_bytes(shape, chunk, slots, kv_bits, dtype_bytes)["peak"]
     split = archive_split(archived, archive_max, block_size, dtype_bytes, archive_bits, archive_storage)
 
@@ -225,19 +250,21 @@ def memory_table(
     rows = []
     for context in contexts:
         full_head = full_head_bytes(shape, context, kv_bits, dtype_bytes)
+        full_windows = window_heads * full_head_bytes(shape, min(context, shape.window), kv_bits, dtype_bytes)
+        h2o_kv = h2o_head * heads + window_head * window_heads
         full_activations = activation_bytes(shape, chunk, context, kv_bits, dtype_bytes)["peak"]
         rows.append(
             {
                 "context": context,
                 "within_window": context <= shape.context,
-                "full_kv_bytes": full_head * heads,
+                "full_kv_bytes": full_head * heads + full_windows,
                 "full_kv_bytes_per_head": full_head,
-                "h2o_kv_bytes": h2o_head * heads,
+                "h2o_kv_bytes": h2o_kv,
                 "h2o_kv_bytes_per_head": h2o_head,
                 "full_activation_bytes": full_activations,
                 "h2o_activation_bytes": h2o_activations,
-                "full_total_bytes": weights + full_head * heads + full_activations,
-                "h2o_total_bytes": weights + h2o_head * heads + h2o_activations,
+                "full_total_bytes": weights + full_head * heads + full_windows + full_activations,
+                "h2o_total_bytes": weights + h2o_kv + h2o_activations,
             }
         )
     return {
@@ -249,6 +276,8 @@ def memory_table(
         "chunk": chunk,
         "slots_per_head": slots,
         "kv_heads_total": heads,
+        "windowed_layers": shape.windowed_layers,
+        "window_slots_per_head": shape.window_slots(chunk),
         "context_window": shape.context,
         "weights_bytes": weights,
         "recall_archive_bits": archive_bits,

@@ -47,10 +47,13 @@ def cache_summary(cache: H2OCache) -> dict:
         "kv_bits": settings.kv_bits,
         "quant": report.quant,
         "weights_bytes": weights,
-        "kv_cache_bytes": per_head * shape.n_layers * shape.n_kv_heads,
+        "kv_cache_bytes": memory.h2o_cache_bytes(
+            shape, report.slots - settings.chunk, settings.chunk, settings.kv_bits, dtype_bytes
+        ),
         "kv_cache_bytes_per_head": per_head,
         "cached_tokens": report.length,
         "evictions": report.evictions,
+        **report.window_row,
         **report.archive_row,
         **slot_stats(cache.layer_slots(), report.recent_window).summary(),  # what the heavy slots hold now
     }

@@ -307,11 +307,82 @@ def naive_model_nll(
                 hidden = hidden + attn.o_proj(out)
                 hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
             logprobs = torch.log_softmax(model.lm_head(model.model.norm(hidden)).double(), dim=-1)
-            if previous is not None:
-                nlls.append(-float(previous[piece[0]]))
-            for i in range(c - 1):
-                nlls.append(-float(logprobs[i, piece[i + 1]]))
-            previous = logprobs[-1]
+            previous = add_nlls(nlls, previous, logprobs, piece)
+    return nlls
+
+
+def add_nlls(nlls: list[float], previous, logprobs: torch.Tensor, piece: list[int]) -> torch.Tensor:
+    """Append the NLL of a chunk's tokens: its first from the previous chunk's last log-probabilities
+    (`previous`, None for the first chunk), the others from its own [c, vocab]. Returns its last row."""
+    if previous is not None:
+        nlls.append(-float(previous[piece[0]]))
+    nlls.extend(-float(logprobs[i, piece[i + 1]]) for i in range(len(piece) - 1))
+    return logprobs[-1]
+
+
+def naive_window_chunk(heads, queries, keys, values, first_token, window, inv_freq, scaling):
+    """One chunk through a sliding-window layer, as the model defines it: query token q attends to the tokens
+    t with q - window < t <= q, rotated at their token indices (no budget, no scores, no eviction).
+    queries [n_heads, c, d], keys/values [n_kv, c, d] unrotated. Returns the output [n_heads, c, d] float64."""
+    n_heads, chunk, head_dim = queries.shape
+    group = n_heads // len(heads)
+    output = torch.zeros(n_heads, chunk, head_dim, dtype=torch.float64)
+    for j, head in enumerate(heads):
+        head.keys.extend(keys[j])
+        head.values.extend(values[j])
+        for i in range(chunk):
+            query_token = first_token + i
+            visible = list(range(max(0, query_token - window + 1), query_token + 1))
+            k = rope(torch.stack([head.keys[t] for t in visible]), torch.tensor(visible), inv_freq)
+            v = torch.stack([head.values[t] for t in visible]).double()
+            for h in range(j * group, (j + 1) * group):
+                q = rope(queries[h, i : i + 1], torch.tensor([query_token]), inv_freq)
+                output[h, i] = torch.softmax((q @ k.T)[0] * scaling, dim=-1) @ v
+    return output
+
+
+def naive_gemma3_nll(model, ids: list[int], settings, chunk: int = 1) -> list[float]:
+    """Per-prediction NLL of `ids` through a Gemma 3 text decoder run by hand: scaled embeddings, q/k norms,
+    scaling `query_pre_attn_scalar ** -0.5`, norms after attention and around the MLP; a
+    `sliding_attention` layer attends over its window (`naive_window_chunk`, its own RoPE base), a
+    `full_attention` layer follows SPEC.md (`naive_attend_chunk`, the global base)."""
+    config = model.config
+    n_heads, n_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    inv_freq = {}
+    for kind, params in config.rope_parameters.items():
+        assert params.get("rope_type", "default") == "default", "naive reference covers default RoPE only"
+        inv_freq[kind] = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2).double() / head_dim))
+    scaling = config.query_pre_attn_scalar**-0.5
+    layers = model.model.layers
+    states = [[NaiveHeadState() for _ in range(n_kv)] for _ in layers]
+    nlls: list[float] = []
+    previous = None
+    with torch.no_grad():
+        for start in range(0, len(ids), chunk):
+            piece = ids[start : start + chunk]
+            c = len(piece)
+            hidden = model.model.embed_tokens(torch.tensor(piece))  # scaled by sqrt(hidden) inside
+            for number, (layer, heads) in enumerate(zip(layers, states, strict=True)):
+                attn, kind = layer.self_attn, config.layer_types[number]
+                x = layer.input_layernorm(hidden)
+                q = attn.q_norm(attn.q_proj(x).view(c, n_heads, head_dim)).transpose(0, 1)
+                k = attn.k_norm(attn.k_proj(x).view(c, n_kv, head_dim)).transpose(0, 1)
+                v = attn.v_proj(x).view(c, n_kv, head_dim).transpose(0, 1)
+                if kind == "sliding_attention":
+                    out = naive_window_chunk(
+                        heads, q, k, v, start, config.sliding_window, inv_freq[kind], scaling
+                    )
+                else:
+                    own = layer_settings(settings, number)
+                    out = naive_attend_chunk(heads, q, k, v, start, own, inv_freq[kind], scaling)
+                out = out.to(hidden.dtype).transpose(0, 1).reshape(c, n_heads * head_dim)
+                hidden = hidden + layer.post_attention_layernorm(attn.o_proj(out))
+                mlp = layer.mlp(layer.pre_feedforward_layernorm(hidden))
+                hidden = hidden + layer.post_feedforward_layernorm(mlp)
+            logits = model.lm_head(model.model.norm(hidden)).double()
+            if config.final_logit_softcapping:
+                logits = torch.tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping
+            previous = add_nlls(nlls, previous, torch.log_softmax(logits, dim=-1), piece)
     return nlls
 
 

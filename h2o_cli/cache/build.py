@@ -1,5 +1,5 @@
-"""How `H2OCache` builds its layers: one `H2OLayer` per decoder layer, or a `RecallLayer` for a layer that
-recalls (`--recall-layers`), each with its store on its layer's device; recall's archives (in RAM or one mapped
+"""How `H2OCache` builds its layers: one `H2OLayer` per decoder layer, a `RecallLayer` for a layer that
+recalls (`--recall-layers`), or a `WindowLayer` for a sliding-window layer (its own window, no budget), each with its store on its layer's device; recall's archives (in RAM or one mapped
 file) and the lead head's ranking. The layer classes are chosen here, once; afterwards the cache only hands
 calls on to its layers."""
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from h2o_cli.cache.devices import compute_dtype
+from h2o_cli.cache.families import SLIDING, text_config, windowed_layers
 from h2o_cli.cache.kvquant import storage_dtype
 from h2o_cli.cache.layer import H2OLayer
 from h2o_cli.cache.positions import Rope
@@ -18,6 +19,7 @@ from h2o_cli.cache.recall.layer import RecallLayer
 from h2o_cli.cache.recall.lead import LeadRanking
 from h2o_cli.cache.step import DecodeMaps
 from h2o_cli.cache.store import LayerStore
+from h2o_cli.cache.window import WindowLayer
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
 from h2o_cli.memory import ModelShape
@@ -47,35 +49,70 @@ def build_layers(
     `shape` its decoder's, `devices` each layer's): `--recall-layers` gives a layer that does not recall S alone, as `h2o` on the
     resident budget. `span`, `archive_span` bound a recall archive (`H2OCache`)."""
     dtype = compute_dtype(model)
-    rope = Rope(model.model.rotary_emb, shape.head_dim)
+    windowed = windowed_layers(text_config(model))
+    ropes = layer_ropes(model.model.rotary_emb, shape.head_dim)
     maps = DecodeMaps()
     recalling = set(policy.recalling_layers(shape.n_layers)) if policy.recalls else set()
+    recalling -= {number for number, window in enumerate(windowed) if window}
     resident = replace(settings, policy="h2o", budget=budget)
-    layers = [
-        (RecallLayer if number in recalling else H2OLayer)(
-            LayerStore(
-                shape.n_kv_heads,
-                shape.head_dim,
-                budget,
-                settings.chunk,
-                storage_dtype(settings.kv_bits, dtype),
-                devices[number],
-                compute_dtype=dtype,
-            ),
-            settings if number in recalling or not policy.recalls else resident,
-            rope,
-            shape.context,
-            first_layer=number == 0,
-            maps=maps,
+    positions = policy.positions_for(settings.positions)
+
+    def store(number: int, kept: int) -> LayerStore:
+        kv_dtype = storage_dtype(settings.kv_bits, dtype)
+        return LayerStore(
+            shape.n_kv_heads,
+            shape.head_dim,
+            kept,
+            settings.chunk,
+            kv_dtype,
+            devices[number],
+            compute_dtype=dtype,
         )
-        for number in range(shape.n_layers)
-    ]
+
+    layers = []
+    for number, sliding in enumerate(windowed):
+        rope = ropes[sliding]
+        first = windowed.index(sliding) == number  # the first layer of its kind computes its RoPE afresh
+        if sliding:  # bounded already: its own window, exact, no budget (`h2o_cli.cache.window`)
+            window = replace(settings, policy="local", budget=shape.window - 1)
+            layer = WindowLayer(
+                store(number, window.budget),
+                window,
+                rope,
+                shape.context,
+                shape.window,
+                positions,
+                first_layer=first,
+            )
+        else:
+            layer = (RecallLayer if number in recalling else H2OLayer)(
+                store(number, budget),
+                settings if number in recalling or not policy.recalls else resident,
+                rope,
+                shape.context,
+                first_layer=first,
+                maps=maps,
+            )
+        layers.append(layer)
     if not policy.recalls:
         return BuiltLayers(layers, None, None)
     known = [bound for bound in (span, archive_span) if bound is not None]
     recallers = [(layer, devices[number]) for number, layer in enumerate(layers) if number in recalling]
     archive_file = add_archives(recallers, settings, shape, policy, min(known) if known else None, dtype)
     return BuiltLayers(layers, archive_file, lead_ranking(model, layers, policy, shape))
+
+
+def layer_ropes(rotary_emb, head_dim: int) -> dict[bool, Rope]:
+    """The `Rope` of a global layer (key False) and of a sliding-window layer (True): one each where the
+    model rotates the two kinds with their own bases (Gemma 3's `layer_types`), else one shared."""
+    kinds = getattr(rotary_emb, "layer_types", None)
+    if not kinds:
+        rope = Rope(rotary_emb, head_dim)
+        return {False: rope, True: rope}
+    return {
+        sliding: Rope(rotary_emb, head_dim, SLIDING if sliding else "full_attention")
+        for sliding in (False, True)
+    }
 
 
 def lead_ranking(model, layers: list[H2OLayer], policy, shape: ModelShape) -> LeadRanking | None:
@@ -86,6 +123,11 @@ def lead_ranking(model, layers: list[H2OLayer], policy, shape: ModelShape) -> Le
     lead = policy.lead_head(shape.n_layers, shape.n_kv_heads, calibrated, name)
     if lead is None:
         return None
+    if layers[lead[0]].is_sliding:
+        raise UsageError(
+            f"--recall-lead {policy.recall_lead}: layer {lead[0]} attends over a sliding window and keeps no "
+            "archive; name a head of a global layer"
+        )
     ranking = LeadRanking(layers[lead[0]].archive, lead[1], policy.lead_pages, lead[0])
     for layer in layers:
         layer.follow(ranking)

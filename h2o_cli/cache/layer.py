@@ -101,12 +101,17 @@ class H2OLayer(CacheLayerMixin):
                 "the model attended without the h2o attention function; "
                 "load it with h2o_cli.load_model or call h2o_cli.enable(model) first"
             )
-        path = choose_path(self, key_states)
+        path = self.choose_path(key_states)
         self._call = path.take(self, key_states, value_states, kwargs or {})
         self.archive_call(self._call)
         if kwargs is not None:
             kwargs[LAYER_KWARG] = self  # read by h2o_cli.attention.h2o_attention right after this call
         return self.keys, self.values
+
+    def choose_path(self, states: torch.Tensor):
+        """The path of a call of `states` [1, n_kv_heads, chunk, head_dim] (`h2o_cli.cache.paths.choose_path`;
+        a layer kind with a path of its own returns it)."""
+        return choose_path(self, states)
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of the call given to `update`, with score accumulation and eviction (SPEC steps 1-4), on

@@ -164,7 +164,8 @@ class H2OCache(Cache):
 
     def report(self) -> CacheReport:
         """The cache's figures now, as plain data (`CacheReport`): what every command and table reports."""
-        policy, store = self.policy, self.stores[0]
+        policy, store = self.policy, self._budgeted.store
+        windows = [layer.store for layer in self.layers if layer.is_sliding]
         return CacheReport(
             settings=self.settings,
             shape=self.shape,
@@ -185,7 +186,14 @@ class H2OCache(Cache):
             compute_bytes=store.compute_dtype.itemsize,
             kv_element_bytes=store.keys.element_size(),
             archive=self.archive_summary(),
+            windowed_layers=len(windows),
+            window_slots=windows[0].slots if windows else 0,
         )
+
+    @property
+    def _budgeted(self):
+        """The first layer that takes the budget (not a sliding window): what the report's figures are."""
+        return next(layer for layer in self.layers if not layer.is_sliding)
 
     def layer_slots(self) -> list[LayerSlots]:
         """What each layer's slots hold now (`LayerSlots`: views of the live buffers, not copies)."""
@@ -257,8 +265,8 @@ class H2OCache(Cache):
 
     @property
     def length(self) -> int:
-        """Entries each KV head holds now."""
-        return self.stores[0].length
+        """Entries each KV head of a global layer holds now."""
+        return self._budgeted.store.length
 
 
 def check_rolling_window(settings: CacheSettings, budget: int, span: int | None, context: int) -> None:

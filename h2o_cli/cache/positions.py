@@ -31,18 +31,27 @@ class Rope:
     """The model's own rotary embedding, as pure rotation tables indexed by position.
 
     `rotary_emb` is the model's module (`model.model.rotary_emb`); its `attention_scaling` factor is already
-    in the model's rotated q and k, so the tables here are divided by it and only ever rotate.
+    in the model's rotated q and k, so the tables here are divided by it and only ever rotate. `layer_type`:
+    for a module that keeps one rotation per attention kind (Gemma 3's `sliding_attention` and
+    `full_attention`, each with its own base), the kind whose rotation this is; None for a single one.
     """
 
-    def __init__(self, rotary_emb: torch.nn.Module, head_dim: int) -> None:
-        if getattr(rotary_emb, "rope_type", "default") == "dynamic":
+    def __init__(self, rotary_emb: torch.nn.Module, head_dim: int, layer_type: str | None = None) -> None:
+        rope_type = getattr(rotary_emb, "rope_type", "default")
+        if isinstance(rope_type, dict):  # one per layer type
+            rope_type = rope_type.get(layer_type, "default")
+        if rope_type == "dynamic":
             raise UnsupportedModelError(
                 "dynamic RoPE scaling changes frequencies with length and cannot be re-rotated; "
                 "use a model with static RoPE"
             )
         self.rotary_emb = rotary_emb
         self.head_dim = head_dim
-        self.scaling = float(getattr(rotary_emb, "attention_scaling", 1.0))
+        self.layer_type = layer_type
+        scaling = getattr(rotary_emb, f"{layer_type}_attention_scaling", None) if layer_type else None
+        self.scaling = float(
+            scaling if scaling is not None else getattr(rotary_emb, "attention_scaling", 1.0)
+        )
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
         self._step: torch.Tensor | None = None  # `step_table` of the current tables, built on demand
@@ -70,7 +79,8 @@ class Rope:
     def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`cos_sin` without keeping the answer: cos, sin [n, head_dim] for `positions` [n]."""
         dummy = torch.empty(0, dtype=dtype, device=positions.device)
-        cos, sin = self.rotary_emb(dummy, positions.reshape(1, -1))
+        kind = () if self.layer_type is None else (self.layer_type,)
+        cos, sin = self.rotary_emb(dummy, positions.reshape(1, -1), *kind)
         if cos.shape[-1] != self.head_dim:
             raise UnsupportedModelError(
                 f"rotary dimension {cos.shape[-1]} differs from head_dim {self.head_dim} (partial RoPE) "

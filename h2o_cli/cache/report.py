@@ -59,7 +59,8 @@ class ArchiveReport:
 
 @dataclass(frozen=True)
 class CacheReport:
-    """A cache's figures now. Slot counts and counters are per KV head (every head and layer has the same).
+    """A cache's figures now. Slot counts and counters are per KV head (every head and global layer has the
+    same).
 
     - `settings`: the settings in use (budget in tokens); `shape`: the decoder's numbers (`ModelShape`);
       `quant`: the weights' `--quant`; `positions`: the positions in use (the policy may overrule the asked).
@@ -79,6 +80,9 @@ class CacheReport:
       stored K or V element (1 for int8).
     - `archive`: the recall archive's figures (`ArchiveReport`, `H2OCache.archive_summary`), None without
       one; `archive_row` gives them as `--json` prints them.
+    - `windowed_layers`: layers that attend over a sliding window (Gemma 3) and keep it beside the budget;
+      `window_slots`: slots per KV head of each (the window less one, plus the chunk), 0 without them. Every
+      other figure above is the global layers' (`nbytes` counts both); `window_row` is what `--json` prints.
     """
 
     settings: CacheSettings
@@ -100,11 +104,18 @@ class CacheReport:
     compute_bytes: int
     kv_element_bytes: int
     archive: ArchiveReport | None
+    windowed_layers: int = 0
+    window_slots: int = 0
 
     @property
     def archive_row(self) -> dict:
         """The archive's figures under the keys `--json` prints (its field names), {} without an archive."""
         return {} if self.archive is None else asdict(self.archive)
+
+    @property
+    def window_row(self) -> dict:
+        """The sliding-window layers' figures under the keys `--json` prints."""
+        return {"windowed_layers": self.windowed_layers, "window_slots": self.window_slots}
 
     @property
     def has_lead(self) -> bool:
@@ -133,9 +144,12 @@ class CacheReport:
 
     @property
     def full_kv_bytes(self) -> int:
-        """Bytes a plain full KV cache (keys and values, no eviction) would need for the tokens seen."""
-        per_token = 2 * self.shape.n_kv_heads * self.shape.head_dim * self.kv_element_bytes
-        return self.shape.n_layers * per_token * self.tokens_seen
+        """Bytes a plain full KV cache (keys and values, no eviction) would need for the tokens seen: a
+        sliding-window layer's holds its window at most."""
+        shape = self.shape
+        per_token = 2 * shape.n_kv_heads * shape.head_dim * self.kv_element_bytes
+        windows = shape.windowed_layers * min(self.tokens_seen, shape.window)
+        return per_token * (shape.budgeted_layers * self.tokens_seen + windows)
 
 
 @dataclass(frozen=True)

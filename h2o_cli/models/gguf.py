@@ -9,6 +9,30 @@ from pathlib import Path
 
 import torch
 
+from h2o_cli.cache.families import family_refusal
+from h2o_cli.errors import UnsupportedModelError
+
+# A GGUF header's `general.architecture` where transformers loads it as another `model_type`.
+GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
+
+
+def gguf_family(gguf: Path) -> str:
+    """The transformers `model_type` a GGUF file loads as, read from its header (`general.architecture`)
+    alone: no tensor is read."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf)).get_field("general.architecture")
+    architecture = field.contents() if field is not None else "?"
+    return GGUF_MODEL_TYPES.get(architecture, architecture)
+
+
+def check_gguf_family(gguf: Path) -> None:
+    """Refuse, before any conversion, a GGUF file of a family the H2O cache cannot serve
+    (`UnsupportedModelError`, one line naming the family and the supported ones)."""
+    refusal = family_refusal(gguf_family(gguf))
+    if refusal:
+        raise UnsupportedModelError(f"{gguf.name}: {refusal}")
+
 
 @contextmanager
 def _no_tqdm():

