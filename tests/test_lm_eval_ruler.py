@@ -87,7 +87,9 @@ def test_a_streaming_policy_scores_a_long_context_as_the_naive_reference(tiny_wi
     ((score, _),) = lm.loglikelihood([request], disable_tqdm=True)
     ids = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
     settings = CacheSettings(budget=16, policy="h2o", chunk=8, positions="rolling")
-    nlls = naive_model_nll(model, ids, settings, sizes=[8] * 25 + [3])  # the last token is predicted, not read
+    nlls = naive_model_nll(
+        model, ids, settings, sizes=[8] * 25 + [3]
+    )  # the last token is predicted, not read
     assert score == pytest.approx(-sum(nlls[-3:]), rel=1e-4)
     assert lm.budget_tokens == [16]
 
@@ -144,3 +146,30 @@ def test_h2o_lm_eval_runs_ruler_offline(smollm, plain_smollm, tmp_path):
                 0, ids.shape[1] :
             ]
         assert sample["resps"][0][0] == tokenizer.decode(out, skip_special_tokens=True)
+
+
+@pytest.mark.heavy  # imports lm-eval's RULER generator (its word lists: ~20 s)
+@pytest.mark.data
+def test_ruler_essay_tasks_read_the_data_folders_essays_offline(monkeypatch):
+    """Offline, the essay haystack is the data folder's Paul Graham essays as whitespace-split words (what
+    lm-eval makes of the Hub's), and one line says so."""
+    import os
+    import re
+    from pathlib import Path
+
+    pytest.importorskip("wonderwords")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from lm_eval.tasks.ruler import prepare_niah
+
+    from h2o_cli.eval.ruler import prepare_offline
+
+    said = []
+    monkeypatch.setattr(prepare_niah, "get_haystack", prepare_niah.get_haystack)  # undone after the test
+    monkeypatch.setattr(prepare_niah, "cached_sent_tokenize", prepare_niah.cached_sent_tokenize)
+    prepare_offline(say=said.append)
+    folder = Path(os.environ["H2O_DATA"]) / "paul_graham_essays" / "PaulGrahamEssays"
+    text = " ".join(path.read_text(encoding="utf-8") for path in sorted(folder.glob("*.txt")))
+    assert prepare_niah.get_haystack("essay") == re.sub(r"\s+", " ", text).split(" ")
+    assert prepare_niah.get_haystack("repeat").startswith("The grass is green.")
+    assert any("data folder's are read instead" in line for line in said)
