@@ -94,6 +94,26 @@ def test_a_streaming_policy_scores_a_long_context_as_the_naive_reference(tiny_wi
     assert lm.budget_tokens == [16]
 
 
+def test_a_streaming_policy_scores_a_long_document_whole_with_the_windows_budget(tiny_window):
+    """loglikelihood_rolling of a 200-token document under h2o at 0.25: one pass over all of it, with 16 tokens
+    (a quarter of the window, not of the document), equal to the naive simulation of SPEC.md."""
+    from lm_eval.api.instance import Instance
+
+    from h2o_cli.config import CacheSettings
+    from h2o_cli.eval.lm_eval_model import H2OLM
+
+    _, model, tokenizer = tiny_window
+    lm = H2OLM(model=(model, tokenizer), budget=0.25, policy="h2o", chunk=8)
+    text = words(200, seed=2)
+    request = Instance("loglikelihood_rolling", {}, (text,), 0)
+    (score,) = lm.loglikelihood_rolling([request], disable_tqdm=True)
+    ids = [lm.prefix_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
+    settings = CacheSettings(budget=16, policy="h2o", chunk=8, positions="rolling")
+    nlls = naive_model_nll(model, ids, settings, sizes=[1] + [8] * 24 + [7, 1])
+    assert lm.budget_tokens == [16]
+    assert score == pytest.approx(-sum(nlls), rel=1e-4)
+
+
 def test_full_keeps_the_end_of_a_context_past_the_window_and_says_so(tiny_window, caplog):
     """`full` cannot pass the window: it reads the last `window - max_gen_toks` tokens of a longer context, as
     lm-eval's `hf` model does, answers what plain transformers greedy-generates from them, and warns once."""

@@ -172,7 +172,7 @@ class H2OLM(TemplateLM):
         return tqdm(items, total=total, disable=disable, desc=desc)
 
     def _cache(self, prompt_tokens: int, extra_tokens: int):
-        cache = self.pool.cache_for(prompt_tokens, extra_tokens)
+        cache = self._pool_for(prompt_tokens + extra_tokens).cache_for(prompt_tokens, extra_tokens)
         self.budget_tokens.append(budget_used(cache, prompt_tokens))
         return cache
 
@@ -198,7 +198,8 @@ class H2OLM(TemplateLM):
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        """Log-likelihood of whole documents; the budget is a fraction of the tokens scored together."""
+        """Log-likelihood of whole documents; the budget is a fraction of the tokens scored together (of the
+        window for a document past it, which a policy that streams reads whole)."""
         results = []
         for request in self._bar(requests, disable=disable_tqdm, desc="h2o rolling"):
             total = 0.0
@@ -241,12 +242,10 @@ class H2OLM(TemplateLM):
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(gen_kwargs.get("max_gen_toks", 256))
             ids = self._fit(self.tok_encode(context), max_new)
-            cache = self._pool_for(len(ids) + max_new).cache_for(len(ids), max_new)
-            self.budget_tokens.append(budget_used(cache, len(ids)))
             text = greedy_answer(
                 self.model,
                 self.tokenizer,
-                cache,
+                self._cache(len(ids), max_new),
                 ids,
                 max_new,
                 self.settings.chunk,
