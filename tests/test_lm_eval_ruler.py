@@ -114,6 +114,25 @@ def test_a_streaming_policy_scores_a_long_document_whole_with_the_windows_budget
     assert score == pytest.approx(-sum(nlls), rel=1e-4)
 
 
+@pytest.mark.parametrize("policy", ["recall", "h2o"])
+def test_a_recalling_policy_reads_the_last_line_as_its_question(tiny_window, monkeypatch, policy):
+    """Under a policy that recalls, the context's last line is read as a question after the text (as `h2o
+    stream --prompt` reads one); other policies read the context as one text."""
+    import h2o_cli.eval.lm_eval_model as module
+
+    _, model, tokenizer = tiny_window
+    read = {}
+    monkeypatch.setattr(
+        module, "greedy_answer", lambda *args: read.update(text=args[3], question=args[7]) or ""
+    )
+    lm = module.H2OLM(model=(model, tokenizer), budget=16, policy=policy, chunk=8)
+    text, question = words(100), words(5, seed=3)
+    generate(lm, f"{text}\n{question}", 4)
+    ids = lambda string: tokenizer(string, add_special_tokens=False)["input_ids"]  # noqa: E731
+    want = (ids(text), ids(question)) if policy == "recall" else (ids(f"{text} {question}"), [])
+    assert (list(read["text"]), list(read["question"])) == want
+
+
 def test_full_keeps_the_end_of_a_context_past_the_window_and_says_so(tiny_window, caplog):
     """`full` cannot pass the window: it reads the last `window - max_gen_toks` tokens of a longer context, as
     lm-eval's `hf` model does, answers what plain transformers greedy-generates from them, and warns once."""

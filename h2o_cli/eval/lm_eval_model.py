@@ -20,7 +20,8 @@ Contexts longer than the model's window: a policy that streams (it evicts, on ro
 context whole, in chunks, as `h2o stream` reads a file; its budget is then a token count (`budget=819`) or a
 fraction of the model's window (as `h2o stream`'s), not of the prompt. A policy that cannot stream (`full`,
 or one on absolute positions) keeps the last `window - answer` tokens of a context, as lm-eval's own `hf`
-model does, and says in one warning line how many contexts it cut.
+model does, and says in one warning line how many contexts it cut. A policy that recalls reads a context's
+last line as its question (`_split_question`), as `h2o stream --prompt` reads one.
 """
 
 from __future__ import annotations
@@ -232,6 +233,17 @@ class H2OLM(TemplateLM):
         )
         return [make_disjoint_window(window) for window in windows]
 
+    def _split_question(self, context: str) -> tuple[list[int], list[int]]:
+        """(text ids, question ids): for a policy that recalls, the context's last line (at most a chunk of
+        tokens) is its question, read as `h2o stream --prompt` reads one (`NewChunk`: its queries alone choose
+        what is brought back, the lead head's choice after it); otherwise (ids, [])."""
+        cut = context.rfind("\n") + 1
+        if policy_class(self.settings.policy).recalls and 0 < cut < len(context):
+            question = self.tok_encode(context[cut:])
+            if len(question) <= self.settings.chunk:
+                return self.tok_encode(context[:cut]), question
+        return self.tok_encode(context), []
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy answers. A context past the window is read whole by a policy that streams (in chunks, the
         budget the window's), cut to its last `window - max_gen_toks` tokens otherwise."""
@@ -241,15 +253,20 @@ class H2OLM(TemplateLM):
             until = gen_kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(gen_kwargs.get("max_gen_toks", 256))
-            ids = self._fit(self.tok_encode(context), max_new)
+            text_ids, question = self._split_question(context)
+            ids = self._fit(text_ids + question, max_new)
+            text_ids, question = (
+                (ids, []) if len(ids) < len(text_ids) + len(question) else (text_ids, question)
+            )
             text = greedy_answer(
                 self.model,
                 self.tokenizer,
                 self._cache(len(ids), max_new),
-                ids,
+                text_ids,
                 max_new,
                 self.settings.chunk,
                 until,
+                question,
             )
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             results.append(text)
