@@ -42,8 +42,8 @@ def lm_eval(ctx: typer.Context) -> None:
 
     A policy that evicts on rolling positions (h2o, sink, tova, recall, ...) reads each context whole, past
     the model's window, its budget then a token count or a fraction of the window; `full` keeps the end of
-    a longer context, as lm-eval's `hf` does, and says how many it cut. `recall` reads a context's last line
-    as its question, as `h2o stream --prompt` reads one. RULER runs offline: its essay tasks
+    a longer context, as lm-eval's `hf` does, and says how many it cut. `recall` reads the last line of a
+    context past the window as its question, as `h2o stream --prompt` reads one. RULER runs offline: its essay tasks
     read the data folder's Paul Graham essays ($H2O_DATA) when the Hub's are out of reach.
 
     Model args: model, device_map, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk, kv_bits, quant.

@@ -20,8 +20,8 @@ Contexts longer than the model's window: a policy that streams (it evicts, on ro
 context whole, in chunks, as `h2o stream` reads a file; its budget is then a token count (`budget=819`) or a
 fraction of the model's window (as `h2o stream`'s), not of the prompt. A policy that cannot stream (`full`,
 or one on absolute positions) keeps the last `window - answer` tokens of a context, as lm-eval's own `hf`
-model does, and says in one warning line how many contexts it cut. A policy that recalls reads a context's
-last line as its question (`_split_question`), as `h2o stream --prompt` reads one.
+model does, and says in one warning line how many contexts it cut. A policy that recalls reads the last line
+of a context past the window as its question (`_split_question`), as `h2o stream --prompt` reads one.
 """
 
 from __future__ import annotations
@@ -234,15 +234,20 @@ class H2OLM(TemplateLM):
         return [make_disjoint_window(window) for window in windows]
 
     def _split_question(self, context: str) -> tuple[list[int], list[int]]:
-        """(text ids, question ids): for a policy that recalls, the context's last line (at most a chunk of
-        tokens) is its question, read as `h2o stream --prompt` reads one (`NewChunk`: its queries alone choose
-        what is brought back, the lead head's choice after it); otherwise (ids, [])."""
-        cut = context.rfind("\n") + 1
-        if policy_class(self.settings.policy).recalls and 0 < cut < len(context):
+        """(text ids, question ids): for a policy that recalls and a context past the window, the context's
+        last line (at most a chunk of tokens) is its question, read as `h2o stream --prompt` reads one
+        (`NewChunk`: its queries alone choose what is brought back, the lead head's choice after it);
+        otherwise (ids, []), as before inside the window."""
+        ids, cut = self.tok_encode(context), context.rfind("\n") + 1
+        if (
+            policy_class(self.settings.policy).recalls
+            and len(ids) > self.max_length
+            and 0 < cut < len(context)
+        ):
             question = self.tok_encode(context[cut:])
             if len(question) <= self.settings.chunk:
                 return self.tok_encode(context[:cut]), question
-        return self.tok_encode(context), []
+        return ids, []
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy answers. A context past the window is read whole by a policy that streams (in chunks, the
