@@ -20,6 +20,8 @@ Examples:
   h2o lm-eval --model h2o --model_args model=smollm2-135m,budget=0.2,policy=h2o --tasks h2o_copa
   h2o lm-eval --model h2o --model_args budget=0.1,policy=sink --tasks h2o_piqa --limit 50
   h2o lm-eval --model hf --model_args pretrained=FOLDER --tasks h2o_copa   (lm-eval's own model)
+  h2o lm-eval --model h2o --model_args policy=recall,budget=819 --tasks niah_single_1
+      --metadata '{"max_seq_lengths":[16384]}' --limit 20   (RULER at 16K tokens, past the window)
   torchrun --nproc_per_node 2 -m h2o_cli lm-eval --model h2o --tasks h2o_copa   (2 processes)
   accelerate launch --multi_gpu -m h2o_cli lm-eval --model h2o --tasks h2o_copa   (one per GPU)
   h2o lm-eval ls tasks
@@ -35,7 +37,14 @@ def lm_eval(ctx: typer.Context) -> None:
 
     Under torchrun or accelerate launch the documents are split over the processes.
 
-    Added unless you give them: --include_path (the h2o task folder), --device auto.
+    Added unless you give them: --include_path (the h2o task folder), --device auto; for lm-eval's RULER
+    tasks with --model h2o, --metadata tokenizer=(the model's folder), which they generate documents with.
+
+    A policy that evicts on rolling positions (h2o, sink, tova, recall, ...) reads each context whole, past
+    the model's window, its budget then a token count or a fraction of the window; `full` keeps the end of
+    a longer context, as lm-eval's `hf` does, and says how many it cut. `recall` reads the last line of a
+    context past the window as its question, as `h2o stream --prompt` reads one. RULER runs offline: its essay tasks
+    read the data folder's Paul Graham essays ($H2O_DATA) when the Hub's are out of reach.
 
     Model args: model, device_map, budget, policy, heavy_ratio, sinks, positions, score_norm, chunk, kv_bits, quant.
     """
@@ -43,6 +52,7 @@ def lm_eval(ctx: typer.Context) -> None:
         from lm_eval.__main__ import cli_evaluate
 
         import h2o_cli.eval.lm_eval_model  # noqa: F401 - registers `--model h2o` with lm-eval
+        from h2o_cli.eval.ruler import asked_tasks, prepare_offline, ruler_names
         from h2o_cli.eval.runner import TASKS_DIR
     except ImportError as error:
         raise UsageError(
@@ -55,8 +65,34 @@ def lm_eval(ctx: typer.Context) -> None:
             args += ["--include_path", str(TASKS_DIR)]
         if "--device" not in given:  # lm-eval's default is cuda:0; h2o picks CUDA when there is one
             args += ["--device", "auto"]
+        if ruler_names() & set(asked_tasks(args)):
+            args += ruler_tokenizer(args)
+            prepare_offline(say=lambda line: typer.echo(line, err=True))
     sys.argv = ["lm_eval", *args]
     cli_evaluate()
+
+
+def ruler_tokenizer(args: list[str]) -> list[str]:
+    """`--metadata tokenizer=FOLDER` for `--model h2o` (its `model=` arg, or the embedded model) when neither
+    the metadata nor the model args name a tokenizer: RULER sizes its documents with it, and looks for it
+    under `tokenizer`, `pretrained` or `model` (which for h2o is an alias, not a folder)."""
+    if value_of(args, "--model") != "h2o" or any(("tokenizer" in a or "pretrained=" in a) for a in args):
+        return []
+    from h2o_cli.models.presets import DEFAULT_MODEL
+    from h2o_cli.models.sources import local_folder, resolve
+
+    model_args = dict(part.split("=", 1) for part in value_of(args, "--model_args").split(",") if "=" in part)
+    return ["--metadata", f"tokenizer={local_folder(resolve(model_args.get('model', DEFAULT_MODEL)))}"]
+
+
+def value_of(args: list[str], option: str) -> str:
+    """The value of `option` in lm-eval arguments (`--option value` or `--option=value`), else ""."""
+    for number, arg in enumerate(args):
+        if arg == option and number + 1 < len(args):
+            return args[number + 1]
+        if arg.startswith(option + "="):
+            return arg.split("=", 1)[1]
+    return ""
 
 
 lm_eval.__doc__ = inspect.cleandoc(lm_eval.__doc__ or "") + "\n" + EXAMPLES

@@ -15,10 +15,18 @@ Requests run one at a time (the cache holds one sequence). Requests sharing a co
 (`CachePool.scores`: a short context is read again with each choice in one forward call, a long one
 prefilled once).
 Every request's budget (in tokens) is recorded in `budget_tokens` for reporting.
+
+Contexts longer than the model's window: a policy that streams (it evicts, on rolling positions) reads every
+context whole, in chunks, as `h2o stream` reads a file; its budget is then a token count (`budget=819`) or a
+fraction of the model's window (as `h2o stream`'s), not of the prompt. A policy that cannot stream (`full`,
+or one on absolute positions) keeps the last `window - answer` tokens of a context, as lm-eval's own `hf`
+model does, and says in one warning line how many contexts it cut. A policy that recalls reads the last line
+of a context past the window as its question (`_split_question`), as `h2o stream --prompt` reads one.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from itertools import groupby
 
@@ -32,11 +40,14 @@ from h2o_cli.config import CacheSettings
 from h2o_cli.eval.scoring import CachePool, budget_used, continuation_scores, greedy_answer
 from h2o_cli.policies import policy_class
 
+log = logging.getLogger(__name__)
+
 
 @register_model("h2o")
 class H2OLM(TemplateLM):
     """Model args: model, device, device_map, dtype, quant, threads, and every `CacheSettings` field (budget, policy,
-    heavy_ratio, sinks, positions, score_norm, chunk, kv_bits). The budget is a fraction of each prompt.
+    heavy_ratio, sinks, positions, score_norm, chunk, kv_bits). The budget is a fraction of each prompt, or of
+    the model's window for a context past it (a policy that streams reads it whole; others keep its end).
 
     `model` may also be an already loaded `(model, tokenizer)` pair (from Python, not the command line).
     """
@@ -73,7 +84,34 @@ class H2OLM(TemplateLM):
         """Switch cache settings (policy, budget, ...) without reloading the weights."""
         self.settings = settings
         self.pool = CachePool(self.model, settings)
+        policy = policy_class(settings.policy)
+        self.streams = policy.evicts and policy.positions_for(settings.positions) == "rolling"
+        # past the window a fraction is of the window (a count stays a count): `long_pool.cache_for` keeps it
+        long = settings.resolved(self.pool.window, floor=True) if self.streams else settings
+        self.long_pool = CachePool(self.model, long)
         self.budget_tokens: list[int] = []
+        self.contexts_cut = 0  # contexts a policy that cannot stream lost their start to the window
+
+    def _pool_for(self, tokens: int) -> CachePool:
+        """The pool for an example of `tokens` tokens: the window's budget past the window, the prompt's inside."""
+        return self.long_pool if tokens > self.max_length else self.pool
+
+    def _fit(self, ids: list[int], extra_tokens: int) -> list[int]:
+        """`ids` whole for a policy that streams; otherwise their last `window - extra_tokens` (counted)."""
+        keep = self.max_length - extra_tokens
+        if self.streams or len(ids) <= keep:
+            return ids
+        self.contexts_cut += 1
+        return ids[-keep:]
+
+    def _report_cuts(self) -> None:
+        if self.contexts_cut:
+            log.warning(
+                "policy %s cannot read past the %d-token window: %d context(s) kept only their last tokens "
+                "(a policy that evicts on rolling positions, e.g. recall or h2o, reads them whole)",
+                self.settings.policy, self.max_length, self.contexts_cut,
+            )  # fmt: skip
+            self.contexts_cut = 0
 
     # lm-eval's data parallelism: under `accelerate launch` (or torchrun) each process is given every
     # `world_size`-th document and scores it with its own cache; rank 0 gathers the metrics.
@@ -135,7 +173,7 @@ class H2OLM(TemplateLM):
         return tqdm(items, total=total, disable=disable, desc=desc)
 
     def _cache(self, prompt_tokens: int, extra_tokens: int):
-        cache = self.pool.cache_for(prompt_tokens, extra_tokens)
+        cache = self._pool_for(prompt_tokens + extra_tokens).cache_for(prompt_tokens, extra_tokens)
         self.budget_tokens.append(budget_used(cache, prompt_tokens))
         return cache
 
@@ -147,20 +185,22 @@ class H2OLM(TemplateLM):
         progress = self._bar(total=len(requests), disable=disable_tqdm, desc="h2o loglikelihood")
         for context, group in groupby(order, key=lambda i: tuple(requests[i][1])):
             indices = list(group)
-            window = self.max_length
             continuations = [requests[i][2] for i in indices]
-            context_ids = list(context)[-(window - max(len(c) for c in continuations)) :]
-            scores, budget = self.pool.scores(context_ids, continuations)
+            longest = max(len(c) for c in continuations)
+            context_ids = self._fit(list(context), longest)
+            scores, budget = self._pool_for(len(context_ids) + longest).scores(context_ids, continuations)
             self.budget_tokens.append(budget)
             for index, score in zip(indices, scores, strict=False):
                 results[index] = score
                 self.cache_hook.add_partial("loglikelihood", requests[index][0], score)
             progress.update(len(indices))
         progress.close()
+        self._report_cuts()
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        """Log-likelihood of whole documents; the budget is a fraction of the tokens scored together."""
+        """Log-likelihood of whole documents; the budget is a fraction of the tokens scored together (of the
+        window for a document past it, which a policy that streams reads whole)."""
         results = []
         for request in self._bar(requests, disable=disable_tqdm, desc="h2o rolling"):
             total = 0.0
@@ -184,9 +224,7 @@ class H2OLM(TemplateLM):
         rolling positions goes any length); otherwise lm-eval's rolling windows of `max_length` tokens, as
         its own hf model scores them.
         """
-        policy = policy_class(self.settings.policy)
-        rolls = policy.evicts and policy.positions_for(self.settings.positions) == "rolling"
-        if rolls or len(ids) + 1 <= self.max_length:
+        if self.streams or len(ids) + 1 <= self.max_length:
             return [([self.prefix_token_id], ids)]
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
@@ -195,25 +233,49 @@ class H2OLM(TemplateLM):
         )
         return [make_disjoint_window(window) for window in windows]
 
+    def _split_question(self, context: str) -> tuple[list[int], list[int]]:
+        """(text ids, question ids): for a policy that recalls and a context past the window, the context's
+        last line (at most a chunk of tokens) is its question, read as `h2o stream --prompt` reads one
+        (`NewChunk`: its queries alone choose what is brought back, the lead head's choice after it);
+        otherwise (ids, []), as before inside the window."""
+        ids, cut = self.tok_encode(context), context.rfind("\n") + 1
+        if (
+            policy_class(self.settings.policy).recalls
+            and len(ids) > self.max_length
+            and 0 < cut < len(context)
+        ):
+            question = self.tok_encode(context[cut:])
+            if len(question) <= self.settings.chunk:
+                return self.tok_encode(context[:cut]), question
+        return ids, []
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy answers. A context past the window is read whole by a policy that streams (in chunks, the
+        budget the window's), cut to its last `window - max_gen_toks` tokens otherwise."""
         results = []
         for request in self._bar(requests, disable=disable_tqdm, desc="h2o generate"):
             context, gen_kwargs = request.args
             until = gen_kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(gen_kwargs.get("max_gen_toks", 256))
-            ids = self.tok_encode(context)[-(self.max_length - max_new) :]
+            text_ids, question = self._split_question(context)
+            ids = self._fit(text_ids + question, max_new)
+            text_ids, question = (
+                (ids, []) if len(ids) < len(text_ids) + len(question) else (text_ids, question)
+            )
             text = greedy_answer(
                 self.model,
                 self.tokenizer,
                 self._cache(len(ids), max_new),
-                ids,
+                text_ids,
                 max_new,
                 self.settings.chunk,
                 until,
+                question,
             )
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             results.append(text)
+        self._report_cuts()
         return results
 
 
