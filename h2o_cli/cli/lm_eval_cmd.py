@@ -72,11 +72,17 @@ def lm_eval(ctx: typer.Context) -> None:
     cli_evaluate()
 
 
+# The name lm-eval knows h2o's model by (`register_model` in h2o_cli/eval/lm_eval_model.py): not a policy's.
+LM_EVAL_MODEL = "h2o"
+
+
 def ruler_tokenizer(args: list[str]) -> list[str]:
     """`--metadata tokenizer=FOLDER` for `--model h2o` (its `model=` arg, or the embedded model) when neither
     the metadata nor the model args name a tokenizer: RULER sizes its documents with it, and looks for it
     under `tokenizer`, `pretrained` or `model` (which for h2o is an alias, not a folder)."""
-    if value_of(args, "--model") != "h2o" or any(("tokenizer" in a or "pretrained=" in a) for a in args):
+    if value_of(args, "--model") != LM_EVAL_MODEL or any(
+        ("tokenizer" in a or "pretrained=" in a) for a in args
+    ):
         return []
     from h2o_cli.models.presets import DEFAULT_MODEL
     from h2o_cli.models.sources import local_folder, resolve
