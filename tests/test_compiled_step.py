@@ -357,3 +357,55 @@ def test_chat_answers_on_the_captured_step_as_without_it(first_layers, smollm, m
         sessions[0].cache.report().tokens_seen,
         sessions[0].cache.report().evictions,
     ]
+
+
+def test_inductor_scores_pages_on_keys_held_in_float16():
+    """A span-sized archive (as `stream --max-tokens` builds it: every ring page within the step shortlist, so
+    a step scores every page by attention mass over keys held in float16) compiled by inductor as
+    `CompiledStep` compiles: the page masses and the choice of R are the eager fixed step's. Inductor by
+    default keeps a fused cast to float16 in float32 (the masses moved by 1e-4, the recalled pages with them);
+    `CompiledStep` has it round as written."""
+    from h2o_cli.cache.recall.archive import PageArchive, PageSettings
+    from h2o_cli.compiled import inductor_settings
+
+    torch.manual_seed(0)
+    n_kv, head_dim, written = 3, 64, 200
+    settings = PageSettings(16, attention=True, shortlist=512, carry=0.9)
+    archive = PageArchive(n_kv, head_dim, 304, settings, torch.float32, torch.device("cpu"))
+    keys, values = torch.randn(n_kv, written, head_dim) * 3, torch.randn(n_kv, written, head_dim)
+    for token in range(written):
+        archive.write_fixed(keys[:, token : token + 1], values[:, token : token + 1], torch.tensor([token]))
+        archive.stepped_fixed()
+    assert archive.pages <= archive.step_shortlist  # every page scored: the branch a span takes
+    resident = torch.full((n_kv, 65), -1)
+    resident[:, :40] = torch.stack([torch.randperm(written - 1)[:40] for _ in range(n_kv)])
+    resident[:, 40] = written - 1
+    query = torch.randn(n_kv, 3, head_dim)
+    captured = copy.deepcopy(archive)
+    want = archive.choose_fixed(query, resident, 32)
+    with inductor_settings():
+        got = torch.compile(lambda q: captured.choose_fixed(q, resident, 32), fullgraph=True)(query)
+    torch.testing.assert_close(captured.carried, archive.carried, rtol=0, atol=1e-6)  # 1e-4 off unrounded
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0][got[1]], want[0][want[1]])
+
+
+@pytest.mark.slow  # inductor compiles the whole model once per policy: minutes each on two CPU cores
+@pytest.mark.parametrize("policy", POLICIES)
+def test_inductor_stream_on_the_whole_model_gives_the_eager_perplexity(smollm, excerpt, policy):
+    """`h2o stream --ppl --chunk 1 --budget 64 --max-tokens 364 --compile` as a library call: all 30 layers,
+    300 tokens past a full cache, the archive sized to the text (the span `stream` gives it), through the
+    step inductor compiles; the perplexity of the eager torch step within 1e-3 relative. Both caches have the
+    same settings (no lead head: the fixed step takes none)."""
+    from h2o_cli.streaming import stream_perplexity
+
+    model, tokenizer = smollm
+    ids = tokenizer(excerpt).input_ids[: 64 + 300]
+    assert len(ids) == 364
+    settings = CacheSettings(budget=64, chunk=1, policy=policy, recall_lead="none")
+    eager_cache = H2OCache(model, settings, archive_span=len(ids))
+    eager = stream_perplexity(model, eager_cache, [ids], 1)
+    cache = H2OCache(model, settings, archive_span=len(ids))
+    captured = stream_perplexity(model, cache, [ids], 1, step=CompiledStep(model, cache))
+    assert captured.predictions == eager.predictions == 363
+    assert cache.report().evictions == eager_cache.report().evictions == 300
+    assert captured.ppl == pytest.approx(eager.ppl, rel=1e-3)
