@@ -16,9 +16,9 @@ import torch
 from h2o_cli.cache import H2OCache
 
 # Inductor's own settings for the step: casts kept as written. By default (`emulate_precision_casts` off) a
-# cast to 16 bits that inductor fuses into the next op keeps its float32 value, so the page score's keys held
-# in float16 (`as_held`) were scored unrounded: other page masses (1e-4 apart), other pages recalled, another
-# perplexity (docs/design.md, "Can a decode step be captured whole?").
+# cast to 16 bits that inductor fuses into the next op keeps its float32 value, so the page masses a recall
+# step scores over keys held in float16 (`as_held`) came out unrounded, 1e-4 from the eager step's
+# (docs/design.md, "Can a decode step be captured whole?").
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 

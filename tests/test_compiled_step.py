@@ -251,15 +251,17 @@ def test_filling_cache_decodes_in_one_graph(tiny_pair, policy):
     assert_same_cache(eager, captured)
 
 
-def test_stream_perplexity_on_the_captured_step_equals_eager(first_layers, excerpt, smollm):
+@pytest.mark.parametrize(("policy", "span"), [("h2o", None), ("recall", 120)])
+def test_stream_perplexity_on_the_captured_step_equals_eager(first_layers, excerpt, smollm, policy, span):
     """`stream_perplexity` with `--chunk 1` from an empty cache: the same perplexity through the captured step
-    as through the model's forward (the library path `h2o stream --ppl --chunk 1 --compile` takes)."""
+    as through the model's forward (the library path `h2o stream --ppl --chunk 1 --compile` takes); under
+    recall with the archive sized to the text, as `stream --max-tokens` sizes it (every ring page scored)."""
     from h2o_cli.streaming import stream_perplexity
 
     ids = smollm[1](excerpt).input_ids[:120]
-    settings = CacheSettings(budget=32, chunk=1)
-    eager = stream_perplexity(first_layers, H2OCache(first_layers, settings), [ids], 1)
-    cache = H2OCache(first_layers, settings)
+    settings = CacheSettings(budget=32, chunk=1, policy=policy, recall_lead="none")
+    eager = stream_perplexity(first_layers, H2OCache(first_layers, settings, archive_span=span), [ids], 1)
+    cache = H2OCache(first_layers, settings, archive_span=span)
     step = CompiledStep(first_layers, cache, backend="eager")
     captured = stream_perplexity(first_layers, cache, [ids], 1, step=step)
     assert captured.predictions == eager.predictions == 119 and cache.report().evictions == 120 - 32
@@ -359,6 +361,7 @@ def test_chat_answers_on_the_captured_step_as_without_it(first_layers, smollm, m
     ]
 
 
+@pytest.mark.heavy  # inductor compiles the page choice: tens of seconds
 def test_inductor_scores_pages_on_keys_held_in_float16():
     """A span-sized archive (as `stream --max-tokens` builds it: every ring page within the step shortlist, so
     a step scores every page by attention mass over keys held in float16) compiled by inductor as
@@ -409,3 +412,24 @@ def test_inductor_stream_on_the_whole_model_gives_the_eager_perplexity(smollm, e
     assert captured.predictions == eager.predictions == 363
     assert cache.report().evictions == eager_cache.report().evictions == 300
     assert captured.ppl == pytest.approx(eager.ppl, rel=1e-3)
+
+
+@pytest.mark.heavy  # inductor compiles two layers: tens of seconds
+def test_inductor_recall_step_keeps_the_eager_fixed_step_state(first_layers, excerpt, smollm):
+    """The embedded model's two layers under recall with the archive sized to the text (as `stream
+    --max-tokens` sizes it), from an empty cache through 80 tokens (48 past a full one), compiled by inductor
+    as `--compile` compiles it: after every step each layer holds what the eager fixed step holds (S's token
+    indices, empty slots included, and R's), and the logits agree to float rounding. Inductor once compiled the
+    recall step's rolling ranks so that they overwrote S's token indices (the whole model's perplexity went
+    from 18 to 165)."""
+    ids = smollm[1](excerpt).input_ids[:80]
+    settings = CacheSettings(budget=32, chunk=1, policy="recall", recall_lead="none")
+    eager, captured = (H2OCache(first_layers, settings, archive_span=len(ids)) for _ in range(2))
+    reference, step = CompiledStep(first_layers, eager, compile=False), CompiledStep(first_layers, captured)
+    for number, token in enumerate(ids):
+        same_logits(step(token), reference(token), number)
+        for ours, theirs in zip(captured.layers, eager.layers, strict=True):
+            assert torch.equal(ours.store.token_index, theirs.store.token_index), number
+            assert torch.equal(ours.store.valid, theirs.store.valid), number
+            assert torch.equal(ours.recall_index, theirs.recall_index), number
+    assert captured.report().evictions == eager.report().evictions == len(ids) - captured.stores[0].budget
