@@ -215,8 +215,9 @@ def test_fixed_step_of_a_16_bit_model_follows_its_chunk_path(tiny_pair, dtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 def test_inductor_decode_equals_eager(smollm, prompt, policy):
-    """As above, compiled by inductor (what `--compile` runs on a CPU)."""
-    settings = CacheSettings(budget=32, chunk=16, policy=policy)
+    """As above, compiled by inductor (what `--compile` runs on a CPU). No lead head in either cache: the fixed
+    step takes none, and `auto` would give the eager one a lead whose pages its steps follow."""
+    settings = CacheSettings(budget=32, chunk=16, policy=policy, recall_lead="none")
     eager, captured, counter = decode_both(smollm[0], prompt, settings, 64, "inductor")
     assert counter.frame_count == 1
     assert_same_cache(eager, captured)
