@@ -9,9 +9,24 @@ its index going in (two tiny tensors), the logits coming out, and the cache's Py
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from h2o_cli.cache import H2OCache
+
+# Inductor's own settings for the step: casts kept as written. By default (`emulate_precision_casts` off) a
+# cast to 16 bits that inductor fuses into the next op keeps its float32 value, so the page masses a recall
+# step scores over keys held in float16 (`as_held`) came out unrounded, 1e-4 from the eager step's
+# (docs/design.md, "Can a decode step be captured whole?").
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+
+
+def inductor_settings():
+    """A context (reusable) in which inductor compiles with `INDUCTOR_OPTIONS`."""
+    import torch._inductor.config
+
+    return torch._inductor.config.patch(INDUCTOR_OPTIONS)
 
 
 def compile_options(device: torch.device) -> dict:
@@ -50,6 +65,7 @@ class CompiledStep:
             self._forward = torch.compile(self._eager_forward, fullgraph=True, **options)
         else:
             self._forward = self._eager_forward
+        self._settings = inductor_settings() if compile else nullcontext()  # other backends ignore them
 
     def _eager_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         output = self.model(input_ids=input_ids, position_ids=position_ids, cache=self.cache, use_cache=True)
@@ -61,7 +77,9 @@ class CompiledStep:
         position_ids = torch.tensor([[cache.tokens_seen]], dtype=torch.long, device=self.device)
         # no autograd: a model's weights require grad unless frozen, and a graph kept for a backward pass
         # would hold every step's activations (on CUDA, in the graph's memory pool, until it runs out)
-        with torch.no_grad(), cache.fixed_step():
+        # inductor reads its settings when it compiles, at the first call (torch.compile takes no `options`
+        # beside a `mode`, so they are set around each call)
+        with torch.no_grad(), cache.fixed_step(), self._settings:
             logits = self._forward(input_ids, position_ids)
         return logits.clone() if logits.device.type == "cuda" else logits  # a CUDA graph reuses its output
 

@@ -215,8 +215,9 @@ def test_fixed_step_of_a_16_bit_model_follows_its_chunk_path(tiny_pair, dtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 def test_inductor_decode_equals_eager(smollm, prompt, policy):
-    """As above, compiled by inductor (what `--compile` runs on a CPU)."""
-    settings = CacheSettings(budget=32, chunk=16, policy=policy)
+    """As above, compiled by inductor (what `--compile` runs on a CPU). No lead head in either cache: the fixed
+    step takes none, and `auto` would give the eager one a lead whose pages its steps follow."""
+    settings = CacheSettings(budget=32, chunk=16, policy=policy, recall_lead="none")
     eager, captured, counter = decode_both(smollm[0], prompt, settings, 64, "inductor")
     assert counter.frame_count == 1
     assert_same_cache(eager, captured)
@@ -251,18 +252,23 @@ def test_filling_cache_decodes_in_one_graph(tiny_pair, policy):
     assert_same_cache(eager, captured)
 
 
-def test_stream_perplexity_on_the_captured_step_equals_eager(first_layers, excerpt, smollm):
+@pytest.mark.parametrize(("policy", "span"), [("h2o", None), ("recall", 120)])
+def test_stream_perplexity_on_the_captured_step_equals_eager(first_layers, excerpt, smollm, policy, span):
     """`stream_perplexity` with `--chunk 1` from an empty cache: the same perplexity through the captured step
-    as through the model's forward (the library path `h2o stream --ppl --chunk 1 --compile` takes)."""
+    as through the model's forward (the library path `h2o stream --ppl --chunk 1 --compile` takes); under
+    recall with the archive sized to the text, as `stream --max-tokens` sizes it (every ring page scored)."""
     from h2o_cli.streaming import stream_perplexity
 
     ids = smollm[1](excerpt).input_ids[:120]
-    settings = CacheSettings(budget=32, chunk=1)
-    eager = stream_perplexity(first_layers, H2OCache(first_layers, settings), [ids], 1)
-    cache = H2OCache(first_layers, settings)
+    settings = CacheSettings(budget=32, chunk=1, policy=policy, recall_lead="none")
+    eager = stream_perplexity(first_layers, H2OCache(first_layers, settings, archive_span=span), [ids], 1)
+    cache = H2OCache(first_layers, settings, archive_span=span)
     step = CompiledStep(first_layers, cache, backend="eager")
     captured = stream_perplexity(first_layers, cache, [ids], 1, step=step)
-    assert captured.predictions == eager.predictions == 119 and cache.report().evictions == 120 - 32
+    assert (
+        captured.predictions == eager.predictions == 119
+        and cache.report().evictions == 120 - cache.stores[0].budget
+    )
     assert captured.ppl == pytest.approx(eager.ppl, rel=1e-5)
 
 
@@ -357,3 +363,77 @@ def test_chat_answers_on_the_captured_step_as_without_it(first_layers, smollm, m
         sessions[0].cache.report().tokens_seen,
         sessions[0].cache.report().evictions,
     ]
+
+
+@pytest.mark.heavy  # inductor compiles the page choice: tens of seconds
+def test_inductor_scores_pages_on_keys_held_in_float16():
+    """A span-sized archive (as `stream --max-tokens` builds it: every ring page within the step shortlist, so
+    a step scores every page by attention mass over keys held in float16) compiled by inductor as
+    `CompiledStep` compiles: the page masses and the choice of R are the eager fixed step's. Inductor by
+    default keeps a fused cast to float16 in float32 (the masses moved by 1e-4, the recalled pages with them);
+    `CompiledStep` has it round as written."""
+    from h2o_cli.cache.recall.archive import PageArchive, PageSettings
+    from h2o_cli.compiled import inductor_settings
+
+    torch.manual_seed(0)
+    n_kv, head_dim, written = 3, 64, 200
+    settings = PageSettings(16, attention=True, shortlist=512, carry=0.9)
+    archive = PageArchive(n_kv, head_dim, 304, settings, torch.float32, torch.device("cpu"))
+    keys, values = torch.randn(n_kv, written, head_dim) * 3, torch.randn(n_kv, written, head_dim)
+    for token in range(written):
+        archive.write_fixed(keys[:, token : token + 1], values[:, token : token + 1], torch.tensor([token]))
+        archive.stepped_fixed()
+    assert archive.pages <= archive.step_shortlist  # every page scored: the branch a span takes
+    resident = torch.full((n_kv, 65), -1)
+    resident[:, :40] = torch.stack([torch.randperm(written - 1)[:40] for _ in range(n_kv)])
+    resident[:, 40] = written - 1
+    query = torch.randn(n_kv, 3, head_dim)
+    captured = copy.deepcopy(archive)
+    want = archive.choose_fixed(query, resident, 32)
+    with inductor_settings():
+        got = torch.compile(lambda q: captured.choose_fixed(q, resident, 32), fullgraph=True)(query)
+    torch.testing.assert_close(captured.carried, archive.carried, rtol=0, atol=1e-6)  # 1e-4 off unrounded
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0][got[1]], want[0][want[1]])
+
+
+@pytest.mark.slow  # inductor compiles the whole model once per policy: minutes each on two CPU cores
+@pytest.mark.parametrize("policy", POLICIES)
+def test_inductor_stream_on_the_whole_model_gives_the_eager_perplexity(smollm, excerpt, policy):
+    """`h2o stream --ppl --chunk 1 --budget 64 --max-tokens 364 --compile` as a library call: all 30 layers,
+    300 tokens past a full cache, the archive sized to the text (the span `stream` gives it), through the
+    step inductor compiles; the perplexity of the eager torch step within 1e-3 relative. Both caches have the
+    same settings (no lead head: the fixed step takes none)."""
+    from h2o_cli.streaming import stream_perplexity
+
+    model, tokenizer = smollm
+    ids = tokenizer(excerpt).input_ids[: 64 + 300]
+    assert len(ids) == 364
+    settings = CacheSettings(budget=64, chunk=1, policy=policy, recall_lead="none")
+    eager_cache = H2OCache(model, settings, archive_span=len(ids))
+    eager = stream_perplexity(model, eager_cache, [ids], 1)
+    cache = H2OCache(model, settings, archive_span=len(ids))
+    captured = stream_perplexity(model, cache, [ids], 1, step=CompiledStep(model, cache))
+    assert captured.predictions == eager.predictions == 363
+    assert cache.report().evictions == eager_cache.report().evictions >= 300  # recall: past |S| < 64
+    assert captured.ppl == pytest.approx(eager.ppl, rel=1e-3)
+
+
+@pytest.mark.heavy  # inductor compiles two layers: tens of seconds
+def test_inductor_recall_step_keeps_the_eager_fixed_step_state(first_layers, excerpt, smollm):
+    """The embedded model's two layers under recall with the archive sized to the text (as `stream
+    --max-tokens` sizes it), from an empty cache through 80 tokens (48 past a full one), compiled by inductor
+    as `--compile` compiles it: after every step each layer holds what the eager fixed step holds (S's token
+    indices, empty slots included, and R's), and the logits agree to float rounding. Inductor once compiled the
+    recall step's rolling ranks so that they overwrote S's token indices (the whole model's perplexity went
+    from 18 to 165)."""
+    ids = smollm[1](excerpt).input_ids[:80]
+    settings = CacheSettings(budget=32, chunk=1, policy="recall", recall_lead="none")
+    eager, captured = (H2OCache(first_layers, settings, archive_span=len(ids)) for _ in range(2))
+    reference, step = CompiledStep(first_layers, eager, compile=False), CompiledStep(first_layers, captured)
+    for number, token in enumerate(ids):
+        same_logits(step(token), reference(token), number)
+        for ours, theirs in zip(captured.layers, eager.layers, strict=True):
+            assert torch.equal(ours.store.token_index, theirs.store.token_index), number
+            assert torch.equal(ours.store.valid, theirs.store.valid), number
+            assert torch.equal(ours.recall_index, theirs.recall_index), number
+    assert captured.report().evictions == eager.report().evictions == len(ids) - captured.stores[0].budget

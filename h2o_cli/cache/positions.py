@@ -156,8 +156,11 @@ def rolling_positions(
     if present is not None:
         token_index = token_index.masked_fill(~present, torch.iinfo(torch.int64).max)  # absent: ranked last
     order = torch.argsort(token_index, dim=1)
-    steps = torch.arange(order.shape[1], device=order.device).expand_as(order)
-    rank = torch.empty_like(order).scatter_(1, order, steps)
+    if read_back:
+        steps = torch.arange(order.shape[1], device=order.device).expand_as(order)
+        rank = torch.empty_like(order).scatter_(1, order, steps)
+    else:  # the fixed step: the same inverse permutation, as inductor compiles it right (torch 2.13 on the
+        rank = torch.argsort(order, dim=1)  # CPU compiled the scatter so that it overwrote S's token indices)
     if present is None:
         return rank, order.shape[1]
     counts = present.sum(dim=1, keepdim=True)  # [n_kv, 1] entries per head

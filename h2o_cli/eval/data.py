@@ -66,6 +66,15 @@ def load_copa(path=None) -> dict[str, list[dict]]:
     return splits
 
 
+def copa_task(path) -> str:
+    """The task a COPA file is scored as: `copa` (the validation split, shots from train) when it holds
+    SuperGLUE's split (items on both sides of id 400, as the COPA dev set), else `copa_all`: every item
+    scored, its shots drawn from the file's other items (a file of one's own, whose ids say nothing of a
+    split, so either split may be empty)."""
+    splits = load_copa(path)
+    return "copa" if splits["train"] and splits["validation"] else "copa_all"
+
+
 def load_piqa(path=None) -> list[dict]:
     """PIQA validation (1838): valid.jsonl with labels from valid-labels.lst beside it."""
     file = _file(path, "piqa/valid.jsonl")

@@ -10,7 +10,7 @@ from pathlib import Path
 from statistics import mean
 
 from h2o_cli.config import CacheSettings
-from h2o_cli.eval.data import check_data
+from h2o_cli.eval.data import check_data, copa_task
 from h2o_cli.eval.long_tasks import MAX_NEW_TOKENS, examples
 from h2o_cli.eval.scoring import (
     CachePool,
@@ -67,6 +67,8 @@ def run_harness(
     if data:
         check_data(task, data)
         metadata = {"data_path": str(data)}
+        if task == "copa":  # a file without SuperGLUE's split is scored whole, shots from its other items
+            name = HARNESS_TASKS[copa_task(data)]
     out = lm_eval.simple_evaluate(
         model=lm,
         tasks=[name],
