@@ -225,6 +225,11 @@ class H2OLayer(CacheLayerMixin):
             return store.rank, store.length - chunk
         return store.token_index, store.tokens_seen - chunk
 
+    def chunk_allowed(self, chunk: int) -> torch.Tensor:
+        """Which of S's first `active` slots each query of the chunk just written sees: [n_kv_heads, chunk or 1,
+        active] bool (`LayerStore.allowed`: every entry up to the query's own token)."""
+        return self.store.allowed(chunk)
+
     def chunk_positions(self, chunk: int, recalled: Recalled | None) -> tuple[torch.Tensor, int]:
         """The positions [n_kv_heads, active + r] of S's first `active` slots and R's, and the chunk's first
         query's position."""

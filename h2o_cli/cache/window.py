@@ -16,8 +16,6 @@ length (docs/design.md, "What positions does a sliding-window layer use?").
 from __future__ import annotations
 
 import torch
-from h2o_kernels import slot_attention
-from h2o_kernels.reference import rows
 
 from h2o_cli.cache.layer import H2OLayer
 from h2o_cli.cache.paths.chunk import ChunkPath
@@ -25,36 +23,11 @@ from h2o_cli.errors import UsageError
 
 
 class WindowPath(ChunkPath):
-    """Every call into a `WindowLayer`: the chunk path's sub-chunks (write, attend, evict), each query over
-    the entries of its own window, without scores (the oldest entry is always the one to go)."""
+    """Every call into a `WindowLayer`, one-token calls too: the chunk path's body (write, attend, evict),
+    each query over the entries of its own window (`WindowLayer.chunk_allowed`); the oldest entry is always
+    the one to go, so the scores the body keeps are never read."""
 
     name = "window"
-
-    def attend_written(self, layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Attend the chunk just written (query [n_heads, chunk, head_dim], unrotated) over the window of each
-        query, then keep the newest `window - 1` entries. Returns [1, chunk, n_heads, head_dim]."""
-        chunk, store = query.shape[1], layer.store
-        active = store.active
-        key_positions, first_query_position = layer.chunk_positions(chunk, None)
-        first_token = store.tokens_seen - chunk
-        query_index = torch.arange(first_token, first_token + chunk, device=query.device).view(1, -1, 1)
-        distance = query_index - store.token_index[:, :active].unsqueeze(1)  # [n_kv, chunk, active]
-        allowed = store.allowed(chunk) & (distance < layer.window)
-        cos_table, sin_table = layer.rope.table(first_query_position + chunk, query.dtype, query.device)
-        query_positions = slice(first_query_position, first_query_position + chunk)
-        output, _, _ = slot_attention(
-            query,
-            store.key_states(active),
-            store.value_states(active),
-            allowed,
-            cos_table[query_positions],
-            sin_table[query_positions],
-            rows(cos_table, key_positions),
-            rows(sin_table, key_positions),
-            scaling,
-        )
-        store.evict(layer.policy)
-        return output.transpose(0, 1).unsqueeze(0)
 
 
 WINDOW = WindowPath()
@@ -74,6 +47,15 @@ class WindowLayer(H2OLayer):
         self.window = window
         self.positions = positions
         self._step_path = False  # one-token calls stay on `WindowPath` too
+
+    def chunk_allowed(self, chunk: int) -> torch.Tensor:
+        """Each query of the chunk just written sees the entries of its own window, `q - window < t <= q`:
+        [n_kv_heads, chunk, active] bool."""
+        store = self.store
+        first_token = store.tokens_seen - chunk
+        query_index = torch.arange(first_token, first_token + chunk, device=store.keys.device).view(1, -1, 1)
+        distance = query_index - store.token_index[:, : store.active].unsqueeze(1)  # [n_kv, chunk, active]
+        return store.allowed(chunk) & (distance < self.window)
 
     def choose_path(self, states: torch.Tensor) -> WindowPath:
         return WINDOW

@@ -54,7 +54,11 @@ class ChunkPath(Path):
         active = store.active
         recalled = layer.recall_chunk(query, chunk)
         key_positions, first_query_position = layer.chunk_positions(chunk, recalled)
-        keys, values, allowed = store.key_states(active), store.value_states(active), store.allowed(chunk)
+        keys, values, allowed = (
+            store.key_states(active),
+            store.value_states(active),
+            layer.chunk_allowed(chunk),
+        )
         if recalled is not None:  # R is older than the chunk: every query sees all of it
             keys = torch.cat([keys, recalled.keys.to(store.compute_dtype)], dim=1)
             values = torch.cat([values, recalled.values.to(store.compute_dtype)], dim=1)
