@@ -185,6 +185,8 @@ def test_the_summary_counts_correct_runs_per_length_policy_and_budget(tmp_path):
         (["--via", "chat", "--needles", "2", "--out", "x.jsonl"], "--via chat asks one passkey"),
         (["--lengths", "1536"], "give --out FILE.jsonl"),
         (["--haystack", "no/such/file.txt", "--out", "x.jsonl"], "haystack no/such/file.txt not found"),
+        (["--wording", "poem", "--out", "x.jsonl"], "--wording 'poem' is unknown"),
+        (["--wording", "door", "--needles", "2", "--out", "x.jsonl"], "--needles 2 hides a pass key"),
     ],
 )
 def test_the_command_refuses_bad_input_before_loading_a_model(args, message, monkeypatch):
@@ -225,3 +227,47 @@ def test_two_needles_are_asked_in_two_turns_per_run(tiny_reader, monkeypatch, tm
         assert len(keys) == 2 and len(answers) == 2 and row["needles"] == 2
         assert row["prompt_tokens"] > 400
         assert row["correct"] == all(key in said for key, said in zip(keys, answers, strict=True))
+
+
+@pytest.mark.parametrize("wording", sorted(set(passkey.WORDINGS) - {"passkey"}))
+def test_another_wording_says_and_asks_its_own_needle_and_none_of_the_grids(smollm, wording):
+    """A report wording hides its own sentence (the key in it) at the depth and asks its own question: the
+    grid's needle and question appear nowhere, and the prompt is still `length` tokens."""
+    from h2o_cli.prompting import read_then_answer
+
+    _, tokenizer = smollm
+    said = passkey.WORDINGS[wording]
+    for depth, key, text in passkey.haystacks(tokenizer, ESSAY, 300, [10, 90], seed=2, wording=wording):
+        assert said.needle.format(key=key) in text and "pass key" not in text
+        assert abs(text.index(said.needle.format(key=key)) / len(text) - depth / 100) < 0.15
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        pieces = list(read_then_answer(tokenizer, [ids], said.question))
+        assert abs(sum(map(len, pieces)) - 300) <= 3
+        assert said.question in tokenizer.decode(pieces[-1]) and passkey.QUESTION not in tokenizer.decode(
+            pieces[-1]
+        )
+        needle, digits = passkey.needle_tokens(tokenizer, text, key, len(pieces[0]), wording)
+        read = [token for piece in pieces for token in piece]
+        assert key in tokenizer.decode([read[i] for i in digits]).replace(" ", "")
+        assert set(digits) <= set(needle)
+
+
+def test_rows_of_another_wording_or_haystack_are_other_runs(tmp_path):
+    """A grid resumes only the runs of its own wording and haystack; the summary names a row's wording and
+    haystack when they are not the grid's own (old rows, which record neither, are the grid's own)."""
+    from h2o_cli.eval.passkey_grid import written
+
+    base = {"length": 400, "seed": 0, "depth": 10, "policy_spec": "recall", "budget": 0.1, "correct": True}
+    rows = [
+        base,
+        {**base, "wording": "door", "haystack": "pride"},
+        {**base, "wording": "number", "correct": False},
+    ]
+    out = tmp_path / "grid.jsonl"
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cell = (400, 0, 10, "recall", 0.1)
+    assert written(out) == {cell}
+    assert written(out, "door", "pride") == {cell} and written(out, "door") == set()
+    tables = summary([out])
+    assert "| recall | 1/1 | – |" in tables
+    assert "| recall [door, pride] | 1/1 | – |" in tables and "| recall [number] | 0/1 | – |" in tables

@@ -18,6 +18,7 @@ Examples:
   h2o passkey --lengths 32768 --depth-list 10,50,90 --seeds 1 --budgets 0.025 --policies recall --fork --out long.jsonl
   h2o passkey --lengths 1536 --needles 2 --budgets 0.1 --policies "recall;recall:lead_text=0" --out two.jsonl
   h2o passkey --lengths 2048 --haystack my_book.txt --policies h2o,recall --out book.jsonl
+  h2o passkey --lengths 32768 --depths 5 --seeds 1 --budgets 0.025 --policies recall --wording door --haystack pride.txt --out report.jsonl
   h2o passkey --summary grid.jsonl long.jsonl      # the tables of earlier runs
 
 Each run appends one JSON line to --out (a grid run again skips the runs the file holds, so an interrupted grid resumes) and the tables of the whole file are printed on stdout at the end. A run is correct when the answer holds the passkey's digits. Budgets are fractions of each text's tokens; full runs once per haystack and only while the prompt fits the model's window.
@@ -43,6 +44,11 @@ def read_haystack(haystack: Path | None, data_dir: Path | None) -> str:
     if data_dir is not None:
         os.environ[DATA_ENV] = str(data_dir)
     return haystack_text(haystack)
+
+
+def haystack_name(haystack: Path | None) -> str:
+    """What rows record as the haystack: the file's or folder's name, `essays` for the default."""
+    return "essays" if haystack is None else haystack.stem
 
 
 def numbers(text: str, kind: type, option: str) -> tuple:
@@ -114,6 +120,14 @@ def passkey(
             "one needle, --threads 1).",
         ),
     ] = False,
+    wording: Annotated[
+        str,
+        typer.Option(
+            "--wording",
+            help="How the needle is said and asked: passkey (the wording recall's defaults were chosen on), "
+            "number or door (never used to choose a default).",
+        ),
+    ] = "passkey",
     haystack: Haystack = None,
     data_dir: options.DataDir = None,
     model: options.Model = options.DEFAULTS["model"],
@@ -146,6 +160,8 @@ def passkey(
         via=via,
         fork=fork,
         threads=threads,
+        wording=wording,
+        haystack=haystack_name(haystack),
     )
     essays = read_haystack(haystack, data_dir)
     loaded, tokenizer = load(model, device, dtype, False, threads)

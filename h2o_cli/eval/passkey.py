@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from h2o_cli.config import parse_run_spec
 from h2o_cli.errors import InputError
@@ -37,6 +38,37 @@ TWO_QUESTIONS = (
 TWO_MAX_NEW_TOKENS = 16  # per answer: "The vault code is 12345." and a little more
 
 
+class Wording(NamedTuple):
+    """How one needle is said (`needle`, with `{key}`) and asked for (`question`)."""
+
+    needle: str
+    question: str
+
+
+# `passkey` is the wording every recall default was chosen on; the others were never used to choose anything,
+# so a grid run with them reports on text the defaults did not see (docs/results.md names both sets).
+WORDINGS = {
+    "passkey": Wording(NEEDLE, QUESTION),
+    "number": Wording(
+        "\nRemember this: the secret number is {key}.\n",
+        "What was the secret number? Answer with the number only.",
+    ),
+    "door": Wording(
+        "\nThe door of the old archive opens with the code {key}.\n",
+        "Which code opens the door of the old archive? Answer with the number only.",
+    ),
+}
+
+
+def wording_of(name: str) -> Wording:
+    """The wording called `name`; a usage error naming the choices otherwise."""
+    from h2o_cli.errors import UsageError
+
+    if name not in WORDINGS:
+        raise UsageError(f"--wording {name!r} is unknown; choose {', '.join(WORDINGS)}")
+    return WORDINGS[name]
+
+
 def haystack_text(path: str | Path | None = None) -> str:
     """The text haystacks are cut from: `path` if a file, the essays of `path` if a folder of *.txt, else the
     Paul Graham essays of the data folder (`--data-dir` / $H2O_DATA)."""
@@ -52,17 +84,27 @@ def haystack_text(path: str | Path | None = None) -> str:
     return load_essays(path)
 
 
-def haystacks(tokenizer, essays: str, length: int, depths: list[int], seed: int, needles: int = 1):
-    """(depth, passkey, text) for one seed: `length` prompt tokens in all, the passkey at each depth. With
-    `needles=2` the passkey is the two keys joined by a space, the pass key at `depth`, the vault code at
-    `depth + 50` % (wrapping), each at a sentence end."""
+def haystacks(
+    tokenizer,
+    essays: str,
+    length: int,
+    depths: list[int],
+    seed: int,
+    needles: int = 1,
+    wording: str = "passkey",
+):
+    """(depth, passkey, text) for one seed: `length` prompt tokens in all, the passkey at each depth, said and
+    asked as `WORDINGS[wording]` says. With `needles=2` (the `passkey` wording only) the passkey is the two keys
+    joined by a space, the pass key at `depth`, the vault code at `depth + 50` % (wrapping), each at a sentence
+    end."""
     from h2o_cli.prompting import document_frame
 
     rng = random.Random(seed)
     keys = [str(rng.randint(10000, 99999)) for _ in range(needles)]
-    texts = (NEEDLE,) if needles == 1 else TWO_NEEDLES
+    said = wording_of(wording)
+    texts = (said.needle,) if needles == 1 else TWO_NEEDLES
     inserted = [text.format(key=key) for text, key in zip(texts, keys, strict=True)]
-    before, after = document_frame(tokenizer, QUESTION if needles == 1 else TWO_QUESTIONS[0])
+    before, after = document_frame(tokenizer, said.question if needles == 1 else TWO_QUESTIONS[0])
     overhead = len(tokenizer(before + "".join(inserted) + after)["input_ids"])
     ids = tokenizer(essays, add_special_tokens=False)["input_ids"]
     room = length - overhead
@@ -83,10 +125,12 @@ def haystacks(tokenizer, essays: str, length: int, depths: list[int], seed: int,
         yield depth, " ".join(keys), text + context[last:]
 
 
-def needle_tokens(tokenizer, text: str, key: str, head: int) -> tuple[list[int], list[int]]:
+def needle_tokens(
+    tokenizer, text: str, key: str, head: int, wording: str = "passkey"
+) -> tuple[list[int], list[int]]:
     """Stream indices of the (one) needle sentence's tokens in `text`, and of the passkey's first mention in
     it (`head`: tokens read before the text)."""
-    needle = NEEDLE.format(key=key)
+    needle = wording_of(wording).needle.format(key=key)
     start = text.index(needle)
     offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
 
@@ -171,7 +215,7 @@ def correct(key: str, said: str) -> bool:
 
 
 def answer_in_chat(
-    spec: str, budget_tokens: int, chunk: int, text: str, threads: int
+    spec: str, budget_tokens: int, chunk: int, text: str, threads: int, question: str = QUESTION
 ) -> tuple[str, int, float]:
     """The same question through `h2o chat` (one-shot: the text and the question as one piped message)."""
     name, extra = parse_run_spec(spec)
@@ -180,7 +224,7 @@ def answer_in_chat(
                "--policy", name, "--budget", str(budget_tokens), "--chunk", str(chunk), "--threads", str(threads),
                "--max-new-tokens", str(MAX_NEW_TOKENS), *flags]  # fmt: skip
     started = time.perf_counter()
-    done = subprocess.run(command, input=text + "\n\n" + QUESTION, capture_output=True, text=True)
+    done = subprocess.run(command, input=text + "\n\n" + question, capture_output=True, text=True)
     if done.returncode != 0:
         return f"ERROR: {done.stderr.strip()[-200:]}", 0, 0.0
     report = json.loads(done.stdout)

@@ -26,7 +26,9 @@ class Grid:
     `h2o chat` (a subprocess); `fork`: read each haystack's text before its needles once and fork a process
     per depth (`passkey_fork`: same answers; one thread, one needle, via stream). `heads`: an object with
     `top` (int) and `attach(cache)` that lets only some KV heads recall (rows say `recall@headsK`; the torch
-    step), as research/recall_heads.py builds."""
+    step), as research/recall_heads.py builds. `wording`: how the needle is said and asked (`passkey.WORDINGS`);
+    `haystack`: the name rows record for the text the haystacks are cut from (rows of another wording or
+    haystack in the same file are other runs)."""
 
     lengths: tuple[int, ...] = (1536,)
     depths: tuple[int, ...] = (5, 15, 25, 35, 45, 55, 65, 75, 85, 95)
@@ -40,8 +42,13 @@ class Grid:
     fork: bool = False
     threads: int = 1
     heads: object | None = None
+    wording: str = "passkey"
+    haystack: str = "essays"
 
     def __post_init__(self) -> None:
+        passkey.wording_of(self.wording)
+        if self.needles != 1 and self.wording != "passkey":
+            raise UsageError("--needles 2 hides a pass key and a vault code; it has no --wording")
         if self.needles not in (1, 2):
             raise UsageError(f"--needles {self.needles}: 1 or 2")
         if self.via not in ("stream", "chat"):
@@ -81,12 +88,17 @@ class Run(NamedTuple):
     tokens: int  # the budget in tokens
 
 
-def written(out: Path) -> set[tuple]:
-    """(length, seed, depth, policy_spec, budget) of each run `out` already holds."""
+def written(out: Path, wording: str = "passkey", haystack: str = "essays") -> set[tuple]:
+    """(length, seed, depth, policy_spec, budget) of each run `out` already holds with this wording and
+    haystack (rows written before either was recorded are the `passkey` wording on the essays)."""
     if not out.exists():
         return set()
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    return {(row["length"], row["seed"], row["depth"], row["policy_spec"], row["budget"]) for row in rows}
+    return {
+        (row["length"], row["seed"], row["depth"], row["policy_spec"], row["budget"])
+        for row in rows
+        if (row.get("wording", "passkey"), row.get("haystack", "essays")) == (wording, haystack)
+    }
 
 
 def plan(grid: Grid, tokenizer, essays: str, window: int, done: set[tuple] = frozenset()) -> list[Run]:
@@ -99,7 +111,7 @@ def plan(grid: Grid, tokenizer, essays: str, window: int, done: set[tuple] = fro
     for length in grid.lengths:
         for seed in range(grid.seed_from, grid.seed_from + grid.seeds):
             for depth, key, text in passkey.haystacks(
-                tokenizer, essays, length, grid.depths, seed, grid.needles
+                tokenizer, essays, length, grid.depths, seed, grid.needles, grid.wording
             ):
                 text_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
                 for given in grid.policies:
@@ -134,7 +146,8 @@ def row_of(grid: Grid, run: Run, said: str, read: int, seconds: float, device: s
         "text_tokens": run.text_tokens, "prompt_tokens": read, "key": run.key,
         "answer": said, "correct": passkey.correct(run.key, said),
         "needles": grid.needles, "seconds": round(seconds, 3),
-        "device": device, "chunk": grid.chunk, "via": grid.via,
+        "device": device, "chunk": grid.chunk, "via": grid.via, "wording": grid.wording,
+        "haystack": grid.haystack,
     }  # fmt: skip
 
 
@@ -147,8 +160,9 @@ def run_grid(
     from h2o_cli.cache.families import context_window
     from h2o_cli.eval.passkey_fork import answers_forked
 
-    asked = (passkey.QUESTION,) if grid.needles == 1 else passkey.TWO_QUESTIONS
-    todo = plan(grid, tokenizer, essays, context_window(model), written(out))
+    question = passkey.wording_of(grid.wording).question
+    asked = (question,) if grid.needles == 1 else passkey.TWO_QUESTIONS
+    todo = plan(grid, tokenizer, essays, context_window(model), written(out, grid.wording, grid.haystack))
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     with out.open("a") as lines:
@@ -170,7 +184,7 @@ def run_grid(
                 settings = CacheSettings.from_spec(group[0].given, budget=group[0].tokens, chunk=grid.chunk)
                 try:
                     for depth, said, read, seconds in answers_forked(
-                        model, tokenizer, settings, [(run.depth, run.text) for run in group]
+                        model, tokenizer, settings, [(run.depth, run.text) for run in group], question
                     ):
                         record(left.pop(depth), said, read, seconds)
                 except Exception as error:  # the shared reading failed: every run left is recorded so
@@ -184,7 +198,7 @@ def run_grid(
             try:
                 if grid.via == "chat":
                     said, read, seconds = passkey.answer_in_chat(
-                        run.spec, run.tokens, grid.chunk, run.text, grid.threads
+                        run.spec, run.tokens, grid.chunk, run.text, grid.threads, question
                     )
                 else:
                     chosen = grid.heads if run.spec != run.given else None
@@ -199,6 +213,13 @@ def share(hits: list[bool] | None) -> str:
     return f"{sum(hits)}/{len(hits)}" if hits else "–"
 
 
+def labelled(row: dict) -> str:
+    """A row's policy spec, with its wording and haystack when they are not the grid's own (`passkey`, essays)."""
+    wording, haystack = row.get("wording", "passkey"), row.get("haystack", "essays")
+    extra = [part for part, own in ((wording, "passkey"), (haystack, "essays")) if part != own]
+    return f"{row['policy_spec']} [{', '.join(extra)}]" if extra else row["policy_spec"]
+
+
 def summary(paths: list[Path]) -> str:
     """Markdown tables: per length, the share correct per (policy, budget), with the number of runs."""
     rows = [
@@ -206,6 +227,7 @@ def summary(paths: list[Path]) -> str:
     ]
     cells: dict = defaultdict(list)
     for row in rows:
+        row["policy_spec"] = labelled(row)
         cells[(row["length"], row["policy_spec"], row["budget"])].append(row["correct"])
     lines = []
     for length in sorted({row["length"] for row in rows}):
