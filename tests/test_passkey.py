@@ -261,7 +261,7 @@ def test_rows_of_another_wording_or_haystack_are_other_runs(tmp_path):
     rows = [
         base,
         {**base, "wording": "door", "haystack": "pride"},
-        {**base, "wording": "number", "correct": False},
+        {**base, "wording": "page", "correct": False},
     ]
     out = tmp_path / "grid.jsonl"
     out.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -270,4 +270,4 @@ def test_rows_of_another_wording_or_haystack_are_other_runs(tmp_path):
     assert written(out, "door", "pride") == {cell} and written(out, "door") == set()
     tables = summary([out])
     assert "| recall | 1/1 | – |" in tables
-    assert "| recall [door, pride] | 1/1 | – |" in tables and "| recall [number] | 0/1 | – |" in tables
+    assert "| recall [door, pride] | 1/1 | – |" in tables and "| recall [page] | 0/1 | – |" in tables

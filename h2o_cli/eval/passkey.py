@@ -49,9 +49,9 @@ class Wording(NamedTuple):
 # so a grid run with them reports on text the defaults did not see (docs/results.md names both sets).
 WORDINGS = {
     "passkey": Wording(NEEDLE, QUESTION),
-    "number": Wording(
-        "\nRemember this: the secret number is {key}.\n",
-        "What was the secret number? Answer with the number only.",
+    "page": Wording(
+        "\nAt the bottom of the page someone had written the number {key}.\n",
+        "Which number was written at the bottom of the page? Answer with the number only.",
     ),
     "door": Wording(
         "\nThe door of the old archive opens with the code {key}.\n",
