@@ -8,6 +8,7 @@ import json
 import random
 import statistics
 import sys
+import time
 
 import pytest
 import torch
@@ -226,3 +227,55 @@ def test_floor_part_ceilings_are_the_arithmetic_of_its_timings_and_the_model_sha
     ) in text
     assert f"| read | {floor['read']:,.1f} | {floor['read_matmul']['ceiling']:,.1f} |  | " in text
     assert SKIP_LLAMA_CPP in text
+
+
+def test_floor_and_llama_cpp_parts_put_llama_cpps_read_and_decode_beside_ours(
+    tiny_folders, monkeypatch, capsys, tmp_path
+):
+    """With llama-cpp-python present (a stand-in here: nothing in these tests times llama.cpp itself), the
+    context is read in one prompt evaluation in batches of `--chunk`, then `--decode` tokens one by one; the
+    floor table and the llama_cpp rows divide our speeds by those."""
+    import types
+
+    from h2o_cli import bench_floor
+
+    calls: list[list[int]] = []
+
+    class Llama:
+        def __init__(self, path, n_ctx, n_threads, n_batch, verbose):
+            assert (n_ctx % 256, n_threads, n_batch) == (0, 1, 16)
+
+        def tokenize(self, text: bytes) -> list[int]:
+            return [7] * text.count(b" the")
+
+        def eval(self, tokens) -> None:
+            calls.append(list(tokens))
+            time.sleep(0.001)
+
+        def sample(self) -> int:
+            return 5
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
+    monkeypatch.setattr(bench_floor, "llama_cpp_available", lambda: True)
+    model, data = tiny_folders
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    context, decode = 64, 3
+    code, report, err = run_bench(
+        monkeypatch, capsys, "--only", "floor,llama_cpp", "--model", str(model), "--data-dir", str(data),
+        "--contexts", str(context), "--chunk", "16", "--decode", str(decode), "--gguf", str(gguf),
+        "--out", str(tmp_path / "bench.md"),
+    )  # fmt: skip
+    assert code == 0, err
+    assert [len(call) for call in calls] == [context] + [1] * decode
+    floor = report["floor"]
+    llama = floor["llama_cpp"]
+    rows = {row["what"]: row for row in report["rows"]}
+    for phase in ("read", "decode"):
+        row = rows[f"llama.cpp {phase} tok/s, context {context}"]
+        assert row["value"] == llama[phase] and row["ratio_of"] == "ours (full) / llama.cpp"
+        line = f"| {floor[phase]:,.1f} | "
+        assert line in (tmp_path / "bench.md").read_text(encoding="utf-8")
+        assert f"| {llama[phase]:,.1f} | {floor[phase] / llama[phase]:.2f} |" in (
+            tmp_path / "bench.md"
+        ).read_text(encoding="utf-8")
