@@ -8,7 +8,6 @@ Every ratio compares figures measured in the same run, on the same model and thr
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing
 import time
 from dataclasses import dataclass, field, replace
@@ -17,17 +16,18 @@ from pathlib import Path
 import psutil
 import torch
 
-from h2o_cli import bench_paired, bench_recall, bench_speed, bench_streams
+from h2o_cli import bench_floor, bench_paired, bench_recall, bench_speed, bench_streams
 from h2o_cli.cache import H2OCache
 from h2o_cli.config import parse_budget
 from h2o_cli.runtime import context_window, make_settings, peak_rss_bytes
 from h2o_cli.streaming import chunks_of, forward_chunk, prefill
 
 BOOK = Path("gutenberg_books/war_and_peace_pg2600.txt")  # under the data folder (`--data-dir`, $H2O_DATA)
-PARTS = ("speed", "stream", "policies", "flat", "prefill", "llama_cpp")  # what a plain `h2o bench` runs
+PARTS = ("speed", "stream", "floor", "policies", "flat", "prefill", "llama_cpp")  # a plain `h2o bench`
 # The bench part that times cache settings against each other (`--only recall`): a part's name, not a policy's.
 RECALL_PART = "recall"
 ON_REQUEST = (RECALL_PART, "paired", "streams")  # `--only` may choose these too
+SKIP_LLAMA_CPP = "llama.cpp: llama-cpp-python not installed (or no GGUF file): not measured"
 
 
 @dataclass
@@ -81,6 +81,7 @@ class BenchReport:
     recall: list[dict] = field(default_factory=list)  # per context: {"context", "budget", "rows"}
     paired: list[dict] = field(default_factory=list)  # per context: bench_paired.paired_context's row
     streams: list[dict] = field(default_factory=list)  # per run: `h2o stream --json`'s report
+    floor: dict | None = None  # bench_floor.measure's figures
 
 
 def current_rss_bytes() -> int:
@@ -146,21 +147,6 @@ def prefill_peak(name: str, book: Path, count: int, chunk: int, threads: int) ->
         return pool.apply(_prefill_peak, ((name, book, count, chunk, threads),))
 
 
-def llama_cpp_speed(gguf: Path | None, context: int, tokens: int, threads: int) -> float | None:
-    """Decode tokens/s of the same GGUF under llama.cpp, or None when llama-cpp-python is not installed."""
-    if gguf is None or importlib.util.find_spec("llama_cpp") is None:
-        return None
-    from llama_cpp import Llama
-
-    llm = Llama(str(gguf), n_ctx=((context + tokens) // 256 + 1) * 256, n_threads=threads, verbose=False)
-    prompt = llm.tokenize(b" the" * context)[:context]
-    llm.eval(prompt)
-    started = time.perf_counter()
-    for _ in range(tokens):
-        llm.eval([llm.sample()])
-    return tokens / (time.perf_counter() - started)
-
-
 def run(
     model, tokenizer, name: str, plan: BenchPlan, book: Path, gguf: Path | None = None, progress=print
 ) -> BenchReport:
@@ -183,7 +169,13 @@ def run(
     ids = book_ids(tokenizer, max(needed + ([max(plan.flat_points)] if "flat" in parts else [])), book)
     if RECALL_PART in parts:
         recall_rows(report, model, tokenizer, ids, plan, progress)
-    if "speed" in parts or "stream" in parts:
+    llama = None
+    if "floor" in parts or "llama_cpp" in parts:
+        progress(f"llama.cpp read and decode, context {contexts[0]}")
+        llama = bench_floor.llama_cpp_speeds(gguf, contexts[0], plan.decode_tokens, threads, plan.chunk)
+        if llama is None:
+            report.notes.append(SKIP_LLAMA_CPP)
+    if {"speed", "stream", "floor"} & set(parts):
         progress("copy bandwidth")
         report.bandwidth = bench_speed.copy_bandwidth(device=model.device)
         report.byte_model = bench_speed.ByteModel.of(model)
@@ -196,6 +188,9 @@ def run(
         progress(f"stream --ppl vs plain transformers, {plan.stream_tokens} tokens")
         tokens = min(plan.stream_tokens, window)
         report.stream = bench_speed.stream_speed(model, ids, tokens, plan.chunk, kernels=plan.kernels)
+    if "floor" in parts:
+        progress(f"floor: read {contexts[0]} tokens, decode {plan.decode_tokens}; the model's matmuls")
+        report.floor = bench_floor.measure(model, ids, contexts[0], plan, report.bandwidth, llama)
     if "policies" in parts:
         policy_rows(report, model, ids, contexts, plan, progress)
     if "flat" in parts:
@@ -221,18 +216,22 @@ def run(
             {"what": f"prefill peak RSS growth, {plan.prefill_tokens} tokens", "setting": f"chunks of {plan.chunk}",
              "value": chunked / 2**20, "unit": "MiB", "ratio": chunked / max(one_shot, 1), "ratio_of": "one shot"},
         ]  # fmt: skip
-    if "llama_cpp" in parts:
-        context = contexts[0]
-        cpp = llama_cpp_speed(gguf, context, plan.decode_tokens, threads)
-        if cpp is None:
-            report.notes.append("llama.cpp: llama-cpp-python not installed (or no GGUF file): not measured")
-        else:
-            ours = next((r["value"] for r in report.rows if r["setting"] == "full cache"), None)
-            ours = ours if ours is not None else decode_speed(model, ids, context, "full", "1", plan.decode_tokens,
-                                                              plan.chunk, plan.kernels)  # fmt: skip
-            report.rows.append({"what": f"llama.cpp decode tok/s, context {context}", "setting": "same GGUF",
-                                "value": cpp, "ratio": ours / cpp, "ratio_of": "ours (full) / llama.cpp"})  # fmt: skip
+    if "llama_cpp" in parts and llama is not None:
+        llama_rows(report, model, ids, contexts[0], plan, llama)
     return report
+
+
+def llama_rows(
+    report: BenchReport, model, ids: list[int], context: int, plan: BenchPlan, llama: dict
+) -> None:
+    """llama.cpp's read and decode speeds beside our full cache's at the same context."""
+    ours = bench_floor.phase_speeds(model, ids, context, context + plan.decode_tokens, plan.decode_tokens,
+                                    plan.chunk, plan.kernels, policy="full")  # fmt: skip
+    full = next((r["value"] for r in report.rows if r["setting"] == "full cache"), ours["decode"])
+    for phase, mine in (("read", ours["read"]), ("decode", full)):
+        report.rows.append({"what": f"llama.cpp {phase} tok/s, context {context}", "setting": "same GGUF",
+                            "value": llama[phase], "ratio": mine / llama[phase],
+                            "ratio_of": "ours (full) / llama.cpp"})  # fmt: skip
 
 
 def recall_rows(report: BenchReport, model, tokenizer, ids: list[int], plan: BenchPlan, progress) -> None:
@@ -286,6 +285,8 @@ def markdown(report: BenchReport, command: str) -> str:
             report.byte_model, report.bandwidth, report.threads, plan.decode_tokens, plan.chunk,
             plan.speed_fraction,
         )]  # fmt: skip
+    if report.floor is not None:
+        lines += ["", *bench_floor.markdown(report.floor, report.threads)]
     for table in report.recall:
         lines += ["", *bench_recall.markdown(table["rows"], table["context"], table["budget"], plan.chunk)]
     if report.paired:

@@ -7,13 +7,20 @@ Times `lm_eval.simple_evaluate` only (the weights are loaded once, before), with
 
     python research/bench_lm_eval.py --model ~/.cache/h2o/models/<converted SmolLM2>/ --task h2o_copa \\
         --limit 100 --rounds 3
+
+`--whole` times the whole commands instead, each in a fresh process as a user types them (start-up,
+imports, loading, task building and scoring): `lm_eval --model hf --model_args pretrained=FOLDER` against
+`h2o lm-eval --model h2o --model_args model=FOLDER,policy=P`, the commands alternating within each round.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -54,6 +61,29 @@ def score_requests(lm, requests: list) -> tuple[float, list[float]]:
     return time.perf_counter() - start, scores
 
 
+def whole_commands(args) -> dict[str, list[str]]:
+    """The commands `--whole` alternates: lm-eval's own CLI with `hf`, and `h2o lm-eval` per policy."""
+    from h2o_cli.eval.runner import TASKS_DIR
+
+    common = ["--tasks", args.task, "--limit", str(args.limit), "--device", "cpu"]
+    commands = {"hf": [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+                       f"pretrained={args.model},dtype=float32", "--include_path", str(TASKS_DIR), *common]}  # fmt: skip
+    for policy in args.policies.split(","):
+        model_args = f"model={args.model},policy={policy},budget={args.budget}"
+        commands[policy] = [sys.executable, "-m", "h2o_cli", "lm-eval", "--model", "h2o", "--model_args",
+                            model_args, *common]  # fmt: skip
+    return commands
+
+
+def run_whole(command: list[str]) -> tuple[float, str]:
+    """(seconds, accuracy as lm-eval's table prints it) of one command in a fresh process."""
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    seconds = time.perf_counter() - start
+    found = re.search(r"\|acc\s*\|[^|]*\|\s*([0-9.]+)\|", done.stdout)
+    return seconds, found.group(1) if found else "?"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a safetensors folder (both models load it)")
@@ -73,7 +103,31 @@ def main() -> None:
     parser.add_argument(
         "--prefill-too", action="store_true", help="also time each policy with every context prefilled alone"
     )
+    parser.add_argument(
+        "--whole",
+        action="store_true",
+        help="time the whole commands, each in a fresh process (lm_eval --model hf; h2o lm-eval --model h2o)",
+    )
     args = parser.parse_args()
+    if args.whole:
+        commands = whole_commands(args)
+        times: dict[str, list[float]] = {name: [] for name in commands}
+        print(
+            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+        for number in range(args.rounds):
+            for name, command in commands.items():
+                seconds, acc = run_whole(command)
+                times[name].append(seconds)
+                print(f"round {number} {name:6} {seconds:6.1f} s  acc {acc}  load {os.getloadavg()[0]:.1f}",
+                      flush=True)  # fmt: skip
+        base = statistics.median(times["hf"])
+        for name, values in times.items():
+            print(
+                f"{name:6} median {statistics.median(values):6.1f} s  {statistics.median(values) / base:.2f}x hf"
+            )
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     from lm_eval.models.huggingface import HFLM

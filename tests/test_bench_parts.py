@@ -8,6 +8,7 @@ import json
 import random
 import statistics
 import sys
+import time
 
 import pytest
 import torch
@@ -164,3 +165,117 @@ def test_streams_part_reports_what_plain_transformers_measure(tiny_folders, monk
     assert local["ppl"] == pytest.approx(full["ppl"], rel=1e-4) and local["budget_tokens"] == 200
     row = f"| local | 200 | 16 | 120 | {local['tokens_per_s']:.1f} | {local['ppl']:.3f} |"
     assert row in (tmp_path / "bench.md").read_text(encoding="utf-8")
+
+
+def test_floor_part_ceilings_are_the_arithmetic_of_its_timings_and_the_model_shapes(
+    tiny_folders, monkeypatch, capsys, tmp_path
+):
+    """`--only floor`: the linear shapes are the config's (each layer's q, k, v, o, gate, up, down and the lm
+    head), every ceiling is recomputed from the per-shape timings, the bandwidth and the bytes a decode step
+    reads; without llama-cpp-python the part says so in one line and the table says `not measured`."""
+    from h2o_cli import bench_floor
+    from h2o_cli.bench import SKIP_LLAMA_CPP
+
+    monkeypatch.setattr(bench_floor, "llama_cpp_available", lambda: False)
+    model, data = tiny_folders
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    context, chunk, decode = 64, 16, 4
+    doc = tmp_path / "bench.md"
+    code, report, err = run_bench(
+        monkeypatch, capsys, "--only", "floor", "--model", str(model), "--data-dir", str(data),
+        "--contexts", str(context), "--chunk", str(chunk), "--decode", str(decode), "--gguf", str(gguf),
+        "--out", str(doc),
+    )  # fmt: skip
+    assert code == 0, err
+    floor = report["floor"]
+    sizes = tiny_config()
+    hidden, inner, layers = sizes.hidden_size, sizes.intermediate_size, sizes.num_hidden_layers
+    head = hidden // sizes.num_attention_heads
+    kv = sizes.num_key_value_heads * head
+    want = {(hidden, hidden): 2 * layers, (hidden, kv): 2 * layers, (hidden, inner): 2 * layers,
+            (inner, hidden): layers, (hidden, sizes.vocab_size): 1}  # fmt: skip
+    for shapes, rows, figures in (
+        (floor["read_shapes"], chunk, floor["read_matmul"]),
+        (floor["decode_shapes"], 1, floor["decode_matmul"]),
+    ):
+        assert {(s["in"], s["out"]): s["count"] for s in shapes} == want
+        seconds = sum(s["count"] * s["seconds"] for s in shapes)
+        flops = 2 * rows * sum(count * i * o for (i, o), count in want.items())
+        assert figures["seconds"] == pytest.approx(seconds)
+        assert figures["gflops"] == pytest.approx(flops / seconds / 1e9)
+        assert figures["ceiling"] == pytest.approx(rows / seconds)
+    budget = max(2, round(context * 0.1))
+    weights = sum(count * i * o for (i, o), count in want.items()) + sizes.vocab_size * hidden  # + embeddings
+    weights += (2 * layers + 1) * hidden  # the norms
+    kv_bytes = layers * 2 * kv * 4  # K and V, fp32
+    assert (floor["budget"], floor["context"], floor["chunk"], floor["tokens"]) == (
+        budget,
+        context,
+        chunk,
+        decode,
+    )
+    assert floor["bytes_per_token"] == 4 * weights + budget * kv_bytes
+    assert floor["decode_bytes_ceiling"] == pytest.approx(floor["bandwidth"] / floor["bytes_per_token"])
+    assert floor["llama_cpp"] is None and SKIP_LLAMA_CPP in report["notes"]
+    assert all(floor[phase] > 0 for phase in ("read", "decode"))
+    text = doc.read_text(encoding="utf-8")
+    best = min(floor["decode_matmul"]["ceiling"], floor["decode_bytes_ceiling"])
+    assert (
+        f"| decode | {floor['decode']:,.1f} | {floor['decode_matmul']['ceiling']:,.1f} | "
+        f"{floor['decode_bytes_ceiling']:,.1f} | {floor['decode'] / best:.2f} | not measured |  |"
+    ) in text
+    assert f"| read | {floor['read']:,.1f} | {floor['read_matmul']['ceiling']:,.1f} |  | " in text
+    assert SKIP_LLAMA_CPP in text
+
+
+def test_floor_and_llama_cpp_parts_put_llama_cpps_read_and_decode_beside_ours(
+    tiny_folders, monkeypatch, capsys, tmp_path
+):
+    """With llama-cpp-python present (a stand-in here: nothing in these tests times llama.cpp itself), the
+    context is read in one prompt evaluation in batches of `--chunk`, then `--decode` tokens one by one; the
+    floor table and the llama_cpp rows divide our speeds by those."""
+    import types
+
+    from h2o_cli import bench_floor
+
+    calls: list[list[int]] = []
+
+    class Llama:
+        def __init__(self, path, n_ctx, n_threads, n_batch, verbose):
+            assert (n_ctx % 256, n_threads, n_batch) == (0, 1, 16)
+
+        def tokenize(self, text: bytes) -> list[int]:
+            return [7] * text.count(b" the")
+
+        def eval(self, tokens) -> None:
+            calls.append(list(tokens))
+            time.sleep(0.001)
+
+        def sample(self) -> int:
+            return 5
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
+    monkeypatch.setattr(bench_floor, "llama_cpp_available", lambda: True)
+    model, data = tiny_folders
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    context, decode = 64, 3
+    code, report, err = run_bench(
+        monkeypatch, capsys, "--only", "floor,llama_cpp", "--model", str(model), "--data-dir", str(data),
+        "--contexts", str(context), "--chunk", "16", "--decode", str(decode), "--gguf", str(gguf),
+        "--out", str(tmp_path / "bench.md"),
+    )  # fmt: skip
+    assert code == 0, err
+    assert [len(call) for call in calls] == [context] + [1] * decode
+    floor = report["floor"]
+    llama = floor["llama_cpp"]
+    rows = {row["what"]: row for row in report["rows"]}
+    for phase in ("read", "decode"):
+        row = rows[f"llama.cpp {phase} tok/s, context {context}"]
+        assert row["value"] == llama[phase] and row["ratio_of"] == "ours (full) / llama.cpp"
+        line = f"| {floor[phase]:,.1f} | "
+        assert line in (tmp_path / "bench.md").read_text(encoding="utf-8")
+        assert f"| {llama[phase]:,.1f} | {floor[phase] / llama[phase]:.2f} |" in (
+            tmp_path / "bench.md"
+        ).read_text(encoding="utf-8")

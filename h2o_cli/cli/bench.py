@@ -121,8 +121,9 @@ def bench(
         str | None,
         typer.Option(
             "--only",
-            help="Comma-separated parts: speed (plain transformers vs h2o decode), stream, policies, flat, "
-            "prefill, llama_cpp. Default: all of these. On request: recall (cache settings against each "
+            help="Comma-separated parts: speed (plain transformers vs h2o decode), stream, floor (read and "
+            "decode beside the matmul and bandwidth ceilings, and llama.cpp), policies, flat, prefill, "
+            "llama_cpp. Default: all of these. On request: recall (cache settings against each "
             "other), paired (two checkouts' decode), streams (h2o stream per policy, chunk and length).",
         ),
     ] = None,
@@ -222,8 +223,9 @@ def bench(
     as_json: opt.Json = False,
     threads: opt.Threads = 1,
 ) -> None:
-    """h2o vs plain transformers (decode at 1K/4K/8K with the byte-model ceiling, stream speed), decode vs
-    our full cache, policy overhead, flat streaming cost, prefill memory (and llama.cpp). On request (--only):
+    """h2o vs plain transformers (decode at 1K/4K/8K with the byte-model ceiling, stream speed), read and
+    decode beside the hardware's ceilings (the model's matmuls and the copy bandwidth, measured in the same
+    run) and llama.cpp's on the same GGUF, decode vs our full cache, policy overhead, flat streaming cost, prefill memory (and llama.cpp). On request (--only):
     cache settings against each other in turns (recall), two checkouts' decode side by side (paired), `h2o
     stream` per policy, chunk and length in fresh processes (streams)."""
     from h2o_cli import bench as lib
@@ -247,7 +249,7 @@ def bench(
     if flat_to is not None:
         plan = dataclasses.replace(plan, flat_points=(min(plan.flat_points[0], flat_to // 2), flat_to))
     check_runs(plan, parts)
-    if "llama_cpp" in parts and gguf is None:
+    if {"llama_cpp", "floor"} & set(parts) and gguf is None:
         from h2o_cli.models import resolve
 
         source = resolve(model)
@@ -290,7 +292,8 @@ def bench(
         stderr.print(f"wrote {out}")
     if as_json:
         speed = {"speed": report.speed, "stream": report.stream, "bandwidth": report.bandwidth,
-                 "recall": report.recall, "paired": report.paired, "streams": report.streams}  # fmt: skip
+                 "recall": report.recall, "paired": report.paired, "streams": report.streams,
+                 "floor": report.floor}  # fmt: skip
         print(json.dumps({"threads": report.threads, "rows": report.rows, "notes": report.notes, **speed}))
     else:
         stderr.print(section)
