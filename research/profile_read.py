@@ -18,16 +18,7 @@ import os
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-
-def ranged(owner, name: str, label: str) -> None:
-    """Wrap `owner.name` in a profiler range `label` (this script's patch; nothing in h2o_cli)."""
-    inner = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        with record_function(label):
-            return inner(*args, **kwargs)
-
-    setattr(owner, name, wrapper)
+from research.profile_decode import labelled as ranged  # wraps a method in a profiler range
 
 
 def split(prof, label: str, count: int) -> dict[str, float]:
