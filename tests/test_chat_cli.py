@@ -187,6 +187,7 @@ def test_piped_prompt_prints_exactly_the_answer(smollm, home):
 
     message = "What is the capital of France?"
     command = MAIN + ["chat", "--budget", "512", "--max-new-tokens", "8", "--threads", "1"]
+    command += ["--dtype", "float32"]  # as the fp32 reference (auto may read in bf16)
     result = subprocess.run(
         command, input=(message + "\n").encode(), capture_output=True, env=_env(home), timeout=300
     )

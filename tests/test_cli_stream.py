@@ -176,7 +176,8 @@ def test_plain_ppl_prints_the_result_on_stdout(smollm, plain_smollm):
     NLL_TOLERANCE (tests/test_reference.py), the printed digits within half their last place."""
     from test_reference import NLL_TOLERANCE, plain_transformers_nll
 
-    result = h2o("stream", EXCERPT, "--ppl", "--policy", "full", "--max-tokens", "200", "--chunk", "64")
+    args = ["--ppl", "--policy", "full", "--max-tokens", "200", "--chunk", "64", "--dtype", "float32"]
+    result = h2o("stream", EXCERPT, *args)  # fp32 as the reference (auto may read in bf16)
     assert result.returncode == 0, result.stderr.decode()
     line = result.stdout.decode().strip()
     assert line.startswith("perplexity ") and "199 predictions" in line and len(line.splitlines()) == 1

@@ -96,6 +96,7 @@ def stream(
     from h2o_cli.cache import H2OCache
     from h2o_cli.generation import Sampling
     from h2o_cli.models import context_window
+    from h2o_cli.models.precision import matmul_precision
     from h2o_cli.textio import open_source
 
     sampling = Sampling(max_new_tokens, temperature, top_p, seed)
@@ -119,6 +120,7 @@ def stream(
     arguments = (source_file, source, total_bytes, max_tokens, chunk, prompt, sampling, as_json, step)
     report = run(lm, tokenizer, cache, *arguments)
     report["model"] = model
+    report |= matmul_precision(lm)  # which dtype the linear layers multiplied in, reading and decoding
     if as_json:
         print(json.dumps(report))
     if report.get("error"):

@@ -3,12 +3,13 @@
 presets.py   aliases and public configs      sources.py  resolution, configs, the hub
 device.py    --device / --dtype              gguf.py     GGUF -> safetensors
 quant.py     --quant backends                loading.py  load_model
+precision.py bf16 reads beside fp32 decode (--dtype auto on a CPU with native bf16)
 The supported families are the cache's to say (`h2o_cli.cache.families`); they are re-exported here.
 """
 
 from h2o_cli.cache.families import SUPPORTED_FAMILIES, check_family, context_window, text_config
 from h2o_cli.memory import QUANTS
-from h2o_cli.models.device import pick_device, pick_dtype
+from h2o_cli.models.device import pick_device, pick_dtype, pick_read_dtype
 from h2o_cli.models.gguf import convert_gguf
 from h2o_cli.models.loading import load_model
 from h2o_cli.models.presets import DEFAULT_MODEL, PRESETS, PUBLIC_CONFIGS, ModelPreset
@@ -52,6 +53,7 @@ __all__ = [
     "not_found",
     "pick_device",
     "pick_dtype",
+    "pick_read_dtype",
     "quant_backend",
     "quantization_config",
     "resolve",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from h2o_cli.cache.families import SUPPORTED_FAMILIES
 from h2o_cli.errors import UnsupportedModelError, UsageError
-from h2o_cli.models.device import pick_device, pick_dtype
+from h2o_cli.models.device import pick_device, pick_dtype, pick_read_dtype
+from h2o_cli.models.precision import read_in_bf16
 from h2o_cli.models.presets import DEFAULT_MODEL, calibrated_lead
 from h2o_cli.models.quant import quant_backend, quantization_config, torch_int8
 from h2o_cli.models.sources import load_config, local_folder, not_found, offline, resolve
@@ -27,6 +28,8 @@ def load_model(
     attribute records it). A GGUF is first converted to a float safetensors folder, then quantised.
     `device_map`: auto, balanced or a JSON file of module name -> device ("cuda:0", "cpu", "disk"), placed
     by accelerate (`device_map_for`); `device` then only picks the dtype. The cache follows each layer.
+    `dtype` auto on a CPU with native bf16 matmuls: fp32 weights, read calls multiplied in bf16 against a bf16
+    copy (`precision.read_in_bf16`; not with --quant or --device-map); `model.h2o_read_dtype` records it.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -67,6 +70,8 @@ def load_model(
     if backend == "torch-dynamic-int8":
         model = torch_int8(model)
     model.eval()
+    if pick_read_dtype(dtype, torch_device) is not None and backend == "none" and not device_map:
+        read_in_bf16(model)
     model.h2o_name = name
     model.h2o_lead_head = calibrated_lead(name)  # what `--recall-lead auto` names (h2o_cli.cache)
     model.h2o_quant = quant
