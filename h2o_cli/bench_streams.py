@@ -27,6 +27,7 @@ class StreamsPlan:
     budget: str = "0.1"
     chunk1_tokens: int = 10_000
     window: int = 8192
+    dtype: str = "auto"  # each run's `--dtype`
 
     def runs(self) -> list[tuple[str, int, int]]:
         """(policy, chunk, tokens) of each run, in order, without repeats."""
@@ -42,14 +43,21 @@ class StreamsPlan:
 
 
 def stream_run(
-    model: str, policy: str, chunk: int, tokens: int, budget: str, threads: int, book: Path
+    model: str,
+    policy: str,
+    chunk: int,
+    tokens: int,
+    budget: str,
+    threads: int,
+    book: Path,
+    dtype: str = "auto",
 ) -> dict:
     """One `h2o stream - --ppl --json` over the book, repeated to give `tokens` tokens: its JSON report and its
     wall time, or {"error": the end of its stderr}."""
     repeats = max(1, -(-tokens * 5 // book.stat().st_size) + 1)  # ~4-5 bytes per token, with room to spare
     command = [sys.executable, "-m", "h2o_cli", "stream", "-", "--ppl", "--json", "--model", model,
                "--policy", policy, "--budget", budget, "--chunk", str(chunk), "--max-tokens", str(tokens),
-               "--threads", str(threads)]  # fmt: skip
+               "--threads", str(threads), "--dtype", dtype]  # fmt: skip
     started = time.perf_counter()
     done = subprocess.run(
         command, input=book.read_bytes() * repeats, capture_output=True,
@@ -70,7 +78,7 @@ def measure(
     rows = []
     for policy, chunk, tokens in plan.runs():
         progress(f"h2o stream --policy {policy} --chunk {chunk}: {tokens} tokens")
-        rows.append(stream_run(model, policy, chunk, tokens, plan.budget, threads, book))
+        rows.append(stream_run(model, policy, chunk, tokens, plan.budget, threads, book, plan.dtype))
     return rows
 
 

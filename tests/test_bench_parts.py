@@ -143,13 +143,13 @@ def test_streams_plan_caps_token_by_token_runs_and_full_at_the_window():
 
 @pytest.mark.heavy
 def test_streams_part_reports_what_plain_transformers_measure(tiny_folders, monkeypatch, capsys, tmp_path):
-    """Each run is `h2o stream` in its own process: `full`'s perplexity over the first 120 words of the book is
-    plain transformers' over the same ids, and `local` with a budget covering them all reads the same."""
+    """Each run is `h2o stream --dtype float32` in its own process: `full`'s perplexity over the first 120 words
+    of the book is plain transformers' (fp32) over the same ids, and `local` with a budget covering them all reads the same."""
     model_dir, data = tiny_folders
     code, report, err = run_bench(
         monkeypatch, capsys, "--only", "streams", "--model", str(model_dir), "--data-dir", str(data),
         "--contexts", "120", "--chunks", "16", "--run", "full", "--run", "local", "--budget", "200",
-        "--out", str(tmp_path / "bench.md"),
+        "--dtype", "float32", "--out", str(tmp_path / "bench.md"),
     )  # fmt: skip
     assert code == 0, err
     full, local = report["streams"]

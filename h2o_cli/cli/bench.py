@@ -216,6 +216,7 @@ def bench(
         ),
     ] = None,
     device: opt.Device = "cpu",
+    dtype: opt.Dtype = "auto",
     device_map: opt.DeviceMap = None,
     kernels: opt.Kernels = "auto",
     data_dir: opt.DataDir = None,
@@ -258,14 +259,14 @@ def bench(
 
     lm = tokenizer = None
     if parts != ("paired",):  # the paired workers load their own
-        lm, tokenizer = load(model, device, "auto", False, threads, device_map=device_map)
+        lm, tokenizer = load(model, device, dtype, False, threads, device_map=device_map)
     elif threads:
         torch.set_num_threads(threads)
     if "streams" in parts:
         from h2o_cli.runtime import context_window
 
         plan = dataclasses.replace(plan, streams=streams_plan(run, plan.contexts, chunks, budget,
-                                   chunk1_tokens=max_chunk1_tokens, window=context_window(lm)))  # fmt: skip
+                                   chunk1_tokens=max_chunk1_tokens, window=context_window(lm), dtype=dtype))  # fmt: skip
     if "paired" in parts:
         sizes = dict(rounds=rounds or 24, block=block or 24, chunk=chunk, threads=torch.get_num_threads())
         plan = dataclasses.replace(plan, paired=paired_plan(old, new, model=model, book=book, **sizes))
