@@ -1,0 +1,196 @@
+"""A saved read (h2o_cli.saved): what a resumed cache generates equals what the process that read the text
+generates without stopping, for every policy, on the torch step and the C step, with sliding-window layers and
+recall's archive; and a question asked from a save leaves the save as it was."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import stat
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from h2o_cli.cache import H2OCache
+from h2o_cli.config import CacheSettings
+from h2o_cli.errors import H2OError
+from h2o_cli.generation import Sampling, generate_ids
+from h2o_cli.policy_registry import policy_names
+from h2o_cli.prompting import NewChunk
+from h2o_cli.saved import model_identity, open_saved, resume_settings, write_saved
+from h2o_cli.streaming import prefill
+
+TEXT, QUESTION, ANSWER, CHUNK = 150, 6, 16, 8
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(tiny_config()).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma():
+    import transformers
+
+    from test_gemma import LAYER_TYPES, WINDOW
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(LAYER_TYPES),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        sliding_window=WINDOW,
+        layer_types=LAYER_TYPES,
+        rope_theta=1000.0,
+        rope_local_base_freq=50.0,
+    )
+    torch.manual_seed(0)
+    return transformers.Gemma3ForCausalLM(copy.deepcopy(config)).eval()
+
+
+def ids(count: int, seed: int) -> list[int]:
+    return torch.randint(3, 128, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def ask(model, cache, question: list[int]) -> list[int]:
+    """The greedy answer to `question` (read as a question, as `h2o stream --prompt` reads one)."""
+    logits, stats = prefill(model, cache, [NewChunk(question)], CHUNK)
+    stats.reraise()
+    return list(generate_ids(model, cache, logits, Sampling(max_new_tokens=ANSWER)))
+
+
+def read(model, settings: CacheSettings, text: list[int]) -> H2OCache:
+    cache = H2OCache(model, settings)
+    _, stats = prefill(model, cache, [text], CHUNK)
+    stats.reraise()
+    return cache
+
+
+def settings_of(policy: str, kernels: str) -> CacheSettings:
+    return CacheSettings(
+        budget=32, policy=policy, chunk=CHUNK, kernels=kernels, page_size=4, recall_lead="none"
+    )
+
+
+def saved_and_resumed(model, settings, tmp_path, text, question):
+    """(answer of the process that read `text` and saved it, answer of a cache resumed from that save)."""
+    reader = read(model, settings, text)
+    identity = model_identity(model, "tiny")
+    write_saved(tmp_path / "read", reader, identity, {"pending": []})
+    want = ask(model, reader, question)
+    saved = open_saved(tmp_path / "read")
+    resumed = H2OCache(model, resume_settings(saved, {}))
+    saved.load_into(resumed)
+    return want, ask(model, resumed, question)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
+@pytest.mark.parametrize("policy", policy_names())
+def test_a_resumed_read_answers_as_the_reading_process(tiny, tmp_path, policy, kernels):
+    """`auto` takes the C step where the policy has one (`kernel_victim`; checked by counting its calls),
+    `torch` never does."""
+    from unittest import mock
+
+    from h2o_kernels import native
+    from h2o_kernels.dispatch import use_native
+
+    from h2o_cli.policies import make_policy
+
+    settings = settings_of(policy, kernels)
+    with mock.patch.object(native, "step", wraps=native.step) as c_calls:
+        want, got = saved_and_resumed(tiny, settings, tmp_path, ids(TEXT, 1), ids(QUESTION, 2))
+    assert got == want and len(got) == ANSWER
+    c_step = kernels == "auto" and make_policy(settings).kernel_victim and use_native(torch.device("cpu"))
+    assert (c_calls.call_count > 0) == bool(c_step), c_calls.call_count
+
+
+@pytest.mark.parametrize("policy", ["h2o", "recall"])
+def test_sliding_window_layers_resume_too(tiny_gemma, tmp_path, policy):
+    want, got = saved_and_resumed(
+        tiny_gemma, settings_of(policy, "auto"), tmp_path, ids(TEXT, 3), ids(QUESTION, 4)
+    )
+    assert got == want
+
+
+def test_a_question_from_a_save_leaves_the_save_as_it_was(tiny, tmp_path):
+    """Two questions asked from one save in turn: the second is answered as if asked first, and every file
+    of the save keeps its bytes (recall's new pages land in the resumed cache's own archive)."""
+    settings = settings_of("recall", "auto")
+    write_saved(tmp_path / "read", read(tiny, settings, ids(TEXT, 5)), model_identity(tiny, "tiny"), {})
+    before = {path: path.read_bytes() for path in (tmp_path / "read").rglob("*") if path.is_file()}
+    answers = []
+    for question in (ids(QUESTION, 6), ids(QUESTION, 7), ids(QUESTION, 6)):
+        saved = open_saved(tmp_path / "read")
+        cache = H2OCache(tiny, resume_settings(saved, {}))
+        saved.load_into(cache)
+        answers.append(ask(tiny, cache, question))
+    assert answers[0] == answers[2] and answers[0] != answers[1]
+    assert {path: path.read_bytes() for path in (tmp_path / "read").rglob("*") if path.is_file()} == before
+
+
+def test_the_save_is_private_and_sized_as_its_arrays(tiny, tmp_path):
+    cache = read(tiny, settings_of("recall", "auto"), ids(TEXT, 8))
+    written = write_saved(tmp_path / "sub" / "read", cache, model_identity(tiny, "tiny"), {})
+    folder = tmp_path / "sub" / "read"
+    for path in [folder, *folder.rglob("*")]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode == (0o700 if path.is_dir() else 0o600), path
+    assert written == sum(
+        entry["bytes"] for entry in json.loads((folder / "manifest.json").read_text())["arrays"].values()
+    )
+    assert written == sum(path.stat().st_size for path in (folder / "arrays").iterdir())
+
+
+def test_another_model_or_other_settings_are_refused_naming_the_difference(tiny, tmp_path):
+    settings = settings_of("h2o", "auto")
+    write_saved(tmp_path / "read", read(tiny, settings, ids(40, 9)), model_identity(tiny, "tiny"), {})
+    saved = open_saved(tmp_path / "read")
+    with pytest.raises(H2OError, match="--budget 32, not 64"):
+        resume_settings(saved, {"budget": 64})
+    with pytest.raises(H2OError, match="--policy h2o, not sink"):
+        resume_settings(saved, {"policy": "sink"})
+    assert (
+        resume_settings(saved, {"budget": 32, "kernels": "torch"}).kernels == "torch"
+    )  # what changes nothing
+    import transformers
+
+    from h2o_cli.saved import check_model
+
+    torch.manual_seed(1)
+    other = transformers.LlamaForCausalLM(tiny_config()).eval()
+    check_model(saved, model_identity(tiny, "tiny"))
+    with pytest.raises(H2OError, match="made with model tiny"):
+        check_model(saved, model_identity(other, "other"))
+
+
+def test_a_damaged_save_is_refused_in_one_line(tiny, tmp_path):
+    write_saved(
+        tmp_path / "read", read(tiny, settings_of("h2o", "auto"), ids(40, 10)), model_identity(tiny, "t"), {}
+    )
+    manifest = json.loads((tmp_path / "read" / "manifest.json").read_text())
+    keys = tmp_path / "read" / manifest["arrays"]["layers.0.store.keys"]["file"]
+    data = bytearray(keys.read_bytes())
+    data[100] ^= 1
+    keys.write_bytes(bytes(data))
+    saved = open_saved(tmp_path / "read")
+    with pytest.raises(H2OError, match="damaged .*differs"):
+        saved.load_into(H2OCache(tiny, resume_settings(saved, {})))
+    keys.write_bytes(bytes(data[:-5]))
+    with pytest.raises(H2OError, match="damaged .*holds"):
+        open_saved(tmp_path / "read")
+    (tmp_path / "read" / "manifest.json").write_text(json.dumps({**manifest, "version": 99}))
+    with pytest.raises(H2OError, match="format version 99"):
+        open_saved(tmp_path / "read")
+    (tmp_path / "read" / "manifest.json").write_text("{")
+    with pytest.raises(H2OError, match="damaged"):
+        open_saved(tmp_path / "read")
+    assert os.path.isdir(tmp_path / "read")
