@@ -36,7 +36,6 @@ def tiny():
 @pytest.fixture(scope="module")
 def tiny_gemma():
     import transformers
-
     from test_gemma import LAYER_TYPES, WINDOW
 
     config = transformers.Gemma3TextConfig(

@@ -14,8 +14,8 @@ from transformers.cache_utils import Cache
 from h2o_cli.cache.build import build_layers
 from h2o_cli.cache.devices import check_kernels, compute_dtype, execution_device, layer_devices
 from h2o_cli.cache.families import check_family
-from h2o_cli.cache.layer import Prefixed
 from h2o_cli.cache.fixed_step import FIXED_DTYPES
+from h2o_cli.cache.layer import Prefixed
 from h2o_cli.cache.report import ArchiveReport, CacheReport, LayerSlots
 from h2o_cli.cache.store import LayerStore
 from h2o_cli.cache.threads import DecodeThreads

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 NOTHING = -1  # token index of an empty archive slot
 # What a saved read keeps of the page scoring (`PageScoring`, h2o_cli.cache.recall.scores) beside the store's.
-SCORING_ARRAYS = ("carried", "carried_start", "section_summary")
+SCORING_ARRAYS = ("carried", "carried_start")
 SCORING_COUNTERS = ("scored", "_sections_at")
 
 
@@ -302,15 +302,19 @@ class ArchiveStore:
     # The page scoring's carried state (`PageScoring`) goes with them where this store is one.
 
     def saved_arrays(self) -> dict[str, torch.Tensor]:
-        """The ring slots written so far (`span`) of the K/V (and scales), their blocks' summaries, the whole
-        token index, and the page scoring's carried scores and section summaries: views of the live tensors
-        (a mapped file's pages are read when written out). What `load_saved` puts back."""
+        """The ring slots written so far (`span`: every slot past it is empty) of the K/V (and scales), the
+        token index and the blocks' summaries; the page scoring's carried scores and the summaries of the
+        sections over `span`: views of the live tensors (a mapped file's pages are read when written out).
+        What `load_saved` puts back."""
         used, blocks = self.span, self.span // self.block_size
         arrays = {"keys": self.keys[:, :used], "values": self.values[:, :used]}
         if self.quantized:
             arrays |= {"key_scales": self.key_scales[:, :used], "value_scales": self.value_scales[:, :used]}
-        arrays |= {"token_index": self.token_index, "summary": self.summary[:, :blocks]}
+        arrays |= {"token_index": self.token_index[:used], "summary": self.summary[:, :blocks]}
         arrays |= {name: getattr(self, name) for name in SCORING_ARRAYS if hasattr(self, name)}
+        if hasattr(self, "section_summary"):
+            sections = -(-used // self.page_size // self.section_pages)
+            arrays["section_summary"] = self.section_summary[:, :sections]
         return arrays
 
     def saved_counters(self) -> dict:
