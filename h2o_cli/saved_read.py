@@ -15,7 +15,7 @@ from pathlib import Path
 
 from h2o_cli.errors import H2OError
 from h2o_cli.prompting import ANSWER_CUE, NewChunk, document_frame, read_then_answer
-from h2o_cli.saved import SavedRead, check_model, model_identity, open_saved, resume_settings, write_saved
+from h2o_cli.saved import SavedRead, check_model, model_identity, open_saved, write_saved
 from h2o_cli.streaming import chunks_of
 
 # Archive room a save keeps past its text for the questions asked from it (their frames and answers): the
@@ -61,7 +61,13 @@ def text_identity(source: str) -> dict:
 
 def save_text_read(path, cache, model, model_name: str, text: dict, pending: list[int], spans: dict) -> int:
     """Write a text read (`cache` after `text_chunks`) as a save; returns its bytes."""
-    extra = {"kind": TEXT, "text": text, "pending": list(pending), "tokens": cache.tokens_seen + len(pending), **spans}
+    extra = {
+        "kind": TEXT,
+        "text": text,
+        "pending": list(pending),
+        "tokens": cache.tokens_seen + len(pending),
+        **spans,
+    }
     return write_saved(path, cache, model_identity(model, model_name), extra)
 
 
@@ -73,13 +79,12 @@ def open_text_save(path) -> SavedRead:
     return saved
 
 
-def resumed_cache(saved: SavedRead, model, model_name: str, given: dict):
-    """A cache built as the saved one was (its settings, where `given` changes only what changes nothing:
-    `resume_settings`) holding the saved state; H2OError in one line for another model or other settings."""
+def resumed_cache(saved: SavedRead, model, model_name: str, settings):
+    """A cache built as the saved one was, with `settings` (`saved.resume_settings`), holding the saved
+    state; H2OError in one line when `model` is not the saved one."""
     from h2o_cli.cache import H2OCache
 
     check_model(saved, model_identity(model, model_name))
-    settings = resume_settings(saved, given)
     extra = saved.extra
     cache = H2OCache(model, settings, span=extra.get("span"), archive_span=extra.get("archive_span"))
     saved.load_into(cache)

@@ -132,12 +132,12 @@ def chat(
     if system is None:
         system = saved[0]
     save = save or (resume if read is not None else None)  # a resumed save is saved again
-    lock = SaveLock(save) if save is not None else None  # before the model loads: a second writer stops now
+    if read is not None:  # refused before the model loads, as a second writer is
+        settings = resume_settings(read, given_settings(context, settings))
+    lock = SaveLock(save) if save is not None else None
     lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant, device_map)
     chunk_given = not left_default(context, "chunk")
-    if read is not None:
-        settings = resume_settings(read, given_settings(context, settings))
-    else:
+    if read is None:
         settings = settings.resolved(context_window(lm))
         if not chunk_given:
             settings = replace(settings, chunk=default_chunk(settings.policy, lm, settings.budget))

@@ -63,10 +63,12 @@ def run_resumed(context, settings, path, prompt, model, sampling, quiet, compile
     """`--resume`: open the save (checked before the model loads), build the cache from it, answer."""
     from h2o_cli.compiled import CompiledStep
     from h2o_cli.runtime import cache_summary
+    from h2o_cli.saved import resume_settings
     from h2o_cli.saved_read import archive_bytes, open_text_save, question_pieces, resumed_cache
     from h2o_cli.streaming import prefill
 
     saved = open_text_save(path)
+    settings = resume_settings(saved, given_settings(context, settings))  # refused before the model loads
     if left_default(context, "model"):
         model = saved.manifest["model"]["name"]
     lm, tokenizer = load(
@@ -78,8 +80,7 @@ def run_resumed(context, settings, path, prompt, model, sampling, quiet, compile
         options["quant"],
         options["device_map"],
     )
-    given = given_settings(context, settings)
-    cache = resumed_cache(saved, lm, model, given)
+    cache = resumed_cache(saved, lm, model, settings)
     resumed = time.perf_counter() - started
     step = CompiledStep(lm, cache) if compiled else None
     pieces = question_pieces(tokenizer, saved.extra["pending"], prompt)
