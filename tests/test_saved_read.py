@@ -193,3 +193,51 @@ def test_a_damaged_save_is_refused_in_one_line(tiny, tmp_path):
     with pytest.raises(H2OError, match="damaged"):
         open_saved(tmp_path / "read")
     assert os.path.isdir(tmp_path / "read")
+
+
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
+@pytest.mark.parametrize("policy", policy_names())
+def test_the_embedded_model_answers_from_a_save_as_the_reading_process(
+    smollm, excerpt, tmp_path, policy, kernels
+):
+    """`h2o stream --save` then `--resume --prompt` against `h2o stream --prompt`: the reading process reads the
+    text and the question in one stream (`read_then_answer`); the save holds the text but its last, shorter
+    chunk (`text_chunks`), which the resumed cache reads with the question (`question_pieces`)."""
+    from h2o_cli.prompting import read_then_answer
+    from h2o_cli.saved_read import open_text_save, question_pieces, resumed_cache, save_text_read, text_chunks
+
+    model, tokenizer = smollm
+    text, question, chunk = tokenizer(excerpt)["input_ids"][:300], "Who is writing these letters?", 32
+    settings = CacheSettings(budget=64, policy=policy, chunk=chunk, kernels=kernels)
+    sampling = Sampling(max_new_tokens=8)
+    reader = H2OCache(model, settings)
+    logits, _ = prefill(model, reader, read_then_answer(tokenizer, [text], question), chunk)
+    want = list(generate_ids(model, reader, logits, sampling))
+    saver, pending = H2OCache(model, settings), []
+    prefill(model, saver, text_chunks(tokenizer, [text], chunk, None, pending), chunk)[1].reraise()
+    assert 0 < len(pending) < chunk
+    save_text_read(tmp_path / "read", saver, model, "smollm2-135m", {}, pending, {})
+    saved = open_text_save(tmp_path / "read")
+    resumed = resumed_cache(saved, model, "smollm2-135m", resume_settings(saved, {}))
+    logits, _ = prefill(model, resumed, question_pieces(tokenizer, saved.extra["pending"], question), chunk)
+    assert list(generate_ids(model, resumed, logits, sampling)) == want
+
+
+@pytest.mark.parametrize("policy", ["h2o", "recall"])
+def test_a_resumed_chat_answers_as_the_chat_that_went_on(smollm, tmp_path, policy):
+    from h2o_cli.chat import ChatSession
+    from h2o_cli.cli.chat import default_chunk
+
+    model, tokenizer = smollm
+    settings = CacheSettings(budget=48, policy=policy, chunk=default_chunk(policy))
+    talk = ChatSession(model, tokenizer, settings, Sampling(max_new_tokens=10), system="Be brief.")
+    talk.ask("Name three colours.")
+    talk.save_read(tmp_path / "chat", "smollm2-135m")
+    want = talk.ask("And three animals?")
+    saved = open_saved(tmp_path / "chat")
+    resumed = ChatSession(
+        model, tokenizer, resume_settings(saved, {}), Sampling(max_new_tokens=10), "Be brief."
+    )
+    resumed.load_read(saved, "smollm2-135m")
+    assert resumed.ask("And three animals?") == want
+    assert resumed.transcript() == talk.transcript() and list(resumed.ids) == list(talk.ids)
