@@ -8,6 +8,7 @@ import copy
 import json
 import os
 import stat
+from dataclasses import replace
 
 import pytest
 import torch
@@ -82,6 +83,7 @@ def settings_of(policy: str, kernels: str) -> CacheSettings:
 
 def saved_and_resumed(model, settings, tmp_path, text, question):
     """(answer of the process that read `text` and saved it, answer of a cache resumed from that save)."""
+    tmp_path.mkdir(exist_ok=True)
     reader = read(model, settings, text)
     identity = model_identity(model, "tiny")
     write_saved(tmp_path / "read", reader, identity, {"pending": []})
@@ -120,10 +122,14 @@ def test_sliding_window_layers_resume_too(tiny_gemma, tmp_path, policy):
     assert got == want
 
 
-def test_a_question_from_a_save_leaves_the_save_as_it_was(tiny, tmp_path):
+@pytest.mark.parametrize("archive, bits", [("ram", None), ("disk", None), ("disk", 8)])
+def test_a_question_from_a_save_leaves_the_save_as_it_was(tiny, tmp_path, archive, bits):
     """Two questions asked from one save in turn: the second is answered as if asked first, and every file
-    of the save keeps its bytes (recall's new pages land in the resumed cache's own archive)."""
-    settings = settings_of("recall", "auto")
+    of the save keeps its bytes (recall's new pages land in the resumed cache's own archive, in RAM or in its
+    own mapped file, int8 or not); the first answer is the reading process's."""
+    settings = replace(settings_of("recall", "auto"), archive=archive, archive_bits=bits)
+    want, got = saved_and_resumed(tiny, settings, tmp_path / "first", ids(TEXT, 5), ids(QUESTION, 6))
+    assert got == want
     write_saved(tmp_path / "read", read(tiny, settings, ids(TEXT, 5)), model_identity(tiny, "tiny"), {})
     before = {path: path.read_bytes() for path in (tmp_path / "read").rglob("*") if path.is_file()}
     answers = []
