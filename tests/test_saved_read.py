@@ -4,7 +4,6 @@ recall's archive; and a question asked from a save leaves the save as it was."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import stat
@@ -13,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import tiny_config
+from test_gemma import gemma_pair  # noqa: F401  (a fixture)
 
 from h2o_cli.cache import H2OCache
 from h2o_cli.config import CacheSettings
@@ -35,26 +35,8 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def tiny_gemma():
-    import transformers
-    from test_gemma import LAYER_TYPES, WINDOW
-
-    config = transformers.Gemma3TextConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=len(LAYER_TYPES),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        sliding_window=WINDOW,
-        layer_types=LAYER_TYPES,
-        rope_theta=1000.0,
-        rope_local_base_freq=50.0,
-    )
-    torch.manual_seed(0)
-    return transformers.Gemma3ForCausalLM(copy.deepcopy(config)).eval()
+def tiny_gemma(gemma_pair):  # noqa: F811  (the fixture imported above)
+    return gemma_pair[1]
 
 
 def ids(count: int, seed: int) -> list[int]:
