@@ -50,6 +50,7 @@ def files(folder: Path) -> dict:
     return {path.relative_to(folder): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
 
 
+@pytest.mark.slow  # a second interpreter loads torch and transformers
 def test_a_save_killed_midway_leaves_the_previous_save_whole(tmp_path):
     """A process saves once, then is killed (SIGKILL) while its second save is being written: the first
     save opens and loads as it was written; the next save removes what the killed one left."""

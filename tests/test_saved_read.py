@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import tiny_config
+from test_chat_cli import home, loaded  # noqa: F401  (fixtures)
 from test_gemma import gemma_pair  # noqa: F401  (a fixture)
 
 from h2o_cli.cache import H2OCache
@@ -229,3 +230,31 @@ def test_a_resumed_chat_answers_as_the_chat_that_went_on(smollm, tmp_path, polic
     resumed.load_read(saved, "smollm2-135m")
     assert resumed.ask("And three animals?") == want
     assert resumed.transcript() == talk.transcript() and list(resumed.ids) == list(talk.ids)
+
+
+def test_chat_saves_on_exit_and_at_slash_save_and_resumes_without_reading(
+    loaded,  # noqa: F811
+    home,  # noqa: F811
+    tmp_path,
+):
+    """`h2o chat --save S` (piped: after its answer), `--resume S` (saved there again), `/save NAME` in the loop,
+    and a bare `/save` to the resumed save; the transcript's `/save FILE.json` stays a transcript."""
+    from typer.testing import CliRunner
+
+    from h2o_cli.cli.app import app
+
+    save = tmp_path / "talk"
+    args = ["chat", "--budget", "32", "--chunk", "16", "-n", "4"]
+    result = CliRunner().invoke(app, [*args, "--save", str(save)], input="My name is Ana.\n")
+    assert result.exit_code == 0, result.output
+    first = open_saved(save)
+    assert [turn["role"] for turn in first.extra["turns"]] == ["user", "assistant"]
+    result = CliRunner().invoke(app, ["chat", "--json", "-n", "4", "--resume", str(save)], input="My name?\n")
+    assert result.exit_code == 0, result.output
+    assert "resumed 2 messages" in result.stderr and "without reading them again" in result.stderr
+    assert json.loads(result.stdout)["turns"] == 4 and len(open_saved(save).extra["turns"]) == 4
+    script = f"Thanks!\n/save {tmp_path / 'other'}\n/save {tmp_path / 'talk.json'}\n/save\n/exit\n"
+    result = CliRunner().invoke(app, ["chat", "-i", "-n", "4", "--resume", str(save)], input=script)
+    assert result.exit_code == 0, result.output
+    assert len(open_saved(tmp_path / "other").extra["turns"]) == 6 == len(open_saved(save).extra["turns"])
+    assert json.loads((tmp_path / "talk.json").read_text())["turns"][0]["content"] == "My name is Ana."

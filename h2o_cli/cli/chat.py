@@ -159,7 +159,10 @@ def chat(
             raise typer.Exit(0) from None
         finally:
             if save is not None:
-                _said(f"saved the chat to {save}: {session.save_read(save, model):,} bytes")
+                try:
+                    _said(f"saved the chat to {save}: {session.save_read(save, model):,} bytes")
+                finally:
+                    lock.release()
         return
     from h2o_cli.cli.chat_repl import ChatLoop
 
