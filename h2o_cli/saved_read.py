@@ -15,7 +15,8 @@ from pathlib import Path
 
 from h2o_cli.errors import H2OError
 from h2o_cli.prompting import ANSWER_CUE, NewChunk, document_frame, read_then_answer
-from h2o_cli.saved import SavedRead, check_model, model_identity, open_saved, write_saved
+from h2o_cli.saved import SavedRead, model_identity, open_saved, write_saved
+from h2o_cli.saved_checks import check_model
 from h2o_cli.streaming import chunks_of
 
 # Archive room a save keeps past its text for the questions asked from it (their frames and answers): the

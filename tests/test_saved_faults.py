@@ -23,7 +23,8 @@ import h2o_cli.saved as saved_module
 from h2o_cli.cache import H2OCache
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import H2OError
-from h2o_cli.saved import SaveLock, model_identity, open_saved, resume_settings, write_saved
+from h2o_cli.saved import model_identity, open_saved, write_saved
+from h2o_cli.saved_checks import SaveLock, resume_settings
 from h2o_cli.streaming import prefill
 
 SETTINGS = CacheSettings(budget=32, policy="recall", chunk=8, page_size=4, recall_lead="none")

@@ -21,7 +21,8 @@ from h2o_cli.errors import H2OError
 from h2o_cli.generation import Sampling, generate_ids
 from h2o_cli.policy_registry import policy_names
 from h2o_cli.prompting import NewChunk
-from h2o_cli.saved import model_identity, open_saved, resume_settings, write_saved
+from h2o_cli.saved import model_identity, open_saved, write_saved
+from h2o_cli.saved_checks import resume_settings
 from h2o_cli.streaming import prefill
 
 TEXT, QUESTION, ANSWER, CHUNK = 150, 6, 16, 8
@@ -151,7 +152,7 @@ def test_another_model_or_other_settings_are_refused_naming_the_difference(tiny,
     )  # what changes nothing
     import transformers
 
-    from h2o_cli.saved import check_model
+    from h2o_cli.saved_checks import check_model
 
     torch.manual_seed(1)
     other = transformers.LlamaForCausalLM(tiny_config()).eval()

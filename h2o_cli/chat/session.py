@@ -289,7 +289,8 @@ class ChatSession:
         built with: `saved.resume_settings`): the cache, the token ids and the transcript are put back, so the
         next answer is the one the saving session would have given. H2OError in one line for a save of
         another model or of a text."""
-        from h2o_cli.saved import check_model, model_identity
+        from h2o_cli.saved import model_identity
+        from h2o_cli.saved_checks import check_model
 
         if saved.extra.get("kind") != CHAT:
             raise InputError(f"{saved.path} is a read text, not a chat; ask it with h2o stream --resume")

@@ -117,7 +117,8 @@ def chat(
     from h2o_cli.chat import ChatSession, read_transcript
     from h2o_cli.generation import Sampling
     from h2o_cli.models import context_window
-    from h2o_cli.saved import SaveLock, is_saved_read, open_saved, resume_settings
+    from h2o_cli.saved import is_saved_read, open_saved
+    from h2o_cli.saved_checks import SaveLock, resume_settings
 
     started = time.perf_counter()
     sampling = Sampling(max_new_tokens, temperature, top_p, seed)

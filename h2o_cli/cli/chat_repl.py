@@ -252,7 +252,7 @@ class ChatLoop:
             stderr.print(f"transcript saved to {escape(str(path))}")
             return
         if argument and Path(argument).expanduser().absolute() != Path(self.save_path or "").absolute():
-            from h2o_cli.saved import SaveLock
+            from h2o_cli.saved_checks import SaveLock
 
             lock = SaveLock(argument)  # another writer of that save refuses this one
             try:

@@ -12,7 +12,7 @@ from h2o_cli.cli.common import load, size, stderr
 
 def save_read(lm, cache, source: str, pending: list[int], saving: dict) -> dict:
     """Write the read to `saving["path"]` (locked while written); say so on stderr; the figures for --json."""
-    from h2o_cli.saved import SaveLock
+    from h2o_cli.saved_checks import SaveLock
     from h2o_cli.saved_read import archive_bytes, save_text_read, text_identity
 
     lock = SaveLock(saving["path"])
@@ -63,7 +63,7 @@ def run_resumed(context, settings, path, prompt, model, sampling, quiet, compile
     """`--resume`: open the save (checked before the model loads), build the cache from it, answer."""
     from h2o_cli.compiled import CompiledStep
     from h2o_cli.runtime import cache_summary
-    from h2o_cli.saved import resume_settings
+    from h2o_cli.saved_checks import resume_settings
     from h2o_cli.saved_read import archive_bytes, open_text_save, question_pieces, resumed_cache
     from h2o_cli.streaming import prefill
 
