@@ -28,6 +28,11 @@ from h2o_cli.errors import ContextOverflowError, UnsupportedModelError
 from h2o_cli.policies import make_policy
 
 LAYER_KWARG = "h2o_layer"
+RECALL_SLOTS = (
+    "recall_keys",
+    "recall_values",
+    "recall_index",
+)  # a recall layer's R, as a saved read keeps it
 
 
 class H2OLayer(CacheLayerMixin):
@@ -211,6 +216,38 @@ class H2OLayer(CacheLayerMixin):
             recalled=recalled,
         )
 
+    # A saved read (h2o_cli.saved). A layer kind with more state (pinned slots, say) adds its arrays and
+    # counters here and puts them back in `load_saved`.
+
+    def saved_arrays(self) -> dict[str, torch.Tensor]:
+        """What a saved read keeps of this layer, by name (live tensors, not copies): the store's buffers
+        (`store.NAME`, `LayerStore.saved_arrays`), and with recall R's slots (`recall_keys`, `recall_values`,
+        `recall_index`) and the archive's (`archive.NAME`, `ArchiveStore.saved_arrays`)."""
+        arrays = {f"store.{name}": tensor for name, tensor in self.store.saved_arrays().items()}
+        if self.recall_index is not None:
+            arrays |= {name: getattr(self, name) for name in RECALL_SLOTS}
+        if self.archive is not None:
+            arrays |= {f"archive.{name}": tensor for name, tensor in self.archive.saved_arrays().items()}
+        return arrays
+
+    def saved_counters(self) -> dict:
+        """The counters beside `saved_arrays` (the store's, the archive's, whose pages a recall layer takes)."""
+        counters = {"store": self.store.saved_counters()}
+        if self.archive is not None:
+            counters |= {"archive": self.archive.saved_counters(), "lead_mode": self.lead_mode.value}
+        return counters
+
+    def load_saved(self, arrays, counters: dict) -> None:
+        """Put back `saved_arrays` (a mapping by name) and `saved_counters` into a layer built with the same
+        settings: it then goes on exactly as the layer they were taken from."""
+        self.store.load_saved(Prefixed(arrays, "store."), counters["store"])
+        if self.recall_index is not None:
+            for name in RECALL_SLOTS:
+                getattr(self, name).copy_(arrays[name])
+        if self.archive is not None:
+            self.archive.load_saved(Prefixed(arrays, "archive."), counters["archive"])
+            self.lead_mode = type(self.lead_mode)(counters["lead_mode"])
+
     # The hooks through which a layer supplies its R and the positions of E_q to the path bodies.
 
     def recall_chunk(self, query: torch.Tensor, chunk: int) -> Recalled | None:
@@ -325,6 +362,19 @@ class H2OLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise UnsupportedModelError("beam search is not supported with the H2O cache; use greedy or sampling")
+
+
+class Prefixed:
+    """The entries of a mapping whose names start with `prefix`, by the rest of the name (read on demand)."""
+
+    def __init__(self, arrays, prefix: str) -> None:
+        self.arrays, self.prefix = arrays, prefix
+
+    def __getitem__(self, name: str):
+        return self.arrays[self.prefix + name]
+
+    def get(self, name: str, default=None):
+        return self.arrays.get(self.prefix + name, default)
 
 
 __all__ = ["LAYER_KWARG", "H2OLayer", "Recalled"]

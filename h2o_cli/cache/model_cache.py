@@ -15,6 +15,7 @@ from h2o_cli.cache.build import build_layers
 from h2o_cli.cache.devices import check_kernels, compute_dtype, execution_device, layer_devices
 from h2o_cli.cache.families import check_family
 from h2o_cli.cache.fixed_step import FIXED_DTYPES
+from h2o_cli.cache.layer import Prefixed
 from h2o_cli.cache.report import ArchiveReport, CacheReport, LayerSlots
 from h2o_cli.cache.store import LayerStore
 from h2o_cli.cache.threads import DecodeThreads
@@ -209,6 +210,29 @@ class H2OCache(Cache):
         for store, layer_state in zip(self.stores, state, strict=False):
             store.restore(layer_state)
         self.rewind_archive(state[0]["tokens_seen"])
+
+    def saved_arrays(self) -> dict[str, torch.Tensor]:
+        """Every layer's arrays (`H2OLayer.saved_arrays`) named `layers.N.NAME`: what a saved read writes
+        (h2o_cli.saved); live tensors, not copies."""
+        return {
+            f"layers.{number}.{name}": tensor
+            for number, layer in enumerate(self.layers)
+            for name, tensor in layer.saved_arrays().items()
+        }
+
+    def saved_counters(self) -> dict:
+        """Every layer's counters (`H2OLayer.saved_counters`), and whether a lead head's ranking is ready."""
+        lead_ready = self.lead is not None and self.lead.ready
+        return {"layers": [layer.saved_counters() for layer in self.layers], "lead_ready": lead_ready}
+
+    def load_saved(self, arrays, counters: dict) -> None:
+        """Put back `saved_arrays` (a mapping by name) and `saved_counters` of a cache built with the same model
+        and settings: this cache then goes on exactly as that one would have (a fork: the mapping is read,
+        never written)."""
+        for number, (layer, layer_counters) in enumerate(zip(self.layers, counters["layers"], strict=True)):
+            layer.load_saved(Prefixed(arrays, f"layers.{number}."), layer_counters)
+        if self.lead is not None:
+            self.lead.ready = counters["lead_ready"]
 
     def nbytes(self) -> int:
         """Bytes of all preallocated cache buffers."""

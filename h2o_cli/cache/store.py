@@ -307,6 +307,36 @@ class LayerStore:
         )
         self._free_hint = None
 
+    # A saved read (h2o_cli.saved): every buffer whole and every counter, put back into a store of the same shape.
+
+    def saved_arrays(self) -> dict[str, torch.Tensor]:
+        """Every state buffer by name (the live tensors, not copies), and the lowest free slot of each head
+        [n_kv_heads, 1] when known (`free_hint`): what `load_saved` puts back."""
+        arrays = {name: getattr(self, name) for name in self._state_names()}
+        if self._free_hint is not None:
+            arrays["free_hint"] = self._free_hint
+        return arrays
+
+    def saved_counters(self) -> dict[str, int]:
+        """The counters `load_saved` puts back beside `saved_arrays`."""
+        return {
+            "length": self.length,
+            "active": self.active,
+            "tokens_seen": self.tokens_seen,
+            "evictions": self.evictions,
+        }
+
+    def load_saved(self, arrays, counters: dict[str, int]) -> None:
+        """Put back `saved_arrays` (a mapping by name, of this store's shapes) and `saved_counters`: the store
+        is then as it was when they were taken, down to which slot the next token takes."""
+        for name in self._state_names():
+            getattr(self, name).copy_(arrays[name])
+        hint = arrays.get("free_hint")
+        self._free_hint = None if hint is None else hint.to(self.token_index.device, copy=True)
+        self._views.clear()
+        self.length, self.active = counters["length"], counters["active"]
+        self.tokens_seen, self.evictions = counters["tokens_seen"], counters["evictions"]
+
     def reset(self) -> None:
         self._free_hint = None
         self.valid.zero_()

@@ -27,6 +27,7 @@ from h2o_cli.streaming import prefill
 # Tokens per forward call when feeding a turn. The cache attends them `settings.chunk` at a time (its spare
 # slots), so a chat can keep few spare slots and still read a long message in few forward calls.
 FEED_CALL_TOKENS = 256
+CHAT = "chat"  # `extra["kind"]` of a saved read made by `save_read`
 
 
 @dataclass
@@ -274,6 +275,29 @@ class ChatSession:
             data = {"system": self.system, "settings": asdict(self.settings), "turns": self.transcript()}
             return write_private(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
         return write_private(path, to_markdown(self.system, self.turns))
+
+    def save_read(self, path: str | Path, model_name: str) -> int:
+        """Write the conversation's cache, token ids and transcript as a saved read (h2o_cli.saved), to go on
+        with later without reading it again (`load_read`); returns the bytes written."""
+        from h2o_cli.saved import model_identity, write_saved
+
+        extra = {"kind": CHAT, "system": self.system, "turns": self.transcript(), "ids": list(self.ids)}
+        return write_saved(path, self.cache, model_identity(self.model, model_name), extra)
+
+    def load_read(self, saved, model_name: str) -> None:
+        """Go on from a saved chat (`h2o_cli.saved.SavedRead` of `save_read`, whose settings this session was
+        built with: `saved.resume_settings`): the cache, the token ids and the transcript are put back, so the
+        next answer is the one the saving session would have given. H2OError in one line for a save of
+        another model or of a text."""
+        from h2o_cli.saved import model_identity
+        from h2o_cli.saved_checks import check_model
+
+        if saved.extra.get("kind") != CHAT:
+            raise InputError(f"{saved.path} is a read text, not a chat; ask it with h2o stream --resume")
+        check_model(saved, model_identity(self.model, model_name))
+        saved.load_into(self.cache)
+        self.ids = array("l", saved.extra["ids"])
+        self.turns = [Turn(**turn) for turn in saved.extra["turns"]]
 
 
 def read_transcript(path: str | Path) -> tuple[str | None, list[dict]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -49,6 +50,8 @@ Examples:
   h2o chat --system "You are terse." --max-new-tokens 200 --temperature 0.7 --seed 1
   h2o chat --quant 8bit --kv-bits 8 --budget 256
   h2o chat --resume notes-chat.json --policy recall
+  h2o chat --policy recall --save notes.chat      # saved on exit (and by /save): resume in seconds
+  h2o chat --resume notes.chat
 """
 
 
@@ -90,9 +93,19 @@ def chat(
         Path | None,
         typer.Option(
             "--resume",
-            help="Go on with a conversation saved as JSON by h2o chat (/save FILE.json, or the transcript "
-            "written on exit): its messages are read into the cache first, the answers as saved. Its system "
-            "message is kept unless --system replaces it.",
+            help="Go on with a conversation: a saved read (a folder written by --save or /save NAME) is "
+            "loaded as it was, without reading it again, and saved there again on exit; a transcript "
+            "saved as JSON (/save FILE.json, or the one written on exit) is read into the cache first, the "
+            "answers as saved, its system message kept unless --system replaces it.",
+            show_default=False,
+        ),
+    ] = None,
+    save: Annotated[
+        Path | None,
+        typer.Option(
+            "--save",
+            help="Save the conversation's whole cache state to this folder on exit (and at /save): "
+            "--resume it later without reading the conversation again. One chat at a time writes a save.",
             show_default=False,
         ),
     ] = None,
@@ -104,20 +117,39 @@ def chat(
     from h2o_cli.chat import ChatSession, read_transcript
     from h2o_cli.generation import Sampling
     from h2o_cli.models import context_window
+    from h2o_cli.saved import is_saved_read, open_saved
+    from h2o_cli.saved_checks import SaveLock, resume_settings
 
+    started = time.perf_counter()
     sampling = Sampling(max_new_tokens, temperature, top_p, seed)
     one_shot = not interactive and not sys.stdin.isatty()
     message = _read_stdin() if one_shot else None
-    saved = read_transcript(resume) if resume is not None else (None, [])
+    read = open_saved(resume) if resume is not None and is_saved_read(resume) else None
+    saved = read_transcript(resume) if resume is not None and read is None else (None, [])
+    if read is not None:
+        saved = _saved_chat(read, system)
+        if left_default(context, "model"):
+            model = read.manifest["model"]["name"]
     if system is None:
         system = saved[0]
+    save = save or (resume if read is not None else None)  # a resumed save is saved again
+    if read is not None:  # refused before the model loads, as a second writer is
+        settings = resume_settings(read, given_settings(context, settings))
+    lock = SaveLock(save) if save is not None else None
     lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant, device_map)
-    settings = settings.resolved(context_window(lm))
-    chunk_given = not _default(context, "chunk")
-    if not chunk_given:
-        settings = replace(settings, chunk=default_chunk(settings.policy, lm, settings.budget))
+    chunk_given = not left_default(context, "chunk")
+    if read is None:
+        settings = settings.resolved(context_window(lm))
+        if not chunk_given:
+            settings = replace(settings, chunk=default_chunk(settings.policy, lm, settings.budget))
     session = ChatSession(lm, tokenizer, settings, sampling, system, compiled=compiled)
-    if saved[1]:
+    if read is not None:
+        session.load_read(read, model)
+        _said(
+            f"resumed {len(session.turns)} messages ({session.cache.tokens_seen:,} tokens) of {read.path} "
+            f"in {time.perf_counter() - started:.1f} s, without reading them again"
+        )
+    elif saved[1]:
         _resume(session, saved[1], resume)
     if one_shot:
         try:
@@ -126,11 +158,46 @@ def chat(
             # The reader went away (`| head -1`): stop quietly. (click would turn EPIPE into exit code 1.)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise typer.Exit(0) from None
+        finally:
+            if save is not None:
+                try:
+                    _said(f"saved the chat to {save}: {session.save_read(save, model):,} bytes")
+                finally:
+                    lock.release()
         return
     from h2o_cli.cli.chat_repl import ChatLoop
 
     show_panel = not no_panel and sys.stderr.isatty() and sys.stdin.isatty()
-    ChatLoop(session, show_panel, model, chunk_of=None if chunk_given else default_chunk).run()
+    loop = ChatLoop(session, show_panel, model, chunk_of=None if chunk_given else default_chunk, save=save)
+    loop.lock = lock
+    loop.run()
+
+
+def _saved_chat(read, system: str | None) -> tuple[str | None, list]:
+    """(system message, no turns to re-read) of a saved chat; a text's save or another --system is refused."""
+    from h2o_cli.chat.session import CHAT
+
+    if read.extra.get("kind") != CHAT:
+        raise InputError(f"{read.path} is a read text, not a chat; ask it with h2o stream --resume")
+    if system is not None and system != read.extra.get("system"):
+        raise InputError(f"{read.path} was saved with another --system; resume it without --system")
+    return read.extra.get("system"), []
+
+
+def given_settings(context: typer.Context, settings: CacheSettings) -> dict:
+    """The cache settings set on the command line, by field."""
+    import dataclasses
+
+    fields = dataclasses.fields(settings)
+    return {
+        field.name: getattr(settings, field.name) for field in fields if not left_default(context, field.name)
+    }
+
+
+def _said(text: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(text, highlight=False)
 
 
 def default_chunk(policy: str, model=None, budget: int = 0) -> int:
@@ -143,7 +210,7 @@ def default_chunk(policy: str, model=None, budget: int = 0) -> int:
     return chunk if model is None else min(chunk, max(context_window(model) - budget, 1))
 
 
-def _default(context: typer.Context, option: str) -> bool:
+def left_default(context: typer.Context, option: str) -> bool:
     """Whether the command line left `option` at its default (not given, nor set from the environment)."""
     source = context.get_parameter_source(option)
     return source is None or source.name in ("DEFAULT", "DEFAULT_MAP")

@@ -25,12 +25,14 @@ HELP = """\
   /policy NAME       h2o, local, sink, tova, full or recall; re-reads the chat (recall with 64 spare
                      slots, the others with 16, unless --chunk was given)
   /reset             forget the conversation
-  /save FILE         write the transcript (.json, otherwise Markdown)
+  /save FILE         write the transcript (FILE.json or FILE.md), or save the whole cache to a
+                     folder FILE (any other name) to --resume without reading the chat again;
+                     /save alone saves to --save's (or --resume's) folder
   /panel on|off      show or hide the live cache panel; /panel layer N or /panel all picks the view;
                      /panel alone prints it once
   /exit              leave (Ctrl-D too)
 Multi-line input: Esc then Enter for a new line, or start and end a block with \"\"\".
-Ctrl-C stops the current answer; the transcript is saved on exit."""
+Ctrl-C stops the current answer; the transcript is saved on exit (and the cache, with --save)."""
 
 
 def history_path(home: Path) -> Path:
@@ -78,8 +80,12 @@ class TerminalReader:
 class ChatLoop:
     """Reads messages and commands until /exit or Ctrl-D; the transcript is written after every turn."""
 
-    def __init__(self, session, show_panel: bool, model_name: str, reader=None, chunk_of=None) -> None:
+    def __init__(
+        self, session, show_panel: bool, model_name: str, reader=None, chunk_of=None, save=None
+    ) -> None:
         self.session = session
+        self.save_path = save  # the saved read written on exit and by a bare /save (None: none)
+        self.lock = None  # the `SaveLock` held on it, released on exit
         self.chunk_of = (
             chunk_of  # (policy, model, budget) -> the chat chunk /policy takes (None: keep the chunk)
         )
@@ -119,6 +125,7 @@ class ChatLoop:
                     stderr.print(f"[bold red]error:[/] {escape(str(error))}")
         finally:
             self._save_transcript(final=True)
+            self._save_read(final=True)
 
     def _read_message(self) -> str:
         """One message: a line, or the lines of a \"\"\" block."""
@@ -236,10 +243,38 @@ class ChatLoop:
         stderr.print("conversation cleared")
 
     def _save(self, argument: str) -> None:
-        if not argument:
-            raise UsageError("/save needs a file name, e.g. /save chat.md or /save chat.json")
-        path = self.session.save(argument)
-        stderr.print(f"transcript saved to {escape(str(path))}")
+        if not argument and self.save_path is None:
+            raise UsageError(
+                "/save needs a name: /save chat.md or chat.json (transcript), /save NAME (cache)"
+            )
+        if argument and Path(argument).suffix.lower() in (".json", ".md"):
+            path = self.session.save(argument)
+            stderr.print(f"transcript saved to {escape(str(path))}")
+            return
+        if argument and Path(argument).expanduser().absolute() != Path(self.save_path or "").absolute():
+            from h2o_cli.saved_checks import SaveLock
+
+            lock = SaveLock(argument)  # another writer of that save refuses this one
+            try:
+                written = self.session.save_read(argument, self.model_name)
+            finally:
+                lock.release()
+            stderr.print(
+                f"chat saved to {escape(argument)} ({written:,} bytes): h2o chat --resume {escape(argument)}"
+            )
+            return
+        self._save_read()
+
+    def _save_read(self, final: bool = False) -> None:
+        """Save the chat's cache to `save_path` (on exit: then release its lock)."""
+        if self.save_path is None:
+            return
+        try:
+            written = self.session.save_read(self.save_path, self.model_name)
+            stderr.print(f"chat saved to {escape(str(self.save_path))} ({written:,} bytes)")
+        finally:
+            if final and self.lock is not None:
+                self.lock.release()
 
     def _panel(self, argument: str) -> None:
         words = argument.split()

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from h2o_cli.cli import options as opt
 from h2o_cli.cli.common import load, size, stderr
+from h2o_cli.cli.stream_saved import answer_from, run_resumed, save_read
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import InputError, UsageError
+from h2o_cli.saved_read import QUESTION_ROOM
 
 EXAMPLES = """
 Examples:
@@ -23,6 +27,8 @@ Examples:
   h2o stream book.txt --ppl --quant 4bit --kv-bits 8
   h2o stream book.txt --ppl --budget 410 --score-decay 0.995 --h2o-sinks 4 --json
   h2o stream book.txt --ppl --policy recall --budget 512 --archive disk --archive-bits 8 --archive-max 1GiB
+  h2o stream book.txt --policy recall --budget 819 --save book.read
+  h2o stream --resume book.read --prompt "Who wrote this book?"
 """
 
 
@@ -49,6 +55,7 @@ def _tracked(progress, task, source_file, total_bytes: int | None):
 
 @opt.cache_options(budget=opt.DEFAULTS["budget"], chunk=opt.DEFAULTS["chunk"])
 def stream(
+    context: typer.Context,
     settings: CacheSettings,
     source: Annotated[
         str | None,
@@ -85,6 +92,24 @@ def stream(
     threads: opt.Threads = 0,
     trust_remote_code: opt.TrustRemoteCode = False,
     compiled: opt.Compile = False,
+    save: Annotated[
+        Path | None,
+        typer.Option(
+            "--save",
+            help="After reading the text, save the cache's whole state (slots, archive, settings) to this "
+            "folder, to ask about the text later with --resume without reading it again.",
+            show_default=False,
+        ),
+    ] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            "--resume",
+            help="Answer --prompt from a read saved with --save (give no FILE): the save is read, not "
+            "changed, so each question starts from the same read. Cache options must be the saved ones.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Stream a whole text through the H2O cache in constant memory.
 
@@ -99,7 +124,34 @@ def stream(
     from h2o_cli.models.precision import matmul_precision
     from h2o_cli.textio import open_source
 
+    started = time.perf_counter()
     sampling = Sampling(max_new_tokens, temperature, top_p, seed)
+    if resume is not None:
+        if source is not None or sample or ppl or max_tokens is not None or save is not None:
+            raise UsageError(
+                "--resume answers from a saved read: give no FILE, --sample, --ppl, --max-tokens, --save"
+            )
+        if prompt is None:
+            raise UsageError("--resume answers a question about the saved text: give it with --prompt")
+        options = dict(device=device, device_map=device_map, dtype=dtype, threads=threads, quant=quant)
+        report = run_resumed(
+            context,
+            settings,
+            resume,
+            prompt,
+            model,
+            sampling,
+            as_json,
+            compiled,
+            started,
+            options,
+            trust_remote_code,
+        )
+        if as_json:
+            print(json.dumps(report))
+        return
+    if save is not None and ppl:
+        raise UsageError("--save keeps a read to ask about later; it does not take --ppl")
     source = _source(source, sample)
     source_file = open_source(source)  # fail on a bad path before loading a model
     total_bytes = None
@@ -109,16 +161,19 @@ def stream(
         if total_bytes == 0:
             raise InputError(f"{source} is empty; give a text with at least two tokens")
     lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant, device_map)
-    cache = H2OCache(
-        lm,
-        settings.resolved(context_window(lm)),
-        archive_span=_span(max_tokens, total_bytes, prompt, sampling),
-    )
+    spans = {"archive_span": _span(max_tokens, total_bytes, prompt, sampling)}
+    if save is not None:  # room for the questions asked later, whatever this run's --prompt
+        spans["archive_span"] = _span(max_tokens, total_bytes, None, sampling)
+        spans["archive_span"] = spans["archive_span"] and spans["archive_span"] + QUESTION_ROOM
+    cache = H2OCache(lm, settings.resolved(context_window(lm)), **spans)
     chunk = settings.chunk
     step = _compiled_step(lm, cache, ppl and chunk > 1) if compiled else None
-    run = _run_ppl if ppl else _run_generate
     arguments = (source_file, source, total_bytes, max_tokens, chunk, prompt, sampling, as_json, step)
-    report = run(lm, tokenizer, cache, *arguments)
+    if ppl:
+        report = _run_ppl(lm, tokenizer, cache, *arguments)
+    else:
+        saving = None if save is None else {"path": save, "model": model, "spans": spans}
+        report = _run_generate(lm, tokenizer, cache, *arguments, saving=saving, started=started)
     report["model"] = model
     report |= matmul_precision(lm)  # which dtype the linear layers multiplied in, reading and decoding
     if as_json:
@@ -215,19 +270,33 @@ def _run_ppl(
 
 
 def _run_generate(
-    lm, tokenizer, cache, source_file, source, total_bytes, max_tokens, chunk, prompt, sampling, quiet, step
+    lm,
+    tokenizer,
+    cache,
+    source_file,
+    source,
+    total_bytes,
+    max_tokens,
+    chunk,
+    prompt,
+    sampling,
+    quiet,
+    step,
+    saving=None,
+    started=0.0,
 ) -> dict:
-    import time
-
-    from h2o_cli.generation import TextStreamer, generate_ids
     from h2o_cli.prompting import read_then_answer
-    from h2o_cli.runtime import cache_summary, peak_rss_bytes
+    from h2o_cli.runtime import cache_summary
+    from h2o_cli.saved_read import question_pieces, text_chunks
     from h2o_cli.streaming import prefill
 
+    pending: list[int] = []
     with _progress(total_bytes) as progress:
         task = progress.add_task("read", total=total_bytes, status="")
         pieces = _pieces(tokenizer, _tracked(progress, task, source_file, total_bytes), source)
-        if prompt is not None:  # --max-tokens cuts the text; the question is always asked after it
+        if saving is not None:  # a save ends at a whole chunk: the last, shorter one waits for a question
+            pieces, max_tokens = text_chunks(tokenizer, pieces, chunk, max_tokens, pending), None
+        elif prompt is not None:  # --max-tokens cuts the text; the question is always asked after it
             pieces, max_tokens = read_then_answer(tokenizer, pieces, prompt, max_tokens), None
 
         def update(stats) -> None:
@@ -245,31 +314,23 @@ def _run_generate(
             **cache_summary(cache),
         }
         return report | ({"error": stats.error} if stats.error else {})
+    saved = {}
+    if saving is not None:
+        saved = save_read(lm, cache, source, pending, saving)
+        stats.tokens += len(pending)
+        if prompt is None:
+            return {"answer": None, "tokens": stats.tokens, **saved, **cache_summary(cache)}
+        logits, asked = prefill(lm, cache, question_pieces(tokenizer, pending, prompt), chunk)
+        asked.reraise()
     if logits is None:
         raise InputError(f"{source} is empty; give a text to read")
-    streamer = TextStreamer(tokenizer)
-    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    started, generated = time.perf_counter(), 0
-    try:
-        for token in generate_ids(lm, cache, logits, sampling, stop, step):
-            generated += 1
-            text = streamer.push(token)
-            if not quiet:
-                sys.stdout.write(text)
-                sys.stdout.flush()
-    except KeyboardInterrupt:
-        pass
-    if not quiet:
-        sys.stdout.write("\n")
-    seconds = time.perf_counter() - started
+    answer = answer_from(lm, tokenizer, cache, logits, sampling, step, quiet, started)
     return {
-        "answer": streamer.printed,
+        **answer,
         "tokens": stats.tokens,
-        "generated_tokens": generated,
+        **saved,
         **cache_summary(cache),
         "prefill_tokens_per_s": stats.tokens_per_s,
-        "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
-        "peak_rss_bytes": peak_rss_bytes(),
     }
 
 

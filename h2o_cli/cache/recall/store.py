@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from h2o_cli.cache.recall.archive import PageSettings
 
 NOTHING = -1  # token index of an empty archive slot
+# What a saved read keeps of the page scoring (`PageScoring`, h2o_cli.cache.recall.scores) beside the store's.
+SCORING_ARRAYS = ("carried", "carried_start")
+SCORING_COUNTERS = ("scored", "_sections_at")
 
 
 class ArchiveStore:
@@ -294,6 +297,46 @@ class ArchiveStore:
         self._floor = int(held.min()) if held.numel() else tokens
         if touched.numel():
             self._summarise(touched)
+
+    # A saved read (h2o_cli.saved): the ring's written part, the token index, the summaries and the counters.
+    # The page scoring's carried state (`PageScoring`) goes with them where this store is one.
+
+    def saved_arrays(self) -> dict[str, torch.Tensor]:
+        """The ring slots written so far (`span`: every slot past it is empty) of the K/V (and scales), the
+        token index and the blocks' summaries; the page scoring's carried scores and the summaries of the
+        sections over `span`: views of the live tensors (a mapped file's pages are read when written out).
+        What `load_saved` puts back."""
+        used, blocks = self.span, self.span // self.block_size
+        arrays = {"keys": self.keys[:, :used], "values": self.values[:, :used]}
+        if self.quantized:
+            arrays |= {"key_scales": self.key_scales[:, :used], "value_scales": self.value_scales[:, :used]}
+        arrays |= {"token_index": self.token_index[:used], "summary": self.summary[:, :blocks]}
+        arrays |= {name: getattr(self, name) for name in SCORING_ARRAYS if hasattr(self, name)}
+        if hasattr(self, "section_summary"):
+            sections = -(-used // self.page_size // self.section_pages)
+            arrays["section_summary"] = self.section_summary[:, :sections]
+        return arrays
+
+    def saved_counters(self) -> dict:
+        """The counters beside `saved_arrays` (the scoring's too: how often scores were carried, and when the
+        section summaries were refreshed)."""
+        counters = {"tokens": self.tokens, "floor": self._floor, "epoch": self.epoch}
+        counters |= {name: getattr(self, name) for name in SCORING_COUNTERS if hasattr(self, name)}
+        return counters
+
+    def load_saved(self, arrays, counters: dict) -> None:
+        """Put back `saved_arrays` (a mapping by name; the ring's written part) and `saved_counters` into an
+        archive of the same shape: its unwritten part stays as built (empty). What a step kept of the old
+        state is void (`epoch`), and a mapped file's pages leave the process (`release`)."""
+        self.tokens, self._floor, self.epoch = counters["tokens"], counters["floor"], counters["epoch"] + 1
+        for name, saved in self.saved_arrays().items():  # sized by `tokens`, now the saved count
+            saved.copy_(arrays[name])
+        for name in SCORING_COUNTERS:
+            if hasattr(self, name):
+                setattr(self, name, counters[name])
+        if hasattr(self, "_held_keys"):
+            self._held_keys = None  # the held keys are read again from the archive
+        self.release()
 
     def page_keys(self, picked: torch.Tensor) -> torch.Tensor:
         """The keys of ring pages `picked` [n_kv_heads, k] of each KV head, page after page, as float32:

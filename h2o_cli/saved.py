@@ -1,0 +1,369 @@
+"""A saved read: an `H2OCache`'s whole state in one folder, to go on from without reading the text again.
+
+The folder (docs/design.md, "How is a read saved, and why can a question not change it?"):
+- `manifest.json`: the format and its version, the model's identity (`model_identity`), the cache settings,
+  every layer's counters (`H2OCache.saved_counters`), what the caller keeps (`extra`: a text's unread tail, a
+  chat's transcript), and for every array its file, dtype, shape, size in bytes and checksum;
+- `arrays/N.bin`: each array of `H2OCache.saved_arrays` as raw little-endian bytes, C order (a file maps as
+  `numpy.memmap(file, dtype, shape=shape)`).
+
+It is written into a new folder beside its place, each file synced, then renamed into place (`write_saved`):
+an interrupted save (Ctrl-C, a full disk, SIGKILL) leaves the previous save whole. Files are 0600 in 0700
+folders (`h2o_cli.private`). Reading (`open_saved`) maps every file copy-on-write at once, so a save replaced
+meanwhile is not mixed into the one being read, and loading a cache from it (`H2OCache.load_saved`) copies
+out of the maps: what the resumed cache then reads or writes never reaches the save. A process that will
+write a save again holds its lock (`saved_checks.SaveLock`, beside the resume checks); readers take none.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import secrets
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from h2o_cli.errors import H2OError
+from h2o_cli.private import FILE_MODE, FOLDER_MODE, FULL, private_folder, write_all
+
+FORMAT = "h2o saved read"
+VERSION = 1
+MANIFEST = "manifest.json"
+PIECE = 64 << 20  # bytes written or checked at a time
+
+
+def model_identity(model, name: str) -> dict:
+    """What a save records of its model: `name` (as the user gave it), the compute dtype, the quantisation,
+    and a fingerprint of the weights (SHA-256 over every parameter's name, shape, dtype and up to 4,096 of its
+    values, evenly spaced): cheap for any size, and changed by other weights, another dtype or quantisation."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for parameter_name, parameter in model.named_parameters():
+        digest.update(f"{parameter_name}:{tuple(parameter.shape)}:{parameter.dtype}".encode())
+        if parameter.is_meta or parameter.numel() == 0:
+            continue
+        flat = parameter.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)][:4096]
+        digest.update(sample.float().cpu().numpy().tobytes())
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return {
+        "name": name,
+        "dtype": dtype,
+        "quant": getattr(model, "h2o_quant", "none"),
+        "fingerprint": digest.hexdigest(),
+    }
+
+
+class Checksum:
+    """The array files' checksum: the sum of the bytes' little-endian 64-bit words (the last one zero-padded),
+    modulo 2**64, and the byte count. It finds a truncated or changed file (not a forged one) at memory speed.
+    `update` takes the bytes piece by piece, of any sizes."""
+
+    def __init__(self) -> None:
+        self.total, self.count, self.tail = 0, 0, b""
+
+    def update(self, data) -> Checksum:
+        view = memoryview(data).cast("B")
+        self.count += len(view)
+        if self.tail:
+            taken = min(8 - len(self.tail), len(view))
+            self.tail, view = self.tail + bytes(view[:taken]), view[taken:]
+            if len(self.tail) == 8:
+                self.total += int.from_bytes(self.tail, "little")
+                self.tail = b""
+        whole = len(view) // 8 * 8
+        if whole:
+            self.total += int(np.frombuffer(view[:whole], dtype="<u8").sum(dtype=np.uint64))
+        self.tail += bytes(view[whole:])
+        return self
+
+    def hex(self) -> str:
+        total = self.total + int.from_bytes(self.tail.ljust(8, b"\0"), "little") if self.tail else self.total
+        return f"sum64:{total % 2**64:016x}:{self.count}"
+
+
+def _rows(tensor: torch.Tensor):
+    """The tensor's bytes in C order, as contiguous pieces of at most `PIECE` bytes (numpy views of CPU
+    tensors; a strided view, a ring's written part, goes row by row without copying the whole)."""
+    tensor = tensor.detach().cpu()
+    if tensor.numel() == 0:
+        return
+    if not tensor.is_contiguous() and tensor.dim() > 1:
+        for row in tensor:
+            yield from _rows(row)
+        return
+    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+    for start in range(0, data.size, PIECE):
+        yield data[start : start + PIECE]
+
+
+def saved_bytes(arrays: dict[str, torch.Tensor]) -> int:
+    """Bytes a save of these arrays takes (its manifest aside)."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in arrays.values())
+
+
+def check_room(folder: Path, size: int) -> None:
+    """Raise H2OError unless `folder`'s file system has `size` bytes free (and 1 MiB for the manifest)."""
+    status = os.statvfs(folder)
+    free = status.f_bavail * status.f_frsize
+    if free < size + (1 << 20):
+        raise H2OError(
+            f"the save needs {size:,} bytes in {folder}, which has {free:,} free; nothing was written: "
+            "free some space or save elsewhere"
+        )
+
+
+def write_saved(path: str | Path, cache, model: dict, extra: dict) -> int:
+    """Write `cache`'s state (`H2OCache.saved_arrays`, `saved_counters`, its settings) with the `model`
+    identity (`model_identity`) and the caller's `extra` (JSON data) as a saved read at `path`, replacing a
+    previous one atomically (module docs). Returns the bytes written. Raises H2OError in one line, before
+    writing, when the disk lacks the room; on any failure the previous save at `path` stays whole."""
+    path = Path(path).expanduser().absolute()
+    folder = private_folder(path.parent) if not path.parent.exists() else path.parent
+    arrays = cache.saved_arrays()
+    size = saved_bytes(arrays)
+    check_room(folder, size)
+    _sweep(folder, path.name)
+    aside = folder / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        private_folder(aside / "arrays")
+        os.chmod(aside, FOLDER_MODE)
+        entries = {}
+        for number, (name, tensor) in enumerate(arrays.items()):
+            file = f"arrays/{number}.bin"
+            entries[name] = {
+                "file": file,
+                "dtype": str(tensor.dtype).removeprefix("torch."),
+                "shape": list(tensor.shape),
+                "bytes": tensor.numel() * tensor.element_size(),
+                "checksum": _write_array(aside / file, tensor),
+            }
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "byteorder": "little",
+            "model": model,
+            "settings": asdict(cache.settings),
+            "counters": cache.saved_counters(),
+            "extra": extra,
+            "arrays": entries,
+        }
+        _write_file(aside / MANIFEST, json.dumps(manifest, ensure_ascii=False).encode())
+        _sync_folder(aside)
+        _swap(aside, path)
+    except BaseException as error:
+        shutil.rmtree(aside, ignore_errors=True)
+        if isinstance(error, OSError):
+            fix = "free some space or save elsewhere" if error.errno in FULL else "save elsewhere"
+            raise H2OError(
+                f"cannot write the save {path} ({error.strerror or error}); any previous save there is whole: "
+                f"{fix}"
+            ) from None
+        raise
+    return size
+
+
+def _write_array(file: Path, tensor: torch.Tensor) -> str:
+    descriptor = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    checksum = Checksum()
+    try:
+        os.fchmod(descriptor, FILE_MODE)
+        for piece in _rows(tensor):
+            write_all(descriptor, piece.data)
+            checksum.update(piece.data)
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+    return checksum.hex()
+
+
+def _write_file(file: Path, data: bytes) -> None:
+    descriptor = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    try:
+        os.fchmod(descriptor, FILE_MODE)
+        write_all(descriptor, data)
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _sync_folder(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _swap(aside: Path, path: Path) -> None:
+    """Put the written folder `aside` at `path`: the previous save (if any) is renamed out of the way, the new
+    one in, then the previous one removed. Between the two renames only the previous one exists (as
+    `.NAME.old-*`), and `open_saved` reads it there."""
+    old = None
+    if path.exists() or path.is_symlink():
+        if not (path / MANIFEST).is_file():
+            raise H2OError(f"{path} exists and is not a saved read; save elsewhere or remove it")
+        old = path.with_name(f".{path.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+        os.rename(path, old)
+    os.rename(aside, path)
+    _sync_folder(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _sweep(folder: Path, name: str) -> None:
+    """Remove what saves to `name` killed outright left in `folder` (`.NAME.tmp-PID-*` of a gone process)."""
+    for entry in folder.glob(f".{name}.tmp-*"):
+        pid = entry.name.removeprefix(f".{name}.tmp-").split("-")[0]
+        if pid.isdigit() and 0 < int(pid) < 2**31 and not _alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SavedArrays:
+    """The arrays of a save by name, as CPU tensors over copy-on-write maps of its files; each array's
+    checksum is checked when it is first read (H2OError naming the file when it differs)."""
+
+    def __init__(self, path: Path, entries: dict, maps: dict) -> None:
+        self.path, self.entries, self.maps = path, entries, maps
+        self._checked: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self.entries else default
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        entry = self.entries[name]
+        dtype = getattr(torch, entry["dtype"])
+        if entry["bytes"] == 0:
+            return torch.empty(entry["shape"], dtype=dtype)
+        data = self.maps[name]
+        if name not in self._checked:
+            if Checksum().update(data).hex() != entry["checksum"]:
+                raise H2OError(f"the save {self.path} is damaged ({entry['file']} differs); save it again")
+            self._checked.add(name)
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(entry["shape"])
+
+
+@dataclass
+class SavedRead:
+    """An opened save: its folder, its manifest and its arrays (`SavedArrays`)."""
+
+    path: Path
+    manifest: dict
+    arrays: SavedArrays
+
+    @property
+    def extra(self) -> dict:
+        return self.manifest["extra"]
+
+    @property
+    def settings(self) -> dict:
+        return self.manifest["settings"]
+
+    @property
+    def size(self) -> int:
+        """Bytes of its arrays."""
+        return sum(entry["bytes"] for entry in self.manifest["arrays"].values())
+
+    def load_into(self, cache) -> None:
+        """Put the saved state into `cache` (built with the saved settings: `resume_settings`)."""
+        try:
+            cache.load_saved(self.arrays, self.manifest["counters"])
+        except (KeyError, RuntimeError, TypeError, ValueError) as error:
+            raise H2OError(
+                f"the save {self.path} does not fit this cache ({type(error).__name__}: {error}); save it again"
+            ) from None
+
+
+def is_saved_read(path: str | Path) -> bool:
+    """Whether `path` names a saved read (a folder with a manifest), rather than a file (a transcript)."""
+    path = Path(path).expanduser()
+    return path.is_dir() or (not path.exists() and _interrupted(path) is not None)
+
+
+def _interrupted(path: Path) -> Path | None:
+    """The previous save a swap left renamed aside when it was killed between its two renames (`_swap`)."""
+    found = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
+    return next((old for old in found if (old / MANIFEST).is_file()), None)
+
+
+def open_saved(path: str | Path) -> SavedRead:
+    """Open the save at `path`: check its manifest (format, version, byte order) and map every array file
+    (sizes checked now, checksums when read). Raises H2OError in one line naming what is wrong."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        old = _interrupted(path)
+        if old is None:
+            raise H2OError(f"{path} is not a saved read (no such folder); save one with --save")
+        path = old
+    try:
+        folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as error:
+        raise H2OError(f"cannot open the save {path}: {error.strerror}") from None
+    try:
+        manifest = _manifest(path, folder)
+        maps = {name: _map(path, folder, entry) for name, entry in manifest["arrays"].items()}
+    finally:
+        os.close(folder)
+    return SavedRead(path, manifest, SavedArrays(path, manifest["arrays"], maps))
+
+
+def _manifest(path: Path, folder: int) -> dict:
+    try:
+        descriptor = os.open(MANIFEST, os.O_RDONLY, dir_fd=folder)
+        with os.fdopen(descriptor, "rb") as file:
+            manifest = json.loads(file.read())
+    except FileNotFoundError:
+        raise H2OError(f"{path} is not a saved read (no {MANIFEST}); save one with --save") from None
+    except (OSError, ValueError) as error:
+        raise H2OError(f"the save {path} is damaged ({MANIFEST}: {error}); save it again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise H2OError(f"{path} is not a saved read (its {MANIFEST} names no h2o save)")
+    if manifest.get("version") != VERSION:
+        raise H2OError(
+            f"{path} is a save of format version {manifest.get('version')}; this h2o reads version {VERSION}: "
+            "read the text again with this version"
+        )
+    if manifest.get("byteorder") != sys.byteorder:
+        raise H2OError(
+            f"{path} was saved on a {manifest.get('byteorder')}-endian machine; read the text here"
+        )
+    return manifest
+
+
+def _map(path: Path, folder: int, entry: dict):
+    try:
+        descriptor = os.open(entry["file"], os.O_RDONLY, dir_fd=folder)
+    except OSError as error:
+        raise H2OError(
+            f"the save {path} is damaged ({entry['file']}: {error.strerror}); save it again"
+        ) from None
+    try:
+        size = os.fstat(descriptor).st_size
+        if size != entry["bytes"]:
+            raise H2OError(
+                f"the save {path} is damaged ({entry['file']} holds {size:,} bytes of {entry['bytes']:,}); "
+                "save it again"
+            )
+        return mmap.mmap(descriptor, size, access=mmap.ACCESS_COPY) if size else None
+    finally:
+        os.close(descriptor)
