@@ -227,7 +227,10 @@ class PageScoring(ArchiveStore):
         else only those written since the last fold."""
         size, sections = self.section_pages, self.section_summary.shape[1]
         if fixed or self._sections_at is None or self.tokens - self._sections_at >= self.capacity:
-            touched = torch.arange(sections, device=self.summary.device)
+            # Every section (fixed shapes), else those the ring has written: the rest hold no page, and a long
+            # reach's unwritten summaries stay unread (in a file, they take no memory).
+            written = sections if fixed else min(sections, -(-self.span // (size * self.page_size)))
+            touched = torch.arange(written, device=self.summary.device)
         else:
             slots = torch.arange(self._sections_at, self.tokens, device=self.summary.device) % self.capacity
             touched = torch.unique(slots // (size * self.page_size))
