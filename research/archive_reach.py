@@ -28,6 +28,7 @@ from h2o_cli.cache.recall.archive import PageArchive, PageSettings
 from h2o_cli.cache.recall.archive_file import ArchiveFile, aligned
 from h2o_cli.cache.recall.limits import DEFAULT_ARCHIVE_MAX, summary_block
 from h2o_cli.config import CacheSettings
+from h2o_cli.policies import make_policy
 
 # SmolLM2-135M: 30 layers of 3 KV heads (3 query heads each) x 64 dims.
 LAYERS, N_KV, GROUP, HEAD_DIM = 30, 3, 3, 64
@@ -49,15 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     settings = CacheSettings(budget=819, policy="recall")
-    pages = PageSettings(
-        settings.page_size,
-        settings.block_size,
-        attention=settings.page_score == "attention",
-        shortlist=settings.shortlist,
-        carry=settings.page_carry,
-        chunk_weight=settings.chunk_weight,
-        step_shortlist=settings.step_shortlist,
-    )
+    pages = PageSettings.of(make_policy(settings))
     capacity = DEFAULT_ARCHIVE_MAX
     block = summary_block(pages.page_size, pages.block_size)
     region = aligned(PageArchive.stored_bytes(N_KV, HEAD_DIM, capacity, torch.float32, args.bits, block))
