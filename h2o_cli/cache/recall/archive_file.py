@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import mmap
 import os
 import re
@@ -183,15 +184,17 @@ class ArchiveRegion:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of `shape` and `dtype` over the next bytes of the region (zero until written)."""
-        count = 1
-        for dim in shape:
-            count *= dim
+        count = math.prod(shape)
         offset = -(-self._next // 8) * 8  # every dtype's alignment
         self._next = offset + count * dtype.itemsize
         assert self._next <= self.end, "the region was sized for its tensors"
         tensor = torch.frombuffer(self.file.map, dtype=dtype, count=count, offset=offset).view(shape)
         self._tensors.append(tensor)
         return tensor
+
+    def fits(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """Whether `take(shape, dtype)` still has room in the region."""
+        return -(-self._next // 8) * 8 + math.prod(shape) * dtype.itemsize <= self.end
 
     def reserve(self, tokens: int, capacity: int) -> None:
         """Reserve on disk the rows (axis 1) of every tensor `take` laid out that the ring's first `tokens` of

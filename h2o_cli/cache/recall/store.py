@@ -45,8 +45,8 @@ class ArchiveStore:
     `capacity` is a whole number (at least 2) of pages of `settings.page_size` tokens, summarised in blocks of
     `settings.block_size` (None: 4 where 4 divides the page, else the page). `dtype` is the compute dtype (what
     `read` returns); `bits` the storage as `--kv-bits` (None: `dtype`, 16, 8: int8 + scales); `region` an
-    `ArchiveRegion` of a mapped file for the K/V (and scales) and the summaries (`stored_bytes` with the
-    block), else they are allocated in RAM.
+    `ArchiveRegion` of a mapped file for the K/V (and scales), and the summaries when it was sized for them
+    too (`stored_bytes` with the block), else they are allocated in RAM.
     """
 
     def __init__(
@@ -87,12 +87,14 @@ class ArchiveStore:
             self.value_scales = allocate((n_kv_heads, capacity), SCALE_DTYPE)
         self.token_index = torch.full((capacity,), NOTHING, dtype=torch.int64, device=device)
         # Per block: [high, low] side by side (one matmul scores both); `high` and `low` are views of it. In a
-        # file they start as its zeros, as in RAM; a block is emptied (inf, -inf) before its first key.
+        # file (a region sized for them) they start as its zeros, as in RAM; a block is emptied (inf, -inf)
+        # before its first key.
         summary = (n_kv_heads, capacity // block_size, 2 * head_dim)
-        if region is None:
-            self.summary = torch.zeros(summary, dtype=torch.float32, device=device)
-        else:
+        self.summaries_in_file = region is not None and region.fits(summary, torch.float32)
+        if self.summaries_in_file:
             self.summary = region.take(summary, torch.float32)
+        else:
+            self.summary = torch.zeros(summary, dtype=torch.float32, device=device)
         self.high, self.low = self.summary[..., :head_dim], self.summary[..., head_dim:]
         self.tokens = 0  # tokens written so far (the next token's index)
         self._floor = 0  # no older token is held (raised by a rewind past pages the ring dropped)
@@ -128,7 +130,9 @@ class ArchiveStore:
 
     def _in_file(self) -> list[torch.Tensor]:
         """The tensors in the mapped file (none in RAM): K/V, scales and summaries."""
-        return [] if self.region is None else [*self._stored(), self.summary]
+        if self.region is None:
+            return []
+        return [*self._stored(), self.summary] if self.summaries_in_file else self._stored()
 
     def prepare_write(self, count: int) -> None:
         """Before the next `count` tokens are written (by `write`, or the C step through the mapping): a file
@@ -150,7 +154,8 @@ class ArchiveStore:
 
     def ram_bytes(self) -> int:
         """Bytes of this archive in RAM: the token index, and the K/V and summaries without a file."""
-        kept = [self.token_index] + ([] if self.region else [*self._stored(), self.summary])
+        kept = [self.token_index] + ([] if self.summaries_in_file else [self.summary])
+        kept += [] if self.region else self._stored()
         return sum(tensor.nbytes for tensor in kept)
 
     def token_bytes(self) -> int:
