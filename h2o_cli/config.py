@@ -106,7 +106,7 @@ class CacheSettings:
     lead_text: bool = True  # recall, --recall-lead: text recalls the lead's best pages too (chat: off)
     page_score: str = "attention"  # recall: pages ranked by the attention they get, or by summary bounds (positional, unrotated)
     archive_max: int | str = (
-        DEFAULT_ARCHIVE_MAX  # recall: tokens (131072) or bytes ("64MiB") the archive holds; then oldest dropped
+        DEFAULT_ARCHIVE_MAX  # recall: tokens (1048576 on disk) or bytes ("64MiB") the archive reaches back
     )
     archive: str = (
         "auto"  # recall: where archived K/V live: auto (ram up to 1 GiB, else disk), ram, disk, or a path

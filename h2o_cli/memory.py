@@ -155,12 +155,12 @@ def archive_split(
     shape: ModelShape, capacity: int, block_size: int, dtype_bytes: int, bits: int | None, storage: str
 ) -> tuple[int, int]:
     """`archive_bytes` as (in RAM, on disk) for `storage` "ram" or "disk" (`--archive disk` or a PATH): the
-    token index and block summaries always stay in RAM, the K/V (and scales) go to the file."""
+    token index always stays in RAM, the K/V (and scales) and the block summaries go to the file."""
     kv = capacity * shape.n_kv_heads * token_kv_bytes(shape, bits, dtype_bytes)
     index = capacity * 8
     summaries = (capacity // block_size) * shape.n_kv_heads * shape.head_dim * 2 * 4
-    ram = shape.n_layers * (index + summaries)
-    disk = shape.n_layers * kv
+    ram = shape.n_layers * index
+    disk = shape.n_layers * (kv + summaries)
     return (ram + disk, 0) if storage == "ram" else (ram, disk)
 
 
@@ -219,7 +219,7 @@ def memory_table(
     dtype_bytes: int = 4,
     contexts: tuple[int, ...] = CONTEXTS,
     page_size: int = 16,
-    archive_max: int = 131072,
+    archive_max: int = 1_048_576,
     block_size: int = 4,
     archive_bits: int | None = None,
     archive_storage: str = "ram",

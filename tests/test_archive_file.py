@@ -215,7 +215,7 @@ def test_the_default_archive_goes_to_a_file_past_the_ram_limit(tiny_pair, monkey
     _, model = tiny_pair
     monkeypatch.setenv("H2O_HOME", str(tmp_path))
     settings = CacheSettings(budget=24, policy="recall", chunk=4, archive_max=256)
-    assert settings.archive == "auto" and CacheSettings(budget=24).archive_max == 131072
+    assert settings.archive == "auto" and CacheSettings(budget=24).archive_max == limits.DEFAULT_ARCHIVE_MAX
     small = H2OCache(model, settings)
     assert small.archive_summary().archive_storage == "ram"
     monkeypatch.setattr(limits, "AUTO_RAM_BYTES", 1024)

@@ -70,11 +70,15 @@ def test_a_file_archive_recalls_bit_for_bit_what_the_ram_archive_does(
     assert os.path.dirname(path) == str(tmp_path) and os.path.getsize(path) >= on_disk.archive_disk_bytes
     assert in_ram.archive_storage == "ram" and in_ram.archive_disk_bytes == 0
     assert on_disk.archive_storage == "disk" and on_disk.archive_bytes == in_ram.archive_bytes
-    # The file holds the K/V (and scales); the token index and page summaries stay in RAM.
+    # The file holds the K/V (and scales) and the page summaries (min and max per block of 4, fp32); the token
+    # index stays in RAM.
     layers, shape = len(disk.layers), disk.shape
     kv = 64 * shape.n_kv_heads * memory.token_kv_bytes(shape, bits, 4)
-    assert on_disk.archive_disk_bytes == layers * kv
-    assert on_disk.archive_ram_bytes == in_ram.archive_ram_bytes - layers * kv
+    summaries = 64 // 4 * shape.n_kv_heads * 2 * shape.head_dim * 4
+    assert on_disk.archive_disk_bytes == layers * (kv + summaries)
+    assert (
+        on_disk.archive_ram_bytes == in_ram.archive_ram_bytes - layers * (kv + summaries) == layers * 64 * 8
+    )
     for key in ("archive_reach", "archive_tokens", "recalled_per_step", "recall_hits"):
         assert getattr(on_disk, key) == getattr(in_ram, key)
     assert on_disk.archive_reach == 150 - 62 and on_disk.recalled_per_step > 0
@@ -202,21 +206,22 @@ def test_memory_accounts_the_archive_per_token_for_each_storage():
         "16": float_kv + index + summaries,
         "8": int8_kv + index + summaries,
     }
-    assert table["recall_archive_ram_bytes_per_token"] == index + summaries
-    assert table["recall_archive_disk_bytes_per_token"] == int8_kv
+    assert table["recall_archive_ram_bytes_per_token"] == index
+    assert table["recall_archive_disk_bytes_per_token"] == int8_kv + summaries
     page_bytes = 8 * (int8_kv + index + summaries)
     tokens = 64 * MiB // page_bytes * 8
     assert table["recall_archive_tokens"] == tokens == 160
-    assert table["recall_archive_disk_bytes"] == tokens * int8_kv
-    assert table["recall_archive_ram_bytes"] == tokens * (index + summaries)
+    assert table["recall_archive_disk_bytes"] == tokens * (int8_kv + summaries)
+    assert table["recall_archive_ram_bytes"] == tokens * index
     ram = json.loads(CliRunner().invoke(app, [*args, "--archive", "ram", "--archive-max", "16384"]).stdout)
     assert ram["recall_archive_disk_bytes"] == 0 and ram["recall_archive_tokens"] == 16384
     assert ram["recall_archive_ram_bytes"] == 16384 * (float_kv + index + summaries)
-    # The default: 131,072 tokens, whose K/V (64 GiB here) pass 1 GiB, so `auto` puts them in a file.
+    # The default: a reach of 1,048,576 tokens, whose K/V (512 GiB here) pass 1 GiB, so `auto` puts them and
+    # the summaries in a file; RAM keeps the token index only.
     default = json.loads(CliRunner().invoke(app, args).stdout)
-    assert default["recall_archive_tokens"] == 131072
-    assert default["recall_archive_disk_bytes"] == 131072 * float_kv
-    assert default["recall_archive_ram_bytes"] == 131072 * (index + summaries)
+    assert default["recall_archive_tokens"] == 1_048_576
+    assert default["recall_archive_disk_bytes"] == 1_048_576 * (float_kv + summaries)
+    assert default["recall_archive_ram_bytes"] == 1_048_576 * index
 
 
 def test_compare_rows_report_the_archive(tiny_pair, tmp_path):

@@ -147,17 +147,17 @@ def test_memory_cli_works_offline_for_llama_7b(monkeypatch, tmp_path):
     assert table["weights_bytes"] == 2 * 6_738_415_616
     assert table["rows"][0]["context"] == 4096 and table["rows"][-1]["context"] == 2**20
     # recall's archive, by hand: 32 layers x (K and V of 32 heads x 128 fp16 + an int64 index + fp32 min/max
-    # of 32 x 128 per 4-token block, the default block), 131,072 tokens by default.
+    # of 32 x 128 per 4-token block, the default block), a reach of 1,048,576 tokens by default.
     per_token = 32 * (2 * 32 * 128 * 2 + 8 + 2 * 32 * 128 * 4 / 4)
     assert table["recall_archive_bytes_per_token"] == per_token
-    assert table["recall_archive_bytes"] == per_token * 131072
+    assert table["recall_archive_bytes"] == per_token * 1_048_576
     quarter = CliRunner().invoke(
         app, ["memory", "--model", "llama-7b", "--budget", "0.2", "--dtype", "float16", "--json",
               "--recall-layers", "0-3,20,28-30"],
     )  # fmt: skip
     assert quarter.exit_code == 0, quarter.output
     table = json.loads(quarter.stdout)  # the archive of 8 layers of 32
-    assert table["recall_layers"] == 8 and table["recall_archive_bytes"] == per_token * 131072 // 4
+    assert table["recall_layers"] == 8 and table["recall_archive_bytes"] == per_token * 1_048_576 // 4
 
 
 def test_recall_archive_accounting_equals_the_cache(tiny_pair):

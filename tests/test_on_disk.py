@@ -224,23 +224,25 @@ class Space:
         self.f_bavail, self.f_frsize, self.f_bsize = free // 4096, 4096, 4096
 
 
-def test_without_a_real_reservation_an_archive_that_does_not_fit_is_refused_before_writing(
+def test_without_a_real_reservation_a_stretch_that_does_not_fit_is_refused_before_writing(
     tmp_path, monkeypatch
 ):
-    """Where `posix_fallocate` is unsupported the file would be sparse and the C step's writes through the
-    mapping would end the process with SIGBUS on a full disk: the free space is checked first, and a lack
-    of it is one line naming the folder and the fix, with no file left."""
+    """Where `posix_fallocate` is unsupported the file stays sparse and the C step's writes through the
+    mapping would end the process with SIGBUS on a full disk: each stretch the archive reserves ahead of its
+    writes has its free space checked first, and a lack of it is one line naming the folder and the fix; the
+    file (sparse, sized for the whole reach) is removed when closed."""
     folder = tmp_path / "archives"
     monkeypatch.setattr(os, "posix_fallocate", no_fallocate)
     monkeypatch.setattr(os, "statvfs", lambda path: Space(1 << 20))
+    archive = ArchiveFile(folder / "archive.kv", 8 << 20)
+    assert os.path.getsize(archive.path) == 8 << 20
+    archive.reserve(0, 512 << 10)  # a stretch that fits
     with pytest.raises(ArchiveError) as refused:
-        ArchiveFile(folder / "archive.kv", 8 << 20)
+        archive.reserve(512 << 10, 4 << 20)
     message = str(refused.value)
     assert str(folder) in message and "--archive ram" in message and "\n" not in message
-    assert os.listdir(folder) == []
-    archive = ArchiveFile(folder / "archive.kv", 512 << 10)  # one that fits is made as before
-    assert os.path.getsize(archive.path) == 512 << 10
     archive.close()
+    assert os.listdir(folder) == []
 
 
 def region_of(tmp_path: Path):

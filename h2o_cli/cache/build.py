@@ -143,10 +143,11 @@ def add_archives(
     dtype: torch.dtype,
 ):
     """Give every recalling layer (with its device) its `PageArchive`, in RAM or in one mapped file
-    (docs/spec.md, recall: storage)."""
+    (docs/spec.md, recall: storage): the default reach is `RAM_ARCHIVE_MAX` in RAM, and a file's as many
+    tokens as its disk holds (`disk_reach`, one line when fewer)."""
     from h2o_cli import memory
     from h2o_cli.cache.recall.archive_file import ArchiveFile, aligned, archive_location
-    from h2o_cli.cache.recall.limits import archive_storage, summary_block
+    from h2o_cli.cache.recall.limits import archive_storage, disk_reach, free_bytes, ram_reach, summary_block
 
     layers, devices = [layer for layer, _ in recallers], [device for _, device in recallers]
     bits, page = settings.archive_bits, policy.page_size
@@ -156,15 +157,23 @@ def add_archives(
     capacity = policy.archive_tokens(span, page_bytes)
     regions, archive_file = [None] * len(layers), None
     device = next((device for device in devices if device.type != "cpu"), devices[0])
-    region = aligned(PageArchive.stored_bytes(shape.n_kv_heads, shape.head_dim, capacity, dtype, bits))
-    storage = archive_storage(settings.archive, region * len(layers), device.type)
-    if storage != "ram":
+    kv = PageArchive.stored_bytes(shape.n_kv_heads, shape.head_dim, capacity, dtype, bits)
+    storage = archive_storage(settings.archive, aligned(kv) * len(layers), device.type)
+    if storage == "ram":
+        capacity = ram_reach(capacity, policy.archive_max, page)
+    else:
         if device.type != "cpu":
             raise UsageError(
                 f"--archive {settings.archive} maps a file into CPU memory, but the model runs on {device}; "
                 "use --archive ram (the archive then lives in device memory) or --device cpu"
             )
         where = archive_location(storage, settings.keep_archive)
+        in_file = PageArchive.stored_bytes(shape.n_kv_heads, shape.head_dim, capacity, dtype, bits, block)
+        token_bytes = -(-in_file * len(layers) // capacity)
+        capacity = disk_reach(capacity, page, token_bytes, free_bytes(where.parent), where.parent)
+        region = aligned(
+            PageArchive.stored_bytes(shape.n_kv_heads, shape.head_dim, capacity, dtype, bits, block)
+        )
         archive_file = ArchiveFile(where, region * len(layers), settings.keep_archive)
         regions = [archive_file.region(region) for _ in layers]
     for layer, region, device in zip(layers, regions, devices, strict=True):

@@ -147,7 +147,8 @@ ArchiveMax = Annotated[
     str,
     typer.Option(
         "--archive-max",
-        help="recall: what the archive keeps, in tokens (131072) or bytes (64MiB, 1GiB); older pages are dropped.",
+        help="recall: how far back the archive reaches, in tokens (1048576 on disk, 131072 in RAM) or bytes "
+        "(64MiB, 1GiB); older pages are dropped, said in one line.",
         rich_help_panel=ADVANCED_RECALL,
     ),
 ]

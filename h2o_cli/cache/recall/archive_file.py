@@ -1,11 +1,14 @@
-"""Where the `recall` archive's K/V live on disk: one memory-mapped file per cache, never kept resident.
+"""Where the `recall` archive's K/V and page summaries live on disk: one memory-mapped file per cache, never
+kept resident.
 
 `--archive disk` names a fresh file in `$H2O_HOME/archive/`, `--archive PATH` a file (or a fresh name inside a
-folder; a folder it makes, and `$H2O_HOME/archive/` always, is 0700, the file 0600). The file's space is
-reserved when the cache is built (`posix_fallocate`: a full disk is a one-line error then, not a crash in the
-middle of a stream; where the file system cannot reserve, the file is sparse and the free space is checked
-instead, since the C step's writes through the mapping into a full disk would end the process with SIGBUS),
-each layer's K/V lie in their own region of it, aligned to the OS page size. The archive writes through the
+folder; a folder it makes, and `$H2O_HOME/archive/` always, is 0700, the file 0600). The file is sized for the
+whole reach when the cache is built but sparse: its space is reserved as the tokens come (`reserve`,
+`posix_fallocate` a stretch of ring slots ahead of the writes), so a reach of a million tokens costs the disk
+what the text has filled, and a full disk is a one-line error before any write, not a crash in the middle of a
+stream (where the file system cannot reserve, the free space is checked instead, since the C step's writes
+through the mapping into a full disk would end the process with SIGBUS);
+each layer's K/V and summaries lie in their own region of it, aligned to the OS page size. The archive writes through the
 file (`os.pwrite`: into the page cache, not the process; a disk found full then is one line) and reads the
 chosen tokens as tensors over the mapping; after every read it calls `release()`:
 `madvise(MADV_DONTNEED)` takes the region's pages out of the process (a shared file mapping keeps their data in
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import mmap
 import os
 import re
@@ -92,13 +96,7 @@ class ArchiveFile:
         # From here on the file exists: it is removed on every way out unless kept.
         self._finalizer = weakref.finalize(self, _remove, self.path, keep)
         try:
-            try:
-                os.posix_fallocate(descriptor, 0, size)
-            except OSError as error:
-                if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # e.g. ENOSPC
-                    raise
-                check_free_space(self.path.parent, size)  # a sparse file: no write may find the disk full
-                os.ftruncate(descriptor, size)
+            os.ftruncate(descriptor, size)  # sparse: each region reserves its space as its tokens come
             self.map = mmap.mmap(descriptor, size, flags=mmap.MAP_SHARED)
         except (OSError, ArchiveError) as error:
             os.close(descriptor)
@@ -112,6 +110,21 @@ class ArchiveFile:
         self.descriptor = descriptor
         self._closer = weakref.finalize(self, os.close, descriptor)
         self.base = torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()
+
+    def reserve(self, offset: int, length: int) -> None:
+        """Reserve bytes `offset .. offset + length` of the file on its disk (`posix_fallocate`; where the file
+        system cannot, its free space is checked instead), so that no write through the mapping finds the disk
+        full (the C step's would end the process with SIGBUS). Raises ArchiveError, one line, when it is."""
+        try:
+            os.posix_fallocate(self.descriptor, offset, length)
+        except OSError as error:
+            if error.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                check_free_space(self.path.parent, length)
+                return
+            raise ArchiveError(
+                f"the disk of the recall archive {self.path} is full ({error.strerror}) after "
+                f"{offset:,} bytes; free space there, lower --archive-max, or {FIX}"
+            ) from None
 
     def region(self, nbytes: int) -> ArchiveRegion:
         """The next `nbytes` of the file (rounded up to whole OS pages)."""
@@ -166,16 +179,39 @@ class ArchiveRegion:
     def __init__(self, file: ArchiveFile, start: int, end: int) -> None:
         self.file, self.start, self.end = file, start, end
         self._next = start
+        self._tensors: list[torch.Tensor] = []  # what `take` laid out, each [n, rows, ...]
+        self.reserved = 0  # the ring slots whose rows are reserved on disk so far (`reserve`)
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of `shape` and `dtype` over the next bytes of the region (zero until written)."""
-        count = 1
-        for dim in shape:
-            count *= dim
+        count = math.prod(shape)
         offset = -(-self._next // 8) * 8  # every dtype's alignment
         self._next = offset + count * dtype.itemsize
         assert self._next <= self.end, "the region was sized for its tensors"
-        return torch.frombuffer(self.file.map, dtype=dtype, count=count, offset=offset).view(shape)
+        tensor = torch.frombuffer(self.file.map, dtype=dtype, count=count, offset=offset).view(shape)
+        self._tensors.append(tensor)
+        return tensor
+
+    def fits(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """Whether `take(shape, dtype)` still has room in the region."""
+        return -(-self._next // 8) * 8 + math.prod(shape) * dtype.itemsize <= self.end
+
+    def reserve(self, tokens: int, capacity: int) -> None:
+        """Reserve on disk the rows (axis 1) of every tensor `take` laid out that the ring's first `tokens` of
+        `capacity` slots span, in every head (axis 0): a tensor of `rows` rows holds `rows / capacity` of a row
+        per slot (the K/V and scales one, the summaries one per block). Raises ArchiveError
+        (`ArchiveFile.reserve`) when the disk is full."""
+        tokens = min(tokens, capacity)
+        if tokens <= self.reserved:
+            return
+        for tensor in self._tensors:
+            heads, rows = tensor.shape[0], tensor.shape[1]
+            row = tensor[0, 0].nbytes
+            begin, end = self.reserved * rows // capacity, -(-tokens * rows // capacity)
+            start = tensor.data_ptr() - self.file.base
+            for head in range(heads):
+                self.file.reserve(start + (head * rows + begin) * row, (end - begin) * row)
+        self.reserved = tokens
 
     def write(self, target: torch.Tensor, first: int, data: torch.Tensor) -> None:
         """Write `data` [n, count, ...] into slots `first .. first + count - 1` (modulo `capacity`) of a

@@ -58,6 +58,7 @@ class RecallCStep(CStep):
     def archive_token(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """`PageArchive.write` of one token: key, value [n_kv_heads, 1, head_dim] unrotated."""
         archive = self.archive
+        archive.prepare_write(1)  # a file archive's disk reserved before C writes through the mapping
         native.archive_token(
             key, value, archive.capacity, archive.page_size, archive.block_size, archive.tokens,
             self.archive_pointers,

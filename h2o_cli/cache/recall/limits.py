@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import sys
+from pathlib import Path
 
 from h2o_cli.errors import UsageError
 
@@ -10,7 +14,10 @@ from h2o_cli.errors import UsageError
 SIZE_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 SIZE_UNITS |= {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 ARCHIVE_BITS = (None, 16, 8)
-DEFAULT_ARCHIVE_MAX = 131072  # tokens: recall reaches back this far by default
+DEFAULT_ARCHIVE_MAX = 1_048_576  # tokens: recall reaches back this far by default (on disk, where it fits)
+RAM_ARCHIVE_MAX = 131072  # tokens: the default reach of an archive kept in RAM (or an accelerator's memory)
+GROW_TOKENS = 16384  # a file archive reserves its disk space this many ring slots ahead of its writes
+DISK_SPARE = 2**30  # bytes of the disk a file archive leaves free when it sizes its reach to the disk
 DEFAULT_BLOCK = 4  # tokens per key summary when --block-size is not given (and 4 divides the page)
 AUTO_RAM_BYTES = 2**30  # `--archive auto`: a CPU archive larger than this (every layer's K/V) goes to a file
 PAGE_SCORES = ("positional", "unrotated", "attention")
@@ -192,3 +199,67 @@ def archive_capacity(archive_max: int | str, page_size: int, span: int | None, p
         return (min(pages, max(2, -(-span // page_size))) if span else pages) * page_size
     tokens = min(count, span) if span else count
     return max(2, -(-tokens // page_size)) * page_size
+
+
+def ram_reach(capacity: int, archive_max: int | str, page_size: int) -> int:
+    """The capacity of an archive kept in RAM: `capacity`, but at most `RAM_ARCHIVE_MAX` tokens (whole pages)
+    when `--archive-max` is the default (a reach of a million tokens is the disk's; given, it is the user's)."""
+    if archive_max != DEFAULT_ARCHIVE_MAX:
+        return capacity
+    return min(capacity, max(2, -(-RAM_ARCHIVE_MAX // page_size)) * page_size)
+
+
+def free_bytes(place: Path) -> int:
+    """Bytes free to this user on the file system of `place` (its nearest existing folder)."""
+    place = Path(place)
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    status = os.statvfs(place)
+    return status.f_bavail * status.f_frsize
+
+
+def disk_reach(capacity: int, page_size: int, token_bytes: int, free: int, where: Path | str) -> int:
+    """The capacity of a file archive: `capacity` tokens when the disk's `free` bytes hold them at
+    `token_bytes` each (every layer's K/V and summaries) with `DISK_SPARE` left over, else the whole pages that
+    do (at least two), said in one line on stderr (the `h2o_cli.recall` logger)."""
+    room = max(0, free - DISK_SPARE) // max(1, token_bytes) // page_size * page_size
+    if capacity <= room:
+        return capacity
+    fitted = max(2 * page_size, room)
+    REACH_LOG.warning(
+        f"note: the disk of {where} has room for {fitted:,} archived tokens ({free / 2**30:.1f} GiB free), not "
+        f"the {capacity:,} of recall's reach; older pages are dropped past that (free space, or --archive PATH)"
+    )
+    return fitted
+
+
+class _StderrLine(logging.Handler):
+    """Each record as one line on the `sys.stderr` of the moment (stderr is everything but data)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sys.stderr.write(self.format(record) + "\n")
+
+
+# The reach's notes: one line on stderr each, whatever logging the host set up (silence: raise its level).
+REACH_LOG = logging.getLogger("h2o_cli.recall")
+REACH_LOG.addHandler(_StderrLine())
+REACH_LOG.propagate = False
+_told: list[tuple[int, int]] = []  # the (capacity, token) last told outgrown: the layers of a cache tell once
+
+
+def forget_told() -> None:
+    """A new archive is being built: its first outgrown page is told again."""
+    _told.clear()
+
+
+def tell_outgrown(capacity: int, token: int) -> None:
+    """Say in one line on stderr (the `h2o_cli.recall` logger) that a text outgrew the archive's reach of
+    `capacity` tokens at token `token` (its first dropped page); every layer of a cache calls it, it says it
+    once (`archive_oldest` in `--json` is how far back recall then reaches)."""
+    if _told == [(capacity, token)]:
+        return
+    _told[:] = [(capacity, token)]
+    REACH_LOG.warning(
+        f"note: the text outgrew recall's archive at token {token:,}: it reaches back {capacity:,} tokens, "
+        "older pages are dropped from here (raise --archive-max to keep them)"
+    )

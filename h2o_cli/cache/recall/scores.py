@@ -25,6 +25,7 @@ from h2o_cli.cache.recall.limits import step_pages
 from h2o_cli.cache.recall.store import NOTHING, ArchiveStore
 
 SECTION_TOKENS = 256  # the coarse level of a shortlist: sections of this many tokens (whole pages) rank first
+MASS_LOGITS = 2**26  # the most logits (n_kv_heads x queries x tokens) one block of `attention_mass` makes
 HALF_MAX = 65504.0  # float16's largest finite value: a held key is clamped to it, never inf
 
 
@@ -147,7 +148,9 @@ class PageScoring(ArchiveStore):
         > 1 tokens starts afresh, its mass times min(chunk, `chunk_weight`). query: [n_kv_heads, m, head_dim].
         Returns [n_kv_heads, pages] float32."""
         if not self.attention:
-            return self.summary_bounds(query, pages)
+            bound = self.summary_bounds(query, pages)
+            self.release()  # a file's summaries leave the process (the attention mass releases its own reads)
+            return bound
         page_start = self.token_index.view(self.pages, self.page_size)[:pages, 0]
         step = self.carry and chunk == 1
         if step:  # the scores carried from the last choice, for the pages that still hold the same page
@@ -224,7 +227,10 @@ class PageScoring(ArchiveStore):
         else only those written since the last fold."""
         size, sections = self.section_pages, self.section_summary.shape[1]
         if fixed or self._sections_at is None or self.tokens - self._sections_at >= self.capacity:
-            touched = torch.arange(sections, device=self.summary.device)
+            # Every section (fixed shapes), else those the ring has written: the rest hold no page, and a long
+            # reach's unwritten summaries stay unread (in a file, they take no memory).
+            written = sections if fixed else min(sections, -(-self.span // (size * self.page_size)))
+            touched = torch.arange(written, device=self.summary.device)
         else:
             slots = torch.arange(self._sections_at, self.tokens, device=self.summary.device) % self.capacity
             touched = torch.unique(slots // (size * self.page_size))
@@ -290,6 +296,8 @@ class PageScoring(ArchiveStore):
         empty = (self.token_index.take(slots) == NOTHING).unsqueeze(1)  # [n_kv, 1, tokens]
         query = query.float() * self.head_dim**-0.5
         mass = torch.zeros(n_kv, slots.shape[1], device=query.device)
+        # Fewer queries a block over a long archive (a question scores every page): its logits stay bounded.
+        block = max(1, min(block, MASS_LOGITS // (n_kv * slots.shape[1])))
         for start in range(0, query.shape[1], block):
             logits = torch.bmm(query[:, start : start + block], keys).masked_fill_(empty, float("-inf"))
             mass += torch.softmax(logits, dim=-1).sum(dim=1)

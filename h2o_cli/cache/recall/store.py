@@ -9,12 +9,14 @@ summarised in blocks of `block_size` tokens (a divisor of the page): per (ring b
 the per-channel min and max of the block's keys (Quest's summary), which page scoring
 (`h2o_cli.cache.recall.scores`) bounds a query's logits by.
 
-K/V live in RAM (`torch.empty`: the system backs them as they are written) or in a region of a memory-mapped
-file (`h2o_cli.cache.recall.archive_file`), whose pages are released from the process after every write and
-read; in the compute dtype, 16-bit, or int8 with one fp32 scale per (token, KV head) as
-`h2o_cli.cache.kvquant`. The summaries and token indices always stay in RAM, and the summaries are taken from
-the exact keys as they arrive, before any rounding to the storage dtype (after a `rewind` a partly kept page is
-summarised again from its stored keys).
+K/V and summaries live in RAM (`torch.empty`: the system backs K/V as they are written) or in a region of a
+memory-mapped file (`h2o_cli.cache.recall.archive_file`), whose pages are released from the process after
+every write and read, so the resident memory stays flat however far the archive reaches (its disk space is
+reserved `GROW_TOKENS` ring slots ahead of the writes, `prepare_write`); K/V in the compute dtype, 16-bit, or
+int8 with one fp32 scale per (token, KV head) as `h2o_cli.cache.kvquant`. The token indices always stay in
+RAM, and the summaries are taken from the exact keys as they arrive, before any rounding to the storage dtype
+(after a `rewind` a partly kept page is summarised again from its stored keys). The first page a text's
+tokens drop (the ring wraps) is said in one line (`limits.tell_outgrown`).
 
 One rule, one body: `_write_piece` is the write; `_write_token` (a decode step's write) and `write_fixed` (the
 fixed step's) are its one-token forms, pinned to it bit for bit by
@@ -28,25 +30,25 @@ from typing import TYPE_CHECKING
 import torch
 
 from h2o_cli.cache.kvquant import SCALE_DTYPE, dequantize, quantize, storage_dtype
-from h2o_cli.cache.recall.limits import summary_block
+from h2o_cli.cache.recall.limits import GROW_TOKENS, forget_told, summary_block, tell_outgrown
+from h2o_cli.cache.recall.saved_store import SavedStore
 
 if TYPE_CHECKING:
     from h2o_cli.cache.recall.archive import PageSettings
 
 NOTHING = -1  # token index of an empty archive slot
 # What a saved read keeps of the page scoring (`PageScoring`, h2o_cli.cache.recall.scores) beside the store's.
-SCORING_ARRAYS = ("carried", "carried_start")
-SCORING_COUNTERS = ("scored", "_sections_at")
 
 
-class ArchiveStore:
+class ArchiveStore(SavedStore):
     """One layer's archive storage: K/V `[n_kv_heads, capacity, head_dim]` in a ring, the token index
     `[capacity]` of each slot (NOTHING: empty), and the key summary `[n_kv_heads, blocks, 2 * head_dim]`.
 
     `capacity` is a whole number (at least 2) of pages of `settings.page_size` tokens, summarised in blocks of
     `settings.block_size` (None: 4 where 4 divides the page, else the page). `dtype` is the compute dtype (what
     `read` returns); `bits` the storage as `--kv-bits` (None: `dtype`, 16, 8: int8 + scales); `region` an
-    `ArchiveRegion` of a mapped file for the K/V (and scales), else they are allocated empty in RAM.
+    `ArchiveRegion` of a mapped file for the K/V (and scales), and the summaries when it was sized for them
+    too (`stored_bytes` with the block), else they are allocated in RAM.
     """
 
     def __init__(
@@ -86,9 +88,15 @@ class ArchiveStore:
             self.key_scales = allocate((n_kv_heads, capacity), SCALE_DTYPE)
             self.value_scales = allocate((n_kv_heads, capacity), SCALE_DTYPE)
         self.token_index = torch.full((capacity,), NOTHING, dtype=torch.int64, device=device)
-        # Per block: [high, low] side by side (one matmul scores both); `high` and `low` are views of it.
-        blocks = capacity // block_size
-        self.summary = torch.zeros(n_kv_heads, blocks, 2 * head_dim, dtype=torch.float32, device=device)
+        # Per block: [high, low] side by side (one matmul scores both); `high` and `low` are views of it. In a
+        # file (a region sized for them) they start as its zeros, as in RAM; a block is emptied (inf, -inf)
+        # before its first key.
+        summary = (n_kv_heads, capacity // block_size, 2 * head_dim)
+        self.summaries_in_file = region is not None and region.fits(summary, torch.float32)
+        if self.summaries_in_file:
+            self.summary = region.take(summary, torch.float32)
+        else:
+            self.summary = torch.zeros(summary, dtype=torch.float32, device=device)
         self.high, self.low = self.summary[..., :head_dim], self.summary[..., head_dim:]
         self.tokens = 0  # tokens written so far (the next token's index)
         self._floor = 0  # no older token is held (raised by a rewind past pages the ring dropped)
@@ -98,32 +106,58 @@ class ArchiveStore:
         self._head_pages = torch.arange(n_kv_heads, device=device).unsqueeze(1) * self.pages  # as _head_rows
         self._block_offsets = torch.arange(self.blocks_per_page, device=device)
         self.epoch = 0  # one more at every reset or rewind: what a step kept of the archive (C step) is void
+        forget_told()  # a new archive: the first page its text drops is told
 
     @staticmethod
     def stored_bytes(
-        n_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, bits: int | None
+        n_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        bits: int | None,
+        block_size: int | None = None,
     ) -> int:
-        """Bytes of the K/V (and scales) of an archive: what its `region` must hold (each tensor 8-aligned)."""
+        """Bytes of the K/V (and scales) of an archive, and with `block_size` (tokens per summary) its
+        summaries: what its `region` must hold (each tensor 8-aligned)."""
         stored = storage_dtype(bits, dtype)
         sizes = [n_kv_heads * capacity * head_dim * stored.itemsize] * 2
         if stored == torch.int8:
             sizes += [n_kv_heads * capacity * SCALE_DTYPE.itemsize] * 2
+        if block_size:
+            sizes.append(n_kv_heads * (capacity // block_size) * 2 * head_dim * 4)
         return sum(-(-size // 8) * 8 for size in sizes)
 
     def _stored(self) -> list[torch.Tensor]:
         return [t for t in (self.keys, self.values, self.key_scales, self.value_scales) if t is not None]
+
+    def _in_file(self) -> list[torch.Tensor]:
+        """The tensors in the mapped file (none in RAM): K/V, scales and summaries."""
+        if self.region is None:
+            return []
+        return [*self._stored(), self.summary] if self.summaries_in_file else self._stored()
+
+    def prepare_write(self, count: int) -> None:
+        """Before the next `count` tokens are written (by `write`, or the C step through the mapping): a file
+        archive reserves their slots on disk, `GROW_TOKENS` ahead (ArchiveError, one line, when the disk is
+        full), and the first token that drops a page of the text is told (`tell_outgrown`)."""
+        end = self.tokens + count
+        if self.region is not None and end > self.region.reserved:
+            self.region.reserve(end + GROW_TOKENS, self.capacity)
+        if self.tokens <= self.capacity < end and self.capacity > self._floor:
+            tell_outgrown(self.capacity, self.capacity)
 
     def nbytes(self) -> int:
         """Bytes preallocated for K/V (and scales), token index and summaries (K/V backed as written)."""
         return self.ram_bytes() + self.disk_bytes()
 
     def disk_bytes(self) -> int:
-        """Bytes of this archive in its mapped file (the K/V and scales; 0 in RAM)."""
-        return 0 if self.region is None else sum(tensor.nbytes for tensor in self._stored())
+        """Bytes of this archive in its mapped file (the K/V, scales and summaries; 0 in RAM)."""
+        return sum(tensor.nbytes for tensor in self._in_file())
 
     def ram_bytes(self) -> int:
-        """Bytes of this archive in RAM: token index and summaries, and the K/V without a file."""
-        kept = [self.token_index, self.summary] + ([] if self.region else self._stored())
+        """Bytes of this archive in RAM: the token index, and the K/V and summaries without a file."""
+        kept = [self.token_index] + ([] if self.summaries_in_file else [self.summary])
+        kept += [] if self.region else self._stored()
         return sum(tensor.nbytes for tensor in kept)
 
     def token_bytes(self) -> int:
@@ -160,6 +194,7 @@ class ArchiveStore:
 
     def _write_piece(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         count, first = keys.shape[1], self.tokens
+        self.prepare_write(count)
         token_index = torch.arange(first, first + count, device=self.token_index.device)
         slots = token_index % self.capacity
         page_slots = self.token_index.view(self.pages, self.page_size)
@@ -181,6 +216,7 @@ class ArchiveStore:
         self.low.scatter_reduce_(1, blocks, exact, "amin")
         self.high.scatter_reduce_(1, blocks, exact, "amax")
         self.tokens += count
+        self.release()  # the summaries written through the mapping leave the process
 
     def _blocks_of(self, pages: torch.Tensor) -> torch.Tensor:
         """The summary blocks of ring `pages` [n] (int64): [n * blocks_per_page], page by page."""
@@ -203,6 +239,7 @@ class ArchiveStore:
         """`_write_piece` of one token (a decode step's fast form, in half the ops): the same writes, its slot
         and page as Python ints (held to it by tests/test_recall.py; archive.c's `archive_token` is its C twin)."""
         token = self.tokens
+        self.prepare_write(1)
         slot = token % self.capacity
         page, block = slot // self.page_size, slot // self.block_size
         if token % self.page_size == 0:  # the token starts a page: the ring page's old page is gone
@@ -222,6 +259,7 @@ class ArchiveStore:
         torch.minimum(low, exact, out=low)
         torch.maximum(high, exact, out=high)
         self.tokens += 1
+        self.release()
 
     def write_fixed(self, keys: torch.Tensor, values: torch.Tensor, token: torch.Tensor) -> None:
         """`_write_piece` of one token with the token's index a tensor `token` [1] (int64), for the fixed step
@@ -247,6 +285,7 @@ class ArchiveStore:
 
     def stepped_fixed(self) -> None:
         """The Python count after a fixed step's `write_fixed`."""
+        self.prepare_write(1)  # RAM only: tells a first dropped page
         self.tokens += 1
 
     def _summarise(self, pages: torch.Tensor) -> None:
@@ -297,46 +336,6 @@ class ArchiveStore:
         self._floor = int(held.min()) if held.numel() else tokens
         if touched.numel():
             self._summarise(touched)
-
-    # A saved read (h2o_cli.saved): the ring's written part, the token index, the summaries and the counters.
-    # The page scoring's carried state (`PageScoring`) goes with them where this store is one.
-
-    def saved_arrays(self) -> dict[str, torch.Tensor]:
-        """The ring slots written so far (`span`: every slot past it is empty) of the K/V (and scales), the
-        token index and the blocks' summaries; the page scoring's carried scores and the summaries of the
-        sections over `span`: views of the live tensors (a mapped file's pages are read when written out).
-        What `load_saved` puts back."""
-        used, blocks = self.span, self.span // self.block_size
-        arrays = {"keys": self.keys[:, :used], "values": self.values[:, :used]}
-        if self.quantized:
-            arrays |= {"key_scales": self.key_scales[:, :used], "value_scales": self.value_scales[:, :used]}
-        arrays |= {"token_index": self.token_index[:used], "summary": self.summary[:, :blocks]}
-        arrays |= {name: getattr(self, name) for name in SCORING_ARRAYS if hasattr(self, name)}
-        if hasattr(self, "section_summary"):
-            sections = -(-used // self.page_size // self.section_pages)
-            arrays["section_summary"] = self.section_summary[:, :sections]
-        return arrays
-
-    def saved_counters(self) -> dict:
-        """The counters beside `saved_arrays` (the scoring's too: how often scores were carried, and when the
-        section summaries were refreshed)."""
-        counters = {"tokens": self.tokens, "floor": self._floor, "epoch": self.epoch}
-        counters |= {name: getattr(self, name) for name in SCORING_COUNTERS if hasattr(self, name)}
-        return counters
-
-    def load_saved(self, arrays, counters: dict) -> None:
-        """Put back `saved_arrays` (a mapping by name; the ring's written part) and `saved_counters` into an
-        archive of the same shape: its unwritten part stays as built (empty). What a step kept of the old
-        state is void (`epoch`), and a mapped file's pages leave the process (`release`)."""
-        self.tokens, self._floor, self.epoch = counters["tokens"], counters["floor"], counters["epoch"] + 1
-        for name, saved in self.saved_arrays().items():  # sized by `tokens`, now the saved count
-            saved.copy_(arrays[name])
-        for name in SCORING_COUNTERS:
-            if hasattr(self, name):
-                setattr(self, name, counters[name])
-        if hasattr(self, "_held_keys"):
-            self._held_keys = None  # the held keys are read again from the archive
-        self.release()
 
     def page_keys(self, picked: torch.Tensor) -> torch.Tensor:
         """The keys of ring pages `picked` [n_kv_heads, k] of each KV head, page after page, as float32:
