@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from h2o_cli.cache import H2OCache
-from h2o_cli.chat.framing import answer_suffix, stop_ids, turn_parts
+from h2o_cli.chat.framing import answer_suffix, frame_flags, stop_ids, turn_parts
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import InputError
 from h2o_cli.generation import Sampling, TextStreamer, generate_ids
@@ -76,6 +76,8 @@ class ChatSession:
         self._step = None  # the `CompiledStep` of `self.cache`, made on the first answer
         # Every token id fed, by token index (for re-reading and decoding heavy hitters).
         self.ids = array("l")
+        # Token indices of the chat template's tokens fed (role markers, turn ends, the system message).
+        self.frame = array("l")
         self.last = AnswerStats()
         self.started = time.time()
         self._suffix = answer_suffix(self.tokenizer, self.system)
@@ -88,10 +90,13 @@ class ChatSession:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _feed(self, pieces: list[list[int]]) -> torch.Tensor | None:
+    def _feed(self, pieces: list[list[int]], frame: list[bool] | None = None) -> torch.Tensor | None:
         """Run id lists through the cache in chunks (a `NewChunk` piece is a question: `streaming.chunks_of`);
-        returns the logits after the last id. A read cut short (Ctrl-C, context overflow) raises: a turn is fed
-        whole or the caller hears why."""
+        returns the logits after the last id. `frame`: which of the ids (all pieces in turn) are the
+        template's (`frame_flags`), recorded in `frame`. A read cut short (Ctrl-C, context overflow) raises: a
+        turn is fed whole or the caller hears why."""
+        first = self.cache.tokens_seen
+        self.frame.extend(first + offset for offset, flag in enumerate(frame or ()) if flag)
         logits, stats = prefill(self.model, self.cache, pieces, FEED_CALL_TOKENS)
         self.ids.extend([token for piece in pieces for token in piece][: stats.tokens])
         stats.reraise()
@@ -132,7 +137,7 @@ class ChatSession:
             stats.decode_seconds = time.perf_counter() - started
             answer.content = streamer.printed
             if self._suffix:
-                self._feed([self._encode(self._suffix)])
+                self._feed(*self._suffix_piece())
             answer.end = self.cache.tokens_seen
             self.stop_requested = False
 
@@ -150,14 +155,20 @@ class ChatSession:
         as for `h2o stream --prompt`."""
         parts = [part for part in turn_parts(self.tokenizer, self.system, self.history, user_text) if part]
         bos = not self.turns and not getattr(self.tokenizer, "chat_template", None)  # plain text: its own BOS
-        pieces = [
-            self.tokenizer(part, add_special_tokens=bos and not n)["input_ids"]
-            for n, part in enumerate(parts)
-        ]
+        at = "".join(parts).rfind(user_text)  # the message's span in the turn's text
+        pieces, frame, offset = [], [], 0
+        for n, part in enumerate(parts):
+            ids, flags = frame_flags(self.tokenizer, part, (at - offset, at - offset + len(user_text)))
+            if bos and not n:
+                ids = self.tokenizer(part, add_special_tokens=True)["input_ids"]
+                flags = [False] * (len(ids) - len(flags)) + flags
+            pieces.append(ids)
+            frame.extend(flags)
+            offset += len(part)
         pieces[-1] = NewChunk(pieces[-1])
         user_turn = Turn("user", user_text, self.cache.tokens_seen)
         self.turns.append(user_turn)
-        logits = self._feed(pieces)
+        logits = self._feed(pieces, frame)
         user_turn.end = self.cache.tokens_seen
         self.last.prompt_tokens = sum(map(len, pieces))
         return logits
@@ -169,7 +180,8 @@ class ChatSession:
         self._new_turn(user_text)
         self._read_message(user_text)
         start = self.cache.tokens_seen
-        self._feed([self._encode(answer + self._suffix)])
+        ids, flags = frame_flags(self.tokenizer, answer + self._suffix, (0, len(answer)))
+        self._feed([ids], flags)
         self.turns.append(Turn("assistant", answer, start, self.cache.tokens_seen))
 
     def resume(self, turns: list[dict]) -> int:
@@ -191,6 +203,11 @@ class ChatSession:
             self.read_exchange(user["content"], answer["content"])
         return len(turns) // 2 * 2
 
+    def _suffix_piece(self) -> tuple[list[list[int]], list[bool]]:
+        """The end-of-turn text as `_feed`'s (pieces, frame): every token of it is the template's."""
+        ids, flags = frame_flags(self.tokenizer, self._suffix, None)
+        return [ids], flags
+
     def _decode_step(self):
         """With `compiled`, the captured one-token forward over the current cache (made once per cache)."""
         if not self.compiled:
@@ -210,6 +227,7 @@ class ChatSession:
         self.cache.close()  # a recall archive's file goes now, not when the old cache is collected
         self.cache = H2OCache(self.model, self.settings)
         self.ids = array("l")
+        self.frame = array("l")
         self.turns = []
 
     def rebuild(self, settings: CacheSettings) -> None:
