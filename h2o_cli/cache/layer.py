@@ -209,6 +209,7 @@ class H2OLayer(CacheLayerMixin):
             length=store.length,
             tokens_seen=store.tokens_seen,
             recalled=recalled,
+            pinned=store.pinned,
         )
 
     # The hooks through which a layer supplies its R and the positions of E_q to the path bodies.

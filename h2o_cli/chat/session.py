@@ -24,6 +24,10 @@ from h2o_cli.private import write_private
 from h2o_cli.prompting import NewChunk
 from h2o_cli.streaming import prefill
 
+# With `keep_frame`, the template's tokens pinned take at most this share of the resident slots: the first
+# turn's header (the system message) always, then the newest turns' markers, the oldest released first.
+FRAME_SHARE = 8  # 1/8: 102 of the 819 slots of SmolLM2's default budget
+
 # Tokens per forward call when feeding a turn. The cache attends them `settings.chunk` at a time (its spare
 # slots), so a chat can keep few spare slots and still read a long message in few forward calls.
 FEED_CALL_TOKENS = 256
@@ -70,6 +74,7 @@ class ChatSession:
     turns: list[Turn] = field(default_factory=list)
     stop_requested: bool = False
     compiled: bool = False  # answers decode on the captured one-token forward (`--compile`, h2o_cli.compiled)
+    keep_frame: bool = False  # pin the template's tokens (`frame`) in the cache: no policy evicts them
 
     def __post_init__(self) -> None:
         self.cache = H2OCache(self.model, self.settings)
@@ -96,7 +101,10 @@ class ChatSession:
         template's (`frame_flags`), recorded in `frame`. A read cut short (Ctrl-C, context overflow) raises: a
         turn is fed whole or the caller hears why."""
         first = self.cache.tokens_seen
-        self.frame.extend(first + offset for offset, flag in enumerate(frame or ()) if flag)
+        new = [first + offset for offset, flag in enumerate(frame or ()) if flag]
+        self.frame.extend(new)
+        if self.keep_frame and new:
+            self._pin_frame(self.cache)
         logits, stats = prefill(self.model, self.cache, pieces, FEED_CALL_TOKENS)
         self.ids.extend([token for piece in pieces for token in piece][: stats.tokens])
         stats.reraise()
@@ -203,6 +211,24 @@ class ChatSession:
             self.read_exchange(user["content"], answer["content"])
         return len(turns) // 2 * 2
 
+    def frame_pins(self, resident: int) -> list[int]:
+        """The template tokens `keep_frame` pins in a cache of `resident` slots per head: the first turn's
+        header (its leading run of template tokens: the system message, the user header), then the newest of
+        the others, `resident // FRAME_SHARE` in all at most."""
+        room = resident // FRAME_SHARE
+        head = 0
+        while head < len(self.frame) and self.frame[head] == head:
+            head += 1
+        head = min(head, room)
+        newest = list(self.frame[max(head, len(self.frame) - (room - head)) :])
+        return list(self.frame[:head]) + newest
+
+    def _pin_frame(self, cache: H2OCache) -> None:
+        """Pin `frame_pins` in `cache`, releasing the template tokens that fell out of them."""
+        wanted = set(self.frame_pins(cache.report().resident_slots))
+        cache.unpin(set(self.frame) - wanted)
+        cache.pin(wanted)
+
     def _suffix_piece(self) -> tuple[list[list[int]], list[bool]]:
         """The end-of-turn text as `_feed`'s (pieces, frame): every token of it is the template's."""
         ids, flags = frame_flags(self.tokenizer, self._suffix, None)
@@ -239,6 +265,8 @@ class ChatSession:
         the session goes on unchanged.
         """
         cache = H2OCache(self.model, settings)
+        if self.keep_frame and self.frame:
+            self._pin_frame(cache)
         if self.ids:
             _, stats = prefill(self.model, cache, [list(self.ids)], FEED_CALL_TOKENS)
             stats.reraise()
@@ -279,6 +307,7 @@ class ChatSession:
                 self.last.prompt_tokens / self.last.prefill_seconds if self.last.prefill_seconds > 0 else 0.0
             ),
             "last_stopped": self.last.stopped,
+            "pinned_slots": self.cache.report().pinned_slots,
             "peak_rss_bytes": peak_rss_bytes(),
         }
 

@@ -86,6 +86,16 @@ def chat(
     threads: opt.Threads = 0,
     trust_remote_code: opt.TrustRemoteCode = False,
     compiled: opt.Compile = False,
+    keep_frame: Annotated[
+        bool,
+        typer.Option(
+            "--keep-frame/--no-keep-frame",
+            help="Pin the chat template's tokens (the system message, role markers, turn ends) so that no "
+            "policy evicts them: they take at most 1/8 of the budget, the system message and the newest "
+            "turns' markers first (docs/chat.md: does the chat template survive eviction?).",
+            rich_help_panel=opt.CACHE,
+        ),
+    ] = True,
     resume: Annotated[
         Path | None,
         typer.Option(
@@ -116,7 +126,7 @@ def chat(
     chunk_given = not _default(context, "chunk")
     if not chunk_given:
         settings = replace(settings, chunk=default_chunk(settings.policy, lm, settings.budget))
-    session = ChatSession(lm, tokenizer, settings, sampling, system, compiled=compiled)
+    session = ChatSession(lm, tokenizer, settings, sampling, system, compiled=compiled, keep_frame=keep_frame)
     if saved[1]:
         _resume(session, saved[1], resume)
     if one_shot:
