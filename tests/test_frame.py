@@ -148,7 +148,7 @@ TEMPLATE = (
 )
 
 
-def chat_session(model, keep_frame: bool, policy: str = "sink"):
+def chat_session(model, keep_frame: bool, policy: str = "sink", compiled: bool = False, turns: int = 8):
     from conftest import word_tokenizer
 
     from h2o_cli.chat import ChatSession
@@ -158,12 +158,20 @@ def chat_session(model, keep_frame: bool, policy: str = "sink"):
     tokenizer.chat_template = TEMPLATE
     settings = CacheSettings(budget=64, chunk=8, policy=policy, kernels="torch")
     session = ChatSession(
-        model, tokenizer, settings, Sampling(max_new_tokens=4), "w9 w9", keep_frame=keep_frame
+        model,
+        tokenizer,
+        settings,
+        Sampling(max_new_tokens=4),
+        "w9 w9",
+        compiled=compiled,
+        keep_frame=keep_frame,
     )
-    words = torch.randint(10, 128, (8, 40), generator=torch.Generator().manual_seed(8))
+    words = torch.randint(10, 128, (turns, 40), generator=torch.Generator().manual_seed(8))
+    session.answers = []
     with torch.inference_mode():
-        for row in words.tolist():
-            session.ask(" ".join(f"w{word}" for word in row))
+        for number, row in enumerate(words.tolist()):
+            with torch._dynamo.config.patch(error_on_recompile=compiled and number > 0):
+                session.answers.append(session.ask(" ".join(f"w{word}" for word in row)))
     return session
 
 
@@ -214,3 +222,19 @@ def test_the_panel_shows_the_pinned_slots(tiny_pair):
     console = Console(width=140, record=True, color_system=None)
     console.print(render_panel(take_snapshot(session.cache), PanelView(), 140, 40))
     assert "pinned" not in console.export_text()
+
+
+def test_the_captured_step_keeps_the_frame_without_recompiling(tiny_pair, monkeypatch):
+    """`chat --compile --keep-frame`: the answers and kept tokens of a plain session, and the captured step
+    traced once although the pins change every turn."""
+    from h2o_cli import compiled
+
+    monkeypatch.setattr(compiled, "compile_options", lambda device: {"backend": "eager"})
+    _, model = tiny_pair
+    plain, captured = (chat_session(model, True, "h2o", flag, turns=4) for flag in (False, True))
+    assert captured.answers == plain.answers
+    for ours, theirs in zip(captured.cache.layer_slots(), plain.cache.layer_slots(), strict=True):
+        for head in range(ours.token_index.shape[0]):
+            kept = (slots.token_index[head][slots.valid[head]].sort().values for slots in (ours, theirs))
+            assert torch.equal(*kept)
+    assert captured.cache.report().pinned_slots == plain.cache.report().pinned_slots > 0

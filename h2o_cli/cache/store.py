@@ -48,6 +48,7 @@ class LayerStore:
         # resident then). `pinned_count`: pinned entries per head (the same for every head).
         self.pins: set[int] = set()
         self.pinned_count = 0
+        self.pinning = False  # whether pins were ever given: a flag the fixed step may branch on once
         self._allocate(budget + chunk, dtype, device)
 
     def _allocate(self, slots: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -170,6 +171,7 @@ class LayerStore:
     def pin(self, tokens: set[int]) -> None:
         """Pin token indices (added to `pins`): the resident ones now, later ones when written."""
         self.pins |= tokens
+        self.pinning = self.pinning or bool(tokens)
         self._mark()
 
     def unpin(self, tokens: set[int]) -> None:
@@ -355,6 +357,7 @@ class LayerStore:
         self.pinned[:, used:] = False
         self.token_index[:, used:] = -1
         self.pins = set(state.get("pins", ()))
+        self.pinning = self.pinning or bool(self.pins)
         self.pinned_count = int(self.pinned[0].sum())
         self.active = max(self.active, used)  # every entry lies below `active` (a decode step compacts)
         self.length, self.tokens_seen, self.evictions = (
@@ -369,6 +372,7 @@ class LayerStore:
         self.valid.zero_()
         self.pinned.zero_()
         self.pinned_count = 0
+        self.pinning = False
         self.pins.clear()
         self.token_index.fill_(-1)
         self.scores.zero_()

@@ -50,17 +50,19 @@ def evict_fixed(store: LayerStore, policy, length: torch.Tensor) -> None:
     """Eviction after a fixed step: `length` [n_kv_heads, 1] entries per head after the write; one entry
     leaves where it passes the budget, chosen by the policy's rule (`evict_after_step` in fixed shapes: the
     `kernel_victim` rule over every slot, empty ones masked, or the policy's priorities, with pinned entries
-    kept where the store holds any: `keep_pinned`)."""
+    kept once the store was given pins: `keep_pinned`)."""
     if not policy.evicts:
         return
-    if policy.kernel_victim and not store.pinned_count:
+    # `pinning`, not `pinned_count`: a captured step branches on it, and a count that changes every turn would
+    # recompile it every turn.
+    if policy.kernel_victim and not store.pinning:
         victim = lowest_outside_recent(store.scores, store.rank, length - policy.recent_slots, store.valid)
     else:
         state = FixedState(
             store.valid, store.token_index, store.rank, store.scores, store.seen, store.last_probs, length
         )
         priority = policy.priority(state)
-        if store.pinned_count:
+        if store.pinning:
             priority = keep_pinned(priority, store.valid, store.pinned)
         victim = select_evictions(priority, store.token_index, 1)
     store.drop_fixed(victim, length > store.budget)
