@@ -7,7 +7,7 @@ passage pasted from a book or an essay with a request about it; every reply is g
 (`ChatSession.frame`: role markers, the role word and newline after them, turn ends, the system message) are
 looked up in every layer's slots (`H2OCache.layer_slots`, resident entries S): per (layer, KV head) the share
 still resident, reported as min and mean, for the system message, the older turns' markers and all of them.
-Then `--probes` more MT-Bench questions are asked with `--probe-tokens` each: how many answers end at the
+Then `--probes` short-answer questions are asked with `--probe-tokens` each: how many answers end at the
 end-of-turn token, and how many start by writing a role marker or a role word.
 
     python -m research.frame_survival --policies h2o,sink,tova,recall --tokens 20000 [--keep-frame]
@@ -28,6 +28,13 @@ BOOKS = ("gutenberg_books/pride_and_prejudice_pg1342.txt", "gutenberg_books/sher
 ESSAYS = "paul_graham_essays/PaulGrahamEssays"
 ASKS = ("Summarise this passage in one sentence.", "Who or what is this passage about?")
 ROLE_WORDS = ("user", "assistant", "system")
+# Questions a chat answers in a few words: an answer that runs to the cap instead of ending its turn is the
+# template's structure lost (long MT-Bench answers run to any cap either way).
+SHORT = (
+    "What is the capital of France? Answer in one word.",
+    "Reply with just yes or no: is water wet?",
+    "Name one colour of the rainbow, in one word.",
+)
 
 
 def passages(root: Path, tokenizer, size: int):
@@ -144,7 +151,7 @@ def main() -> None:
         row = {"policy": policy, "keep_frame": args.keep_frame, "budget": session.cache.report().resident_slots,
                "chunk": settings.chunk, "tokens_seen": session.cache.tokens_seen, "turns": len(session.turns)}  # fmt: skip
         row.update(survival(session))
-        row.update(probe(session, asked[-args.probes :], args.probe_tokens))
+        row.update(probe(session, list(SHORT[: args.probes]), args.probe_tokens))
         row["seconds"] = round(time.perf_counter() - started, 1)
         line = json.dumps(row)
         print(line, flush=True)
