@@ -95,7 +95,7 @@ def chat(
             "turns' markers first (docs/chat.md: does the chat template survive eviction?).",
             rich_help_panel=opt.CACHE,
         ),
-    ] = True,
+    ] = False,
     resume: Annotated[
         Path | None,
         typer.Option(
