@@ -224,6 +224,7 @@ def test_the_panel_shows_the_pinned_slots(tiny_pair):
     assert "pinned" not in console.export_text()
 
 
+@pytest.mark.slow  # dynamo traces the tiny model's forward: tens of seconds on a shared CPU
 def test_the_captured_step_keeps_the_frame_without_recompiling(tiny_pair, monkeypatch):
     """`chat --compile --keep-frame`: the answers and kept tokens of a plain session, and the captured step
     traced once although the pins change every turn."""
