@@ -33,7 +33,7 @@ from h2o_cli.errors import H2OError
 from h2o_cli.private import FILE_MODE, FOLDER_MODE, FULL, private_folder, write_all
 
 FORMAT = "h2o saved read"
-VERSION = 1
+VERSION = 2  # 2: a store's pinned flags and pins
 MANIFEST = "manifest.json"
 PIECE = 64 << 20  # bytes written or checked at a time
 

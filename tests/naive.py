@@ -99,6 +99,33 @@ def choose_victim(head: NaiveHeadState, settings) -> int:
     return min(t for t in candidates if key[t] == best)  # ties go to the oldest
 
 
+def choose_victim_pinned(head: NaiveHeadState, settings, pinned: frozenset) -> int:
+    """SPEC step 4 with pinned tokens (docs/spec.md, pinned tokens), literally: the policy's candidates as
+    `choose_victim` finds them, less the pinned tokens, by the same key; when pins leave none, the oldest
+    unpinned entry."""
+    alive = head.alive_indices()
+    free = [t for t in alive if t not in pinned]
+    policy = settings.policy
+    if policy == "local":
+        return free[0]
+    if policy == "sink":
+        return next((t for t in free if t >= settings.sinks), free[0])
+    recent = recent_slots(settings)
+    candidates = [t for t in (alive[: len(alive) - recent] if recent else alive) if t not in pinned]
+    if policy in ("h2o", "recall"):
+        candidates = [t for t in candidates if t >= settings.h2o_sinks]
+        seen = {t: max(head.seen[t], 1) if settings.score_norm == "mean" else 1 for t in candidates}
+        key = {t: head.score[t] / seen[t] for t in candidates}
+    elif policy == "tova":
+        key = {t: head.last[t] for t in candidates}
+    else:
+        raise AssertionError(policy)
+    if not candidates:
+        return free[0]
+    best = min(key.values())
+    return min(t for t in candidates if key[t] == best)
+
+
 def naive_recall(
     head: NaiveHeadState,
     queries: torch.Tensor,
@@ -178,10 +205,13 @@ def naive_recall(
     return [t for page in order for t in candidates if t // size == page][: recall_slots(settings)]
 
 
-def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_freq, scaling, asks: int = 0):
+def naive_attend_chunk(
+    heads, queries, keys, values, first_token, settings, inv_freq, scaling, asks: int = 0, pinned=frozenset()
+):
     """One chunk through one layer. queries [n_heads, c, d], keys/values [n_kv, c, d] unrotated. `asks`: the
     chunk's last `asks` tokens are a question, whose queries alone choose R (recall), weighed as `asks` tokens;
     without one, at most `choice_tokens` of the chunk's tokens choose (evenly spaced, its last among them).
+    `pinned`: token indices never evicted (`choose_victim_pinned`).
 
     Returns the output [n_heads, c, d] (float64) and evicts after the chunk.
     """
@@ -247,7 +277,10 @@ def naive_attend_chunk(heads, queries, keys, values, first_token, settings, inv_
                     head.last[t] = float(total[position])
         if settings.policy != "full":
             while len(head.alive_indices()) > resident_budget(settings):
-                head.alive[choose_victim(head, settings)] = False
+                victim = (
+                    choose_victim_pinned(head, settings, pinned) if pinned else choose_victim(head, settings)
+                )
+                head.alive[victim] = False
     return output
 
 
@@ -267,12 +300,19 @@ def layer_settings(settings, number: int):
 
 
 def naive_model_nll(
-    model, ids: list[int], settings, chunk: int = 1, sizes: list[int] | None = None
+    model,
+    ids: list[int],
+    settings,
+    chunk: int = 1,
+    sizes: list[int] | None = None,
+    pinned=frozenset(),
+    states: list | None = None,
 ) -> list[float]:
     """Per-prediction NLL of `ids` under SPEC.md, running the decoder by hand over naive head states
     (Llama layout; Mistral and Qwen2 share it, Qwen3 adds its q/k norms).
 
-    Chunks of `chunk` tokens, or of the given `sizes` (summing to len(ids)).
+    Chunks of `chunk` tokens, or of the given `sizes` (summing to len(ids)). `pinned`: token indices never
+    evicted; `states`: a list the layers' head states are appended to (for their kept tokens).
     """
     config = model.config
     n_heads = config.num_attention_heads
@@ -281,7 +321,8 @@ def naive_model_nll(
     inv_freq = inv_freq_of(config, head_dim)
     scaling = head_dim**-0.5
     layers = model.model.layers
-    states = [[NaiveHeadState() for _ in range(n_kv)] for _ in layers]
+    states = states if states is not None else []
+    states.extend([NaiveHeadState() for _ in range(n_kv)] for _ in layers)
     nlls: list[float] = []
     previous = None
     with torch.no_grad():
@@ -301,7 +342,7 @@ def naive_model_nll(
                 q, k = q.transpose(0, 1), k.transpose(0, 1)
                 v = attn.v_proj(x).view(c, n_kv, head_dim).transpose(0, 1)
                 out = naive_attend_chunk(
-                    heads, q, k, v, start, layer_settings(settings, number), inv_freq, scaling
+                    heads, q, k, v, start, layer_settings(settings, number), inv_freq, scaling, pinned=pinned
                 )
                 out = out.to(hidden.dtype).transpose(0, 1).reshape(c, n_heads * head_dim)
                 hidden = hidden + attn.o_proj(out)

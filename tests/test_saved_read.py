@@ -98,6 +98,30 @@ def test_a_resumed_read_answers_as_the_reading_process(tiny, tmp_path, policy, k
     assert (c_calls.call_count > 0) == bool(c_step), c_calls.call_count
 
 
+@pytest.mark.parametrize("policy", ["h2o", "sink"])
+def test_pinned_tokens_come_back_pinned(tiny, tmp_path, policy):
+    """A save of a cache with pinned tokens (some read, some still to come) resumes with the same pins and
+    pinned entries, so eviction after the resume keeps them as the reading process does: same answer, and the
+    pinned tokens still resident in both after it."""
+    settings = settings_of(policy, "torch")
+    text, question = ids(TEXT, 5), ids(QUESTION, 6)
+    reader = H2OCache(tiny, settings)
+    reader.pin({3, 40, TEXT + 2})  # two read soon, one in the question
+    _, stats = prefill(tiny, reader, [text], CHUNK)
+    stats.reraise()
+    write_saved(tmp_path / "read", reader, model_identity(tiny, "tiny"), {"pending": []})
+    want = ask(tiny, reader, question)
+    saved = open_saved(tmp_path / "read")
+    resumed = H2OCache(tiny, resume_settings(saved, {}))
+    saved.load_into(resumed)
+    assert [layer.store.pins for layer in resumed.layers] == [{3, 40, TEXT + 2}] * len(resumed.layers)
+    assert ask(tiny, resumed, question) == want
+    for cache in (reader, resumed):
+        for layer in cache.layers:
+            resident = set(layer.store.token_index[layer.store.valid].tolist())
+            assert {3, 40, TEXT + 2} <= resident
+
+
 @pytest.mark.parametrize("policy", ["h2o", "recall"])
 def test_sliding_window_layers_resume_too(tiny_gemma, tmp_path, policy):
     want, got = saved_and_resumed(

@@ -69,6 +69,9 @@ class CStep:
         self.store = store
         self.pointers = store_pointers(store)
         self.victims = torch.empty(store.n_kv_heads, dtype=torch.int64)
+        self.pinned = checked(
+            "the store's pinned", store.pinned, torch.bool, tuple(store.valid.shape)
+        ).data_ptr()
         self.group = 0
         self.scratch = torch.empty(0, dtype=torch.float32)
 
@@ -101,6 +104,7 @@ class CStep:
         output, active = native.step(
             query, key, value, table, self.pointers, store.slots, store.active, rolling, store.tokens_seen,
             store.length, limit, decay, scratch, self.victims, recall, entries,
+            self.pinned if store.pinned_count else None,
         )  # fmt: skip
         store.stepped(active)
         return output

@@ -214,6 +214,7 @@ class H2OLayer(CacheLayerMixin):
             length=store.length,
             tokens_seen=store.tokens_seen,
             recalled=recalled,
+            pinned=store.pinned,
         )
 
     # A saved read (h2o_cli.saved). A layer kind with more state (pinned slots, say) adds its arrays and

@@ -134,6 +134,10 @@ class H2OCache(Cache):
         for layer in self.layers:
             layer.check_room(1)
             store = layer.store
+            if store.tokens_seen in store.pins:
+                raise UsageError(
+                    f"token {store.tokens_seen} is pinned: the fixed step cannot pin it; feed it uncompiled"
+                )
             if not layer.policy.evicts and store.length >= store.slots:
                 raise ContextOverflowError(
                     f"the cache holds {store.slots} tokens and policy {layer.policy.name} evicts none"
@@ -189,12 +193,37 @@ class H2OCache(Cache):
             archive=self.archive_summary(),
             windowed_layers=len(windows),
             window_slots=windows[0].slots if windows else 0,
+            pinned_slots=store.pinned_count,
+            pinned_tokens=len(store.pins),
         )
 
     @property
     def _budgeted(self):
         """The first layer that takes the budget (not a sliding window): what the report's figures are."""
         return next(layer for layer in self.layers if not layer.is_sliding)
+
+    def pin(self, tokens) -> None:
+        """Pin token indices (an iterable of ints; docs/spec.md, pinned tokens): no policy evicts them while
+        they are resident, and they count inside the budget. A token not yet read is pinned when written; one
+        already evicted stays gone. Sliding-window layers keep their window as ever. Raises `UsageError` when
+        the pinned entries would take more than half of the resident slots."""
+        tokens = {int(token) for token in tokens}
+        stores = [layer.store for layer in self.layers if not layer.is_sliding]
+        room = stores[0].budget // 2
+        if len(stores[0].pins | tokens) > room:
+            raise UsageError(
+                f"pinning {len(stores[0].pins | tokens)} tokens would take more than half of the "
+                f"{stores[0].budget} resident slots ({room}); unpin some or raise the budget"
+            )
+        for store in stores:
+            store.pin(tokens)
+
+    def unpin(self, tokens) -> None:
+        """Release pinned token indices (`pin`): their entries are the policy's to evict again."""
+        tokens = {int(token) for token in tokens}
+        for layer in self.layers:
+            if not layer.is_sliding:
+                layer.store.unpin(tokens)
 
     def layer_slots(self) -> list[LayerSlots]:
         """What each layer's slots hold now (`LayerSlots`: views of the live buffers, not copies)."""

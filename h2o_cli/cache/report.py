@@ -83,6 +83,9 @@ class CacheReport:
     - `windowed_layers`: layers that attend over a sliding window (Gemma 3) and keep it beside the budget;
       `window_slots`: slots per KV head of each (the window less one, plus the chunk), 0 without them. Every
       other figure above is the global layers' (`nbytes` counts both); `window_row` is what `--json` prints.
+    - `pinned_slots`: resident entries per KV head that no policy evicts (`H2OCache.pin`; they count inside
+      `resident_slots`); `pinned_tokens`: token indices pinned, resident, evicted before the pin, or not
+      read yet.
     """
 
     settings: CacheSettings
@@ -106,6 +109,8 @@ class CacheReport:
     archive: ArchiveReport | None
     windowed_layers: int = 0
     window_slots: int = 0
+    pinned_slots: int = 0
+    pinned_tokens: int = 0
 
     @property
     def archive_row(self) -> dict:
@@ -159,8 +164,8 @@ class LayerSlots:
     Views of the live buffers, each `[n_kv_heads, slots]`: read (or copy) them before the cache's next call,
     and never write them. `valid` marks the slots holding an entry; `token_index` (meaningless where not
     valid) the token each holds, `rank` its order by token index among the head's entries (0 = oldest),
-    `scores` its accumulated attention, `last_probs` the attention the latest query gave it. `length`: entries
-    per head; `tokens_seen`: tokens read. `recalled` `[n_kv_heads, recall_slots]`: with a recalling policy,
+    `scores` its accumulated attention, `last_probs` the attention the latest query gave it, `pinned` whether
+    it is pinned (`H2OCache.pin`: never evicted). `length`: entries per head; `tokens_seen`: tokens read. `recalled` `[n_kv_heads, recall_slots]`: with a recalling policy,
     the tokens each head read back from the archive in the last step (-1 = empty slot); None otherwise.
     """
 
@@ -172,6 +177,7 @@ class LayerSlots:
     length: int
     tokens_seen: int
     recalled: torch.Tensor | None = None
+    pinned: torch.Tensor | None = None
 
 
 __all__ = ["ArchiveReport", "CacheReport", "LayerSlots"]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from h2o_cli.cache.kvquant import dequantize, quantize
+from h2o_cli.cache.saved_store import SavedLayerStore
 from h2o_cli.policies import select_evictions
+from h2o_cli.policies.base import keep_pinned
 
 
-class LayerStore:
+class LayerStore(SavedLayerStore):
     """Preallocated state of one layer. Every tensor is `[n_kv_heads, slots]` (+ `[head_dim]` for K/V).
 
     `slots = budget + chunk`: a chunk of up to `chunk` new tokens is written into free slots, attended, and
@@ -42,6 +44,12 @@ class LayerStore:
         # `active`), so a one-token `write` needs no search; None when unknown. Any write or move clears it.
         self._free_hint: torch.Tensor | None = None
         self._views: dict[int, dict[str, torch.Tensor]] = {}
+        # Pinned tokens (docs/spec.md, pinned tokens): token indices never evicted (`H2OCache.pin` gives every
+        # store the same); a token is marked in `pinned` when it is written (or when pinned, if it is
+        # resident then). `pinned_count`: pinned entries per head (the same for every head).
+        self.pins: set[int] = set()
+        self.pinned_count = 0
+        self.pinning = False  # whether pins were ever given: a flag the fixed step may branch on once
         self._allocate(budget + chunk, dtype, device)
 
     def _allocate(self, slots: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -54,6 +62,7 @@ class LayerStore:
         self.token_index = torch.full(shape, -1, dtype=torch.int64, device=device)
         self.rank = torch.zeros(shape, dtype=torch.int64, device=device)
         self.valid = torch.zeros(shape, dtype=torch.bool, device=device)
+        self.pinned = torch.zeros(shape, dtype=torch.bool, device=device)
         if self.quantized:
             self.key_scales = torch.zeros(shape, dtype=torch.float32, device=device)
             self.value_scales = torch.zeros(shape, dtype=torch.float32, device=device)
@@ -144,10 +153,41 @@ class LayerStore:
         self.scores.scatter_(1, free, 0.0)
         self.seen.scatter_(1, free, 0.0)
         self.valid.scatter_(1, free, True)
+        if self.pins:
+            self._pin_written(free)
         self.length += chunk
         self.tokens_seen += chunk
         self.active = max(self.active, self.length)
         return free
+
+    def _pin_written(self, free: torch.Tensor) -> None:
+        """Mark the pinned tokens of a write of `free.shape[1]` tokens into `free` [n_kv_heads, chunk] slots
+        (free slots are never marked: a pinned entry is never dropped, `unpin` and `compact` clear theirs)."""
+        flags = [self.tokens_seen + offset in self.pins for offset in range(free.shape[1])]
+        if any(flags):
+            marks = torch.tensor(flags, device=free.device).expand(self.n_kv_heads, -1)
+            self.pinned.scatter_(1, free, marks)
+            self.pinned_count += sum(flags)
+
+    def pin(self, tokens: set[int]) -> None:
+        """Pin token indices (added to `pins`): the resident ones now, later ones when written."""
+        self.pins |= tokens
+        self.pinning = self.pinning or bool(tokens)
+        self._mark()
+
+    def unpin(self, tokens: set[int]) -> None:
+        """Release pinned token indices: their entries become the policy's to evict again."""
+        self.pins -= tokens
+        self._mark()
+
+    def _mark(self) -> None:
+        """`pinned` and `pinned_count` from `pins` and the resident token indices."""
+        if self.pins:
+            wanted = torch.tensor(sorted(self.pins), dtype=torch.int64, device=self.token_index.device)
+            self.pinned.copy_(self.valid & torch.isin(self.token_index, wanted))
+        else:
+            self.pinned.zero_()
+        self.pinned_count = int(self.pinned[0].sum())
 
     def write_fixed(self, keys: torch.Tensor, values: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """`write` of one token `[n_kv_heads, 1, head_dim]` read from tensors only, for the fixed step
@@ -195,11 +235,18 @@ class LayerStore:
         read (and rotate) them all."""
         self._free_hint = None
         order = torch.argsort(self.valid.logical_not().to(torch.uint8), dim=1, stable=True)  # entries first
-        for name in self._state_names():
+        for name in self._pinned_names():
             buffer = getattr(self, name)
             index = order if buffer.dim() == 2 else order.unsqueeze(-1).expand_as(buffer)
             buffer.copy_(buffer.gather(1, index))
-        for name, empty in (("scores", 0.0), ("seen", 0.0), ("last_probs", 0.0), ("token_index", -1)):
+        empties = (
+            ("scores", 0.0),
+            ("seen", 0.0),
+            ("last_probs", 0.0),
+            ("token_index", -1),
+            ("pinned", False),
+        )
+        for name, empty in empties:
             getattr(self, name)[:, self.length :] = empty
         self.active = self.length
 
@@ -247,12 +294,21 @@ class LayerStore:
         seen_by = (self.tokens_seen - torch.clamp(self.token_index, min=first)).clamp(0, chunk)
         self.seen += torch.where(self.valid, seen_by, 0).float()
 
+    def _pinned_names(self) -> tuple[str, ...]:
+        """The state buffers that move with their entries: `_state_names` and `pinned` (kept out of `nbytes`
+        and the fixed step's buffers: a byte per slot, read only where pins are)."""
+        return (*self._state_names(), "pinned")
+
     def evict(self, policy) -> torch.Tensor | None:
-        """Evict down to `budget` entries per head (SPEC step 4). Returns evicted slots `[n_kv_heads, n]`."""
+        """Evict down to `budget` entries per head (SPEC step 4), never a pinned entry (`keep_pinned`).
+        Returns evicted slots `[n_kv_heads, n]`."""
         excess = self.length - self.budget
         if excess <= 0 or not policy.evicts:
             return None
-        return self.drop(select_evictions(policy.priority(self), self.token_index, excess))
+        priority = policy.priority(self)
+        if self.pinned_count:
+            priority = keep_pinned(priority, self.valid, self.pinned)
+        return self.drop(select_evictions(priority, self.token_index, excess))
 
     def drop(self, slots: torch.Tensor) -> torch.Tensor:
         """Evict the entries in `slots` [n_kv_heads, n] (one per head per column). Returns `slots`."""
@@ -286,7 +342,8 @@ class LayerStore:
         used = int(self.valid.any(0).nonzero().max()) + 1 if self.valid.any() else 0
         return {
             "used": used,
-            "tensors": {name: getattr(self, name)[:, :used].clone() for name in self._state_names()},
+            "tensors": {name: getattr(self, name)[:, :used].clone() for name in self._pinned_names()},
+            "pins": set(self.pins),
             "length": self.length,
             "tokens_seen": self.tokens_seen,
             "evictions": self.evictions,
@@ -298,7 +355,11 @@ class LayerStore:
         for name, tensor in state["tensors"].items():
             getattr(self, name)[:, :used] = tensor
         self.valid[:, used:] = False
+        self.pinned[:, used:] = False
         self.token_index[:, used:] = -1
+        self.pins = set(state.get("pins", ()))
+        self.pinning = self.pinning or bool(self.pins)
+        self.pinned_count = int(self.pinned[0].sum())
         self.active = max(self.active, used)  # every entry lies below `active` (a decode step compacts)
         self.length, self.tokens_seen, self.evictions = (
             state["length"],
@@ -307,39 +368,13 @@ class LayerStore:
         )
         self._free_hint = None
 
-    # A saved read (h2o_cli.saved): every buffer whole and every counter, put back into a store of the same shape.
-
-    def saved_arrays(self) -> dict[str, torch.Tensor]:
-        """Every state buffer by name (the live tensors, not copies), and the lowest free slot of each head
-        [n_kv_heads, 1] when known (`free_hint`): what `load_saved` puts back."""
-        arrays = {name: getattr(self, name) for name in self._state_names()}
-        if self._free_hint is not None:
-            arrays["free_hint"] = self._free_hint
-        return arrays
-
-    def saved_counters(self) -> dict[str, int]:
-        """The counters `load_saved` puts back beside `saved_arrays`."""
-        return {
-            "length": self.length,
-            "active": self.active,
-            "tokens_seen": self.tokens_seen,
-            "evictions": self.evictions,
-        }
-
-    def load_saved(self, arrays, counters: dict[str, int]) -> None:
-        """Put back `saved_arrays` (a mapping by name, of this store's shapes) and `saved_counters`: the store
-        is then as it was when they were taken, down to which slot the next token takes."""
-        for name in self._state_names():
-            getattr(self, name).copy_(arrays[name])
-        hint = arrays.get("free_hint")
-        self._free_hint = None if hint is None else hint.to(self.token_index.device, copy=True)
-        self._views.clear()
-        self.length, self.active = counters["length"], counters["active"]
-        self.tokens_seen, self.evictions = counters["tokens_seen"], counters["evictions"]
-
     def reset(self) -> None:
         self._free_hint = None
         self.valid.zero_()
+        self.pinned.zero_()
+        self.pinned_count = 0
+        self.pinning = False
+        self.pins.clear()
         self.token_index.fill_(-1)
         self.scores.zero_()
         self.seen.zero_()

@@ -11,17 +11,19 @@ from h2o_kernels.reference import lowest_outside_recent
 
 from h2o_cli.cache.store import LayerStore
 from h2o_cli.policies import select_evictions
+from h2o_cli.policies.base import keep_pinned
 
 
 def one_over_by_kernel_rule(store: LayerStore, policy) -> bool:
     """Whether the step's eviction is exactly one entry chosen by the `kernel_victim` rule (the store holds
-    one entry over its budget and the policy's victim is that rule), which a kernel may find in its own pass."""
-    return policy.kernel_victim and store.length - store.budget == 1
+    one entry over its budget, the policy's victim is that rule and no entry is pinned), which a kernel may
+    find in its own pass. (The C step takes pins itself: `cache_step`'s `pinned`.)"""
+    return policy.kernel_victim and store.length - store.budget == 1 and not store.pinned_count
 
 
 def evict_after_step(store: LayerStore, policy) -> None:
     """Eviction after a one-token step on packed slots: under `one_over_by_kernel_rule` one min over the packed
-    slots (no priority array); otherwise the policy's own `evict`."""
+    slots (no priority array); otherwise the policy's own `evict` (which keeps pinned entries)."""
     if one_over_by_kernel_rule(store, policy):
         views = store.first_slots(store.active)
         limit = store.length - policy.recent_slots
@@ -47,14 +49,20 @@ class FixedState:
 def evict_fixed(store: LayerStore, policy, length: torch.Tensor) -> None:
     """Eviction after a fixed step: `length` [n_kv_heads, 1] entries per head after the write; one entry
     leaves where it passes the budget, chosen by the policy's rule (`evict_after_step` in fixed shapes: the
-    `kernel_victim` rule over every slot, empty ones masked, or the policy's priorities)."""
+    `kernel_victim` rule over every slot, empty ones masked, or the policy's priorities, with pinned entries
+    kept once the store was given pins: `keep_pinned`)."""
     if not policy.evicts:
         return
-    if policy.kernel_victim:
+    # `pinning`, not `pinned_count`: a captured step branches on it, and a count that changes every turn would
+    # recompile it every turn.
+    if policy.kernel_victim and not store.pinning:
         victim = lowest_outside_recent(store.scores, store.rank, length - policy.recent_slots, store.valid)
     else:
         state = FixedState(
             store.valid, store.token_index, store.rank, store.scores, store.seen, store.last_probs, length
         )
-        victim = select_evictions(policy.priority(state), store.token_index, 1)
+        priority = policy.priority(state)
+        if store.pinning:
+            priority = keep_pinned(priority, store.valid, store.pinned)
+        victim = select_evictions(priority, store.token_index, 1)
     store.drop_fixed(victim, length > store.budget)

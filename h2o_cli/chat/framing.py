@@ -62,6 +62,24 @@ def answer_suffix(tokenizer, system: str | None) -> str:
     return text.split(_MARK, 1)[1] if _MARK in text else ""
 
 
+def frame_flags(tokenizer, text: str, content: tuple[int, int] | None) -> tuple[list[int], list[bool]]:
+    """(ids, is_frame) of `text` tokenized as the chat feeds it (no special tokens added): a token is the
+    template's (a role marker, a turn end, the system message, a separator) when its characters lie outside
+    `content`, the `[start, end)` span of the user's message in `text` (None: the whole text is template).
+    A tokenizer without offsets (a slow one) marks its special tokens only."""
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = encoded["offset_mapping"]
+    except (NotImplementedError, KeyError, TypeError, ValueError):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        special = set(getattr(tokenizer, "all_special_ids", []))
+        return ids, [content is None or token in special for token in ids]
+    if content is None:
+        return encoded["input_ids"], [True] * len(offsets)
+    start, end = content
+    return encoded["input_ids"], [stop <= start or begin >= end for begin, stop in offsets]
+
+
 def stop_ids(tokenizer, suffix: str) -> set[int]:
     """Ids that end an answer: eos, and the first token of the end-of-turn text when it is a special token."""
     stops = set()

@@ -16,13 +16,17 @@ from pathlib import Path
 import torch
 
 from h2o_cli.cache import H2OCache
-from h2o_cli.chat.framing import answer_suffix, stop_ids, turn_parts
+from h2o_cli.chat.framing import answer_suffix, frame_flags, stop_ids, turn_parts
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import InputError
 from h2o_cli.generation import Sampling, TextStreamer, generate_ids
 from h2o_cli.private import write_private
 from h2o_cli.prompting import NewChunk
 from h2o_cli.streaming import prefill
+
+# With `keep_frame`, the template's tokens pinned take at most this share of the resident slots: the first
+# turn's header (the system message) always, then the newest turns' markers, the oldest released first.
+FRAME_SHARE = 8  # 1/8: 102 of the 819 slots of SmolLM2's default budget
 
 # Tokens per forward call when feeding a turn. The cache attends them `settings.chunk` at a time (its spare
 # slots), so a chat can keep few spare slots and still read a long message in few forward calls.
@@ -71,12 +75,15 @@ class ChatSession:
     turns: list[Turn] = field(default_factory=list)
     stop_requested: bool = False
     compiled: bool = False  # answers decode on the captured one-token forward (`--compile`, h2o_cli.compiled)
+    keep_frame: bool = False  # pin the template's tokens (`frame`) in the cache: no policy evicts them
 
     def __post_init__(self) -> None:
         self.cache = H2OCache(self.model, self.settings)
         self._step = None  # the `CompiledStep` of `self.cache`, made on the first answer
         # Every token id fed, by token index (for re-reading and decoding heavy hitters).
         self.ids = array("l")
+        # Token indices of the chat template's tokens fed (role markers, turn ends, the system message).
+        self.frame = array("l")
         self.last = AnswerStats()
         self.started = time.time()
         self._suffix = answer_suffix(self.tokenizer, self.system)
@@ -89,10 +96,16 @@ class ChatSession:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _feed(self, pieces: list[list[int]]) -> torch.Tensor | None:
+    def _feed(self, pieces: list[list[int]], frame: list[bool] | None = None) -> torch.Tensor | None:
         """Run id lists through the cache in chunks (a `NewChunk` piece is a question: `streaming.chunks_of`);
-        returns the logits after the last id. A read cut short (Ctrl-C, context overflow) raises: a turn is fed
-        whole or the caller hears why."""
+        returns the logits after the last id. `frame`: which of the ids (all pieces in turn) are the
+        template's (`frame_flags`), recorded in `frame`. A read cut short (Ctrl-C, context overflow) raises: a
+        turn is fed whole or the caller hears why."""
+        first = self.cache.tokens_seen
+        new = [first + offset for offset, flag in enumerate(frame or ()) if flag]
+        self.frame.extend(new)
+        if self.keep_frame and new:
+            self._pin_frame(self.cache)
         logits, stats = prefill(self.model, self.cache, pieces, FEED_CALL_TOKENS)
         self.ids.extend([token for piece in pieces for token in piece][: stats.tokens])
         stats.reraise()
@@ -133,7 +146,7 @@ class ChatSession:
             stats.decode_seconds = time.perf_counter() - started
             answer.content = streamer.printed
             if self._suffix:
-                self._feed([self._encode(self._suffix)])
+                self._feed(*self._suffix_piece())
             answer.end = self.cache.tokens_seen
             self.stop_requested = False
 
@@ -151,14 +164,20 @@ class ChatSession:
         as for `h2o stream --prompt`."""
         parts = [part for part in turn_parts(self.tokenizer, self.system, self.history, user_text) if part]
         bos = not self.turns and not getattr(self.tokenizer, "chat_template", None)  # plain text: its own BOS
-        pieces = [
-            self.tokenizer(part, add_special_tokens=bos and not n)["input_ids"]
-            for n, part in enumerate(parts)
-        ]
+        at = "".join(parts).rfind(user_text)  # the message's span in the turn's text
+        pieces, frame, offset = [], [], 0
+        for n, part in enumerate(parts):
+            ids, flags = frame_flags(self.tokenizer, part, (at - offset, at - offset + len(user_text)))
+            if bos and not n:
+                ids = self.tokenizer(part, add_special_tokens=True)["input_ids"]
+                flags = [False] * (len(ids) - len(flags)) + flags
+            pieces.append(ids)
+            frame.extend(flags)
+            offset += len(part)
         pieces[-1] = NewChunk(pieces[-1])
         user_turn = Turn("user", user_text, self.cache.tokens_seen)
         self.turns.append(user_turn)
-        logits = self._feed(pieces)
+        logits = self._feed(pieces, frame)
         user_turn.end = self.cache.tokens_seen
         self.last.prompt_tokens = sum(map(len, pieces))
         return logits
@@ -170,7 +189,8 @@ class ChatSession:
         self._new_turn(user_text)
         self._read_message(user_text)
         start = self.cache.tokens_seen
-        self._feed([self._encode(answer + self._suffix)])
+        ids, flags = frame_flags(self.tokenizer, answer + self._suffix, (0, len(answer)))
+        self._feed([ids], flags)
         self.turns.append(Turn("assistant", answer, start, self.cache.tokens_seen))
 
     def resume(self, turns: list[dict]) -> int:
@@ -192,6 +212,29 @@ class ChatSession:
             self.read_exchange(user["content"], answer["content"])
         return len(turns) // 2 * 2
 
+    def frame_pins(self, resident: int) -> list[int]:
+        """The template tokens `keep_frame` pins in a cache of `resident` slots per head: the first turn's
+        header (its leading run of template tokens: the system message, the user header), then the newest of
+        the others, `resident // FRAME_SHARE` in all at most."""
+        room = resident // FRAME_SHARE
+        head = 0
+        while head < len(self.frame) and self.frame[head] == head:
+            head += 1
+        head = min(head, room)
+        newest = list(self.frame[max(head, len(self.frame) - (room - head)) :])
+        return list(self.frame[:head]) + newest
+
+    def _pin_frame(self, cache: H2OCache) -> None:
+        """Pin `frame_pins` in `cache`, releasing the template tokens that fell out of them."""
+        wanted = set(self.frame_pins(cache.report().resident_slots))
+        cache.unpin(set(self.frame) - wanted)
+        cache.pin(wanted)
+
+    def _suffix_piece(self) -> tuple[list[list[int]], list[bool]]:
+        """The end-of-turn text as `_feed`'s (pieces, frame): every token of it is the template's."""
+        ids, flags = frame_flags(self.tokenizer, self._suffix, None)
+        return [ids], flags
+
     def _decode_step(self):
         """With `compiled`, the captured one-token forward over the current cache (made once per cache)."""
         if not self.compiled:
@@ -211,6 +254,7 @@ class ChatSession:
         self.cache.close()  # a recall archive's file goes now, not when the old cache is collected
         self.cache = H2OCache(self.model, self.settings)
         self.ids = array("l")
+        self.frame = array("l")
         self.turns = []
 
     def rebuild(self, settings: CacheSettings) -> None:
@@ -222,6 +266,8 @@ class ChatSession:
         the session goes on unchanged.
         """
         cache = H2OCache(self.model, settings)
+        if self.keep_frame and self.frame:
+            self._pin_frame(cache)
         if self.ids:
             _, stats = prefill(self.model, cache, [list(self.ids)], FEED_CALL_TOKENS)
             stats.reraise()
@@ -262,6 +308,7 @@ class ChatSession:
                 self.last.prompt_tokens / self.last.prefill_seconds if self.last.prefill_seconds > 0 else 0.0
             ),
             "last_stopped": self.last.stopped,
+            "pinned_slots": self.cache.report().pinned_slots,
             "peak_rss_bytes": peak_rss_bytes(),
         }
 
@@ -281,7 +328,8 @@ class ChatSession:
         with later without reading it again (`load_read`); returns the bytes written."""
         from h2o_cli.saved import model_identity, write_saved
 
-        extra = {"kind": CHAT, "system": self.system, "turns": self.transcript(), "ids": list(self.ids)}
+        extra = {"kind": CHAT, "system": self.system, "turns": self.transcript(), "ids": list(self.ids),
+                 "frame": list(self.frame)}  # fmt: skip
         return write_saved(path, self.cache, model_identity(self.model, model_name), extra)
 
     def load_read(self, saved, model_name: str) -> None:
@@ -298,6 +346,9 @@ class ChatSession:
         saved.load_into(self.cache)
         self.ids = array("l", saved.extra["ids"])
         self.turns = [Turn(**turn) for turn in saved.extra["turns"]]
+        self.frame = array("l", saved.extra.get("frame", ()))
+        if self.keep_frame:  # pinned as this session pins them (the save's own pins came back with the cache)
+            self._pin_frame(self.cache)
 
 
 def read_transcript(path: str | Path) -> tuple[str | None, list[dict]]:

@@ -37,6 +37,7 @@ class CacheSnapshot:
     heavy_summary: dict = field(default_factory=dict)  # `HeavySlotStats.summary()`: ages, sinks, attention
     recalled: torch.Tensor | None = None
     archive_oldest: int | None = None
+    pinned: int = 0  # pinned entries per KV head (`H2OCache.pin`; inside `budget`)
 
     @property
     def n_layers(self) -> int:
@@ -151,4 +152,5 @@ def take_snapshot(cache: H2OCache) -> CacheSnapshot:
         heavy_summary=slot_stats(layers, report.recent_window).summary(),
         recalled=recalled,
         archive_oldest=archive_oldest,
+        pinned=report.pinned_slots,
     )

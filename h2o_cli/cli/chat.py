@@ -89,6 +89,16 @@ def chat(
     threads: opt.Threads = 0,
     trust_remote_code: opt.TrustRemoteCode = False,
     compiled: opt.Compile = False,
+    keep_frame: Annotated[
+        bool,
+        typer.Option(
+            "--keep-frame/--no-keep-frame",
+            help="Pin the chat template's tokens (the system message, role markers, turn ends) so that no "
+            "policy evicts them: they take at most 1/8 of the budget, the system message and the newest "
+            "turns' markers first (docs/chat.md: does the chat template survive eviction?).",
+            rich_help_panel=opt.CACHE,
+        ),
+    ] = False,
     resume: Annotated[
         Path | None,
         typer.Option(
@@ -142,7 +152,7 @@ def chat(
         settings = settings.resolved(context_window(lm))
         if not chunk_given:
             settings = replace(settings, chunk=default_chunk(settings.policy, lm, settings.budget))
-    session = ChatSession(lm, tokenizer, settings, sampling, system, compiled=compiled)
+    session = ChatSession(lm, tokenizer, settings, sampling, system, compiled=compiled, keep_frame=keep_frame)
     if read is not None:
         session.load_read(read, model)
         _said(

@@ -144,6 +144,8 @@ def render_panel(
     split = f"{heavy_slots} heavy + {snapshot.recent} recent" + (
         f" + {recall_slots} recalled" if recalls else ""
     )
+    if snapshot.pinned:  # pinned entries (the chat's template) sit inside the resident slots
+        split += f"; {snapshot.pinned} pinned"
     header = Text.assemble(
         ("h2o cache ", "bold"),
         f"{snapshot.policy} · budget {snapshot.budget + recall_slots} ({split}) · ",

@@ -114,6 +114,19 @@ def protect_recent(priority: torch.Tensor, state: SlotState, recent: int) -> tor
     return priority.masked_fill(~state.valid, NEVER)
 
 
+# The priority of an entry its policy never evicts once pins leave it nothing else to evict: above every score,
+# below `NEVER` (a pinned entry's), so those go first, oldest first (docs/spec.md, pinned tokens).
+PROTECTED = torch.finfo(torch.float32).max
+
+
+def keep_pinned(priority: torch.Tensor, valid: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
+    """A policy's `priority` [n_kv_heads, slots] with pinned entries (`pinned`, bool) never evicted: they take
+    `NEVER`, and the entries the policy protects (`NEVER`, valid, unpinned) take `PROTECTED`, so that when
+    every unpinned entry is protected the oldest of them goes rather than a pinned one."""
+    protected = valid & ~pinned & (priority == NEVER)
+    return priority.masked_fill(protected, PROTECTED).masked_fill(pinned, NEVER)
+
+
 def select_evictions(priority: torch.Tensor, token_index: torch.Tensor, count: int) -> torch.Tensor:
     """Slots to evict per head: the `count` lowest priorities, ties to the oldest token.
 

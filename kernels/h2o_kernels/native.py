@@ -42,8 +42,9 @@ ENV_CC = "CC"
 logger = logging.getLogger("h2o_kernels")
 
 _INT, _PTR, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-# step.c's `cache_step`: sizes, the call's inputs, the store's 8 buffers, the step's scalars, R's, the outputs.
-STEP_ARGTYPES = [_INT] * 5 + [_PTR] * 12 + [_INT] * 4 + [_FLOAT] + [_INT] + [_PTR] * 5 + [_INT] + [_PTR] * 3
+# step.c's `cache_step`: sizes, the call's inputs, the store's 8 buffers, the step's scalars, R's, the outputs,
+# the pinned entries.
+STEP_ARGTYPES = [_INT] * 5 + [_PTR] * 12 + [_INT] * 4 + [_FLOAT] + [_INT] + [_PTR] * 5 + [_INT] + [_PTR] * 4
 # archive.c: `archive_choose`, `archive_lead_choose` and `archive_token`.
 CHOOSE_ARGTYPES = [_INT] * 4 + [_PTR] * 2 + [_INT] * 4 + [_PTR] * 4 + [_INT] + [_PTR] * 11
 LEAD_ARGTYPES = [_INT] * 4 + [_PTR] * 2 + [_INT] * 4 + [_PTR] * 4 + [_INT] * 3 + [_PTR] * 12
@@ -218,6 +219,7 @@ def step(
     victims: torch.Tensor,
     recall: tuple = NO_RECALL,
     entries: int | None = None,
+    pinned: int | None = None,
 ) -> tuple[torch.Tensor, int]:
     """One layer's one-token step (step.c's `cache_step`, which states the contract): write, attention over S
     and the recall slots, S's scores, one eviction, in the store's buffers.
@@ -231,6 +233,7 @@ def step(
     recall: `NO_RECALL`, or (r, the addresses of the recall keys, values [n_kv_heads, r, head_dim], their token
     indices [n_kv_heads, r], each head's count [n_kv_heads] and an int64 scratch [2 * slots + 3 * r]).
     entries: the query's position + 1 under rolling positions (default `length + 1`, R = ∅).
+    pinned: the address of a bool [n_kv_heads, slots] of entries never evicted, or None (none pinned).
     Returns the output [n_kv_heads, group, head_dim] float32 and the store's new `active`; raises RuntimeError
     if the step refused the store's state."""
     n_kv, group, width = query.shape
@@ -242,7 +245,7 @@ def step(
         *store,
         int(rolling), tokens_seen, length, limit, decay,
         *recall, length + 1 if entries is None else entries,
-        output.data_ptr(), scratch.data_ptr(), victims.data_ptr(),
+        output.data_ptr(), scratch.data_ptr(), victims.data_ptr(), pinned,
     )  # fmt: skip
     if active < 0:
         raise RuntimeError(f"the C step refused the store's state (code {active})")

@@ -39,7 +39,9 @@ int64_t cache_step(
     int64_t entries,         /* rolling: the query's position + 1 (heads with fewer entries shift up to it) */
     float *restrict output,           /* [n_kv, group, head_dim] */
     float *restrict scratch,          /* [group * (slots + recall) + (group + 1) * head_dim] */
-    int64_t *restrict victims)        /* [n_kv]: the evicted slot of each head */
+    int64_t *restrict victims,        /* [n_kv]: the evicted slot of each head */
+    const uint8_t *restrict pinned)   /* [n_kv, slots]: entries never evicted (NULL: none); when they leave no
+                                       * entry of rank < limit, the oldest unpinned entry goes */
 {
     const int64_t count = write_lowest_free(n_kv, head_dim, slots, active, new_key, new_value, keys, values,
                                             scores, seen, token_index, rank, valid, tokens_seen, length);
@@ -100,7 +102,8 @@ int64_t cache_step(
                             head_dim, out);
         victims[g] = score_and_evict(scratch, stride, group, count, slots, decay, scores + g * slots,
                                      last_probs + g * slots, seen + g * slots, rank + g * slots,
-                                     valid + g * slots, token_index + g * slots, limit);
+                                     valid + g * slots, token_index + g * slots, limit,
+                                     pinned ? pinned + g * slots : NULL);
         if (victims[g] < 0) return -2;
     }
     return count;

@@ -140,8 +140,9 @@ static inline void add_weighted_values(const float *restrict p, int64_t stride, 
 static inline int64_t score_and_evict(const float *restrict p, int64_t stride, int64_t group, int64_t count,
                                       int64_t slots, float decay, float *restrict score, float *restrict last,
                                       float *restrict saw, int64_t *restrict r, uint8_t *restrict v,
-                                      int64_t *restrict token_index, int64_t limit) {
-    int64_t victim = -1;
+                                      int64_t *restrict token_index, int64_t limit,
+                                      const uint8_t *restrict pinned) {
+    int64_t victim = -1, oldest = -1; /* oldest: the oldest unpinned entry of the recent window */
     float lowest = INFINITY;
     for (int64_t s = 0; s < count; s++) {
         float total = 0.0f;
@@ -151,11 +152,15 @@ static inline int64_t score_and_evict(const float *restrict p, int64_t stride, i
         last[s] = total;
         if (!v[s]) continue;
         saw[s] += 1.0f;
+        if (pinned && pinned[s]) continue;
         if (r[s] < limit && (victim < 0 || score[s] < lowest || (score[s] == lowest && r[s] < r[victim]))) {
             victim = s;
             lowest = score[s];
+        } else if (r[s] >= limit && (oldest < 0 || r[s] < r[oldest])) {
+            oldest = s;
         }
     }
+    if (victim < 0 && pinned) victim = oldest; /* pins left no candidate: the oldest unpinned entry goes */
     if (victim < 0) return -1;
     const int64_t gone = r[victim];
     for (int64_t s = 0; s < slots; s++) r[s] -= r[s] > gone;

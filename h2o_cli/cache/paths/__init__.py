@@ -33,7 +33,7 @@ def choose_path(layer, states: torch.Tensor) -> Path:
     While the cache runs fixed steps (`H2OCache.fixed_step`) the fixed step. Else a one-token call takes a step
     when the store computes in float32/64 (the call in its dtype), no Triton kernel runs it, and
     `DecodeMaps.usable` says the rotation allows it: the C step once S is full and the layer has its buffers
-    (`_c_buffers`), else the torch step. Otherwise the chunk path, on the Triton kernels where they run, the
+    (`_c_buffers`), unless the token is pinned (the C step writes it unmarked), else the torch step. Otherwise the chunk path, on the Triton kernels where they run, the
     layer has them and the call is one token or undecayed (the prefill kernel sums a chunk's probabilities
     unweighted)."""
     if layer.fixed:
@@ -41,7 +41,7 @@ def choose_path(layer, states: torch.Tensor) -> Path:
     chunk, store = states.shape[2], layer.store
     triton = use_triton(states.device, layer.settings.kernels)
     if chunk == 1 and layer.steps_possible(states) and not triton:
-        full = store.length == store.budget
+        full = store.length == store.budget and store.tokens_seen not in store.pins
         return C_STEP if full and layer._c_buffers is not None else TORCH_STEP
     if triton and layer.fused_kernels and (chunk == 1 or layer.policy.decay_per_query == 1.0):
         return TRITON
