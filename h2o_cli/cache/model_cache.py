@@ -188,6 +188,7 @@ class H2OCache(Cache):
             archive=self.archive_summary(),
             windowed_layers=len(windows),
             window_slots=windows[0].slots if windows else 0,
+            window_bytes=sum(window.nbytes() for window in windows),
         )
 
     @property

@@ -81,8 +81,9 @@ class CacheReport:
     - `archive`: the recall archive's figures (`ArchiveReport`, `H2OCache.archive_summary`), None without
       one; `archive_row` gives them as `--json` prints them.
     - `windowed_layers`: layers that attend over a sliding window (Gemma 3) and keep it beside the budget;
-      `window_slots`: slots per KV head of each (the window less one, plus the chunk), 0 without them. Every
-      other figure above is the global layers' (`nbytes` counts both); `window_row` is what `--json` prints.
+      `window_slots`: slots per KV head of each (the window less one, plus the chunk), 0 without them;
+      `window_bytes`: their buffers' bytes. Every other figure above is the global layers' (`nbytes` counts
+      both); `window_row` is what `--json` prints.
     """
 
     settings: CacheSettings
@@ -106,6 +107,7 @@ class CacheReport:
     archive: ArchiveReport | None
     windowed_layers: int = 0
     window_slots: int = 0
+    window_bytes: int = 0
 
     @property
     def archive_row(self) -> dict:
@@ -139,8 +141,14 @@ class CacheReport:
 
     @property
     def bytes_per_head(self) -> int:
-        """Bytes of one layer's buffers per KV head."""
-        return self.nbytes // (self.shape.n_layers * self.shape.n_kv_heads)
+        """Bytes of one global layer's buffers per KV head."""
+        budgeted = self.shape.n_layers - self.windowed_layers
+        return (self.nbytes - self.window_bytes) // (budgeted * self.shape.n_kv_heads)
+
+    @property
+    def window_bytes_per_head(self) -> int:
+        """Bytes of one sliding-window layer's buffers per KV head (0 without them)."""
+        return self.window_bytes // max(self.windowed_layers * self.shape.n_kv_heads, 1)
 
     @property
     def full_kv_bytes(self) -> int:
