@@ -170,6 +170,7 @@ class LayerSlots:
     `scores` its accumulated attention, `last_probs` the attention the latest query gave it. `length`: entries
     per head; `tokens_seen`: tokens read. `recalled` `[n_kv_heads, recall_slots]`: with a recalling policy,
     the tokens each head read back from the archive in the last step (-1 = empty slot); None otherwise.
+    `window`: the layer attends over a sliding window (its own, beside the budget; all its entries recent).
     """
 
     token_index: torch.Tensor
@@ -180,6 +181,7 @@ class LayerSlots:
     length: int
     tokens_seen: int
     recalled: torch.Tensor | None = None
+    window: bool = False
 
 
 __all__ = ["ArchiveReport", "CacheReport", "LayerSlots"]

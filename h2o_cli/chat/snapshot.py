@@ -133,7 +133,7 @@ def take_snapshot(cache: H2OCache) -> CacheSnapshot:
 
     report = cache.report()
     layers = cache.layer_slots()
-    windowed = tuple(layer.is_sliding for layer in cache.layers)
+    windowed = tuple(layer.window for layer in layers)
     width = max(layer.token_index.shape[-1] for layer in layers)
     token_index = stacked([layer.token_index for layer in layers], width, -1)
     rank = stacked([layer.rank for layer in layers], width, 0)
