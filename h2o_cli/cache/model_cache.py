@@ -195,6 +195,7 @@ class H2OCache(Cache):
             window_slots=windows[0].slots if windows else 0,
             pinned_slots=store.pinned_count,
             pinned_tokens=len(store.pins),
+            window_bytes=sum(window.nbytes() for window in windows),
         )
 
     @property

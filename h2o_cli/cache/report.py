@@ -81,8 +81,9 @@ class CacheReport:
     - `archive`: the recall archive's figures (`ArchiveReport`, `H2OCache.archive_summary`), None without
       one; `archive_row` gives them as `--json` prints them.
     - `windowed_layers`: layers that attend over a sliding window (Gemma 3) and keep it beside the budget;
-      `window_slots`: slots per KV head of each (the window less one, plus the chunk), 0 without them. Every
-      other figure above is the global layers' (`nbytes` counts both); `window_row` is what `--json` prints.
+      `window_slots`: slots per KV head of each (the window less one, plus the chunk), 0 without them;
+      `window_bytes`: their buffers' bytes. Every other figure above is the global layers' (`nbytes` counts
+      both); `window_row` is what `--json` prints.
     - `pinned_slots`: resident entries per KV head that no policy evicts (`H2OCache.pin`; they count inside
       `resident_slots`); `pinned_tokens`: token indices pinned, resident, evicted before the pin, or not
       read yet.
@@ -111,6 +112,7 @@ class CacheReport:
     window_slots: int = 0
     pinned_slots: int = 0
     pinned_tokens: int = 0
+    window_bytes: int = 0
 
     @property
     def archive_row(self) -> dict:
@@ -144,8 +146,14 @@ class CacheReport:
 
     @property
     def bytes_per_head(self) -> int:
-        """Bytes of one layer's buffers per KV head."""
-        return self.nbytes // (self.shape.n_layers * self.shape.n_kv_heads)
+        """Bytes of one global layer's buffers per KV head."""
+        budgeted = self.shape.n_layers - self.windowed_layers
+        return (self.nbytes - self.window_bytes) // (budgeted * self.shape.n_kv_heads)
+
+    @property
+    def window_bytes_per_head(self) -> int:
+        """Bytes of one sliding-window layer's buffers per KV head (0 without them)."""
+        return self.window_bytes // max(self.windowed_layers * self.shape.n_kv_heads, 1)
 
     @property
     def full_kv_bytes(self) -> int:
@@ -167,6 +175,7 @@ class LayerSlots:
     `scores` its accumulated attention, `last_probs` the attention the latest query gave it, `pinned` whether
     it is pinned (`H2OCache.pin`: never evicted). `length`: entries per head; `tokens_seen`: tokens read. `recalled` `[n_kv_heads, recall_slots]`: with a recalling policy,
     the tokens each head read back from the archive in the last step (-1 = empty slot); None otherwise.
+    `window`: the layer attends over a sliding window (its own, beside the budget; all its entries recent).
     """
 
     token_index: torch.Tensor
@@ -178,6 +187,7 @@ class LayerSlots:
     tokens_seen: int
     recalled: torch.Tensor | None = None
     pinned: torch.Tensor | None = None
+    window: bool = False
 
 
 __all__ = ["ArchiveReport", "CacheReport", "LayerSlots"]

@@ -15,10 +15,13 @@ length (docs/design.md, "What positions does a sliding-window layer use?").
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from h2o_cli.cache.layer import H2OLayer
 from h2o_cli.cache.paths.chunk import ChunkPath
+from h2o_cli.cache.report import LayerSlots
 from h2o_cli.errors import UsageError
 
 
@@ -59,6 +62,10 @@ class WindowLayer(H2OLayer):
 
     def choose_path(self, states: torch.Tensor) -> WindowPath:
         return WINDOW
+
+    def report(self, recall_slots: int | None = None) -> LayerSlots:
+        """`H2OLayer.report`, marked as a window (`LayerSlots.window`)."""
+        return replace(super().report(recall_slots), window=True)
 
     def prepare_fixed(self) -> None:
         raise UsageError(

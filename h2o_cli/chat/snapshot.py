@@ -15,7 +15,9 @@ class CacheSnapshot:
     """Per layer x KV head: which token indices are kept and which of them are heavy hitters.
 
     `token_index`, `heavy`, `scores`: `[n_layers, n_kv_heads, slots]` (token_index -1 = empty slot; `heavy`
-    is False there). Recent = rank >= length - recent slots; everything else kept is a heavy hitter.
+    is False there). Recent = rank >= length - recent slots; everything else kept is a heavy hitter. A
+    sliding-window layer (`windowed`) holds its window only, all of it recent, in its first `window_slots`
+    slots (the rest empty: the global layers' stores are wider).
     With a recalling policy (`recall`), `recalled` `[n_layers, n_kv_heads, recall_slots]` holds the token
     indices each KV head read back from the archive in the last step (-1 = empty slot), and `archive_oldest`
     the oldest token still archived (how far back recall reaches); both None otherwise.
@@ -38,6 +40,13 @@ class CacheSnapshot:
     recalled: torch.Tensor | None = None
     archive_oldest: int | None = None
     pinned: int = 0  # pinned entries per KV head (`H2OCache.pin`; inside `budget`)
+    windowed: tuple[bool, ...] = ()  # per layer: attends over a sliding window, beside the budget (Gemma 3)
+    window_slots: int = 0  # slots per KV head of a sliding-window layer (0 without them)
+    window_bytes_per_head: int = 0  # bytes of one KV head of a sliding-window layer
+
+    def is_window(self, layer: int) -> bool:
+        """Whether `layer` attends over a sliding window (its own, not the budget's)."""
+        return bool(self.windowed) and self.windowed[layer]
 
     @property
     def n_layers(self) -> int:
@@ -125,12 +134,14 @@ def take_snapshot(cache: H2OCache) -> CacheSnapshot:
 
     report = cache.report()
     layers = cache.layer_slots()
-    token_index = torch.stack([layer.token_index for layer in layers]).cpu()
-    rank = torch.stack([layer.rank for layer in layers]).cpu()
-    valid = torch.stack([layer.valid for layer in layers]).cpu()
-    scores = torch.stack([layer.scores for layer in layers]).float().cpu()
+    windowed = tuple(layer.window for layer in layers)
+    width = max(layer.token_index.shape[-1] for layer in layers)
+    token_index = stacked([layer.token_index for layer in layers], width, -1)
+    rank = stacked([layer.rank for layer in layers], width, 0)
+    valid = stacked([layer.valid for layer in layers], width, False)
+    scores = stacked([layer.scores for layer in layers], width, 0.0).float()
     recent = report.recent_slots
-    heavy = valid & (rank < report.length - recent)
+    heavy = valid & (rank < report.length - recent) & ~torch.tensor(windowed).view(-1, 1, 1)
     recalled, archive_oldest = None, None
     if layers[0].recalled is not None:  # recall: the last step's recall slots, and the archive's reach
         recalled = torch.stack([layer.recalled for layer in layers]).cpu()
@@ -153,4 +164,18 @@ def take_snapshot(cache: H2OCache) -> CacheSnapshot:
         recalled=recalled,
         archive_oldest=archive_oldest,
         pinned=report.pinned_slots,
+        windowed=windowed if any(windowed) else (),
+        window_slots=report.window_slots,
+        window_bytes_per_head=report.window_bytes_per_head,
+    )
+
+
+def stacked(per_layer: list[torch.Tensor], width: int, fill) -> torch.Tensor:
+    """Layers' `[n_kv_heads, slots]` arrays as one `[n_layers, n_kv_heads, width]` CPU copy, each padded on
+    the right with `fill` (a sliding-window layer's store is narrower than a global layer's)."""
+    return torch.stack(
+        [
+            torch.nn.functional.pad(array.cpu(), (0, width - array.shape[-1]), value=fill)
+            for array in per_layer
+        ]
     )

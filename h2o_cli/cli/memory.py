@@ -48,6 +48,7 @@ def memory(
     Computed from the model config without loading weights (a built-in public config for offline aliases).
     With --device-map, also the H2O cache (and a RAM recall archive) on each device, as the layers are placed.
     """
+    from h2o_cli.cache.families import windowed_layers
     from h2o_cli.cache.recall.limits import (
         archive_capacity,
         archive_storage,
@@ -60,11 +61,13 @@ def memory(
 
     config, origin = config_for(model)
     shape = ModelShape.from_config(config)
+    windowed = windowed_layers(config.get_text_config() if hasattr(config, "get_text_config") else config)
     tokens, chunk, kv_bits = settings.resolved(shape.context).budget, settings.chunk, settings.kv_bits
     dtype_bytes = pick_dtype(dtype, pick_device(device)).itemsize
     page, bits = settings.page_size, settings.archive_bits
     block = summary_block(page, settings.block_size)
-    recalling = recall_layer_list(settings.recall_layers, shape.n_layers)
+    named = recall_layer_list(settings.recall_layers, shape.n_layers)
+    recalling = [number for number in named if not windowed[number]]  # a window layer keeps no archive
     archived = replace(shape, n_layers=len(recalling))  # the archive: the recalling layers' only
     page_bytes = archive_bytes(archived, page, block, dtype_bytes, bits)
     archive = archive_capacity(settings.archive_max, page, None, page_bytes)  # whole pages, as the cache
@@ -90,7 +93,7 @@ def memory(
     table.update(model=model, config_source=origin)
     if device_map:
         table["cache_by_device"] = cache_by_device(
-            config, device_map, pick_dtype(dtype, pick_device(device)), shape, table, set(recalling)
+            config, device_map, pick_dtype(dtype, pick_device(device)), table, windowed, set(recalling)
         )
     if as_json:
         print(json.dumps(table))
@@ -103,7 +106,7 @@ def memory(
         f"weights {quant}: {size(table['weights_bytes'])} · "
         f"KV {kv} · H2O budget {tokens} tokens (+{chunk} chunk) · context window {shape.context:,}"
     )
-    grid = Table(title=title, title_justify="left")
+    grid = Table(title=title + window_title(table), title_justify="left")
     for name in ("context", "full KV", "full KV/head", "H2O KV", "H2O KV/head", "act. full", "act. H2O"):
         grid.add_column(name, justify="right")
     grid.add_column("total full", justify="right")
@@ -130,7 +133,8 @@ def memory(
             f"{size(placed['h2o_kv_bytes'])}, recall archive in RAM {size(placed['recall_archive_ram_bytes'])}"
         )
     stderr.print(
-        f"per head = one KV head of one layer ({table['kv_heads_total']} in all); "
+        f"per head = one KV head of one {'global ' if table['windowed_layers'] else ''}layer "
+        f"({table['kv_heads_total']} in all); {window_note(table)}"
         "* = beyond the context window (full attention cannot go there; H2O with rolling positions can); "
         f"config: {origin}"
     )
@@ -150,19 +154,44 @@ def memory(
     )
 
 
+def window_title(table: dict) -> str:
+    """The title's tail for a model with sliding-window layers: which layers take the budget."""
+    if not table["windowed_layers"]:
+        return ""
+    budgeted = table["kv_heads_total"] // max(table["kv_heads_per_layer"], 1)
+    return f" · budget on {budgeted} global layers, {table['windowed_layers']} windowed layers beside it"
+
+
+def window_note(table: dict) -> str:
+    """The footnote on the sliding-window layers (empty without any): what they hold whatever the budget."""
+    if not table["windowed_layers"]:
+        return ""
+    heads = table["windowed_layers"] * table["kv_heads_per_layer"]
+    return (
+        f"{table['windowed_layers']} layers attend over a sliding window of {table['window_tokens']:,} tokens "
+        f"and keep it beside the budget: {table['window_slots_per_head']:,} slots per KV head "
+        f"({heads} in all, {size(table['window_kv_bytes_per_head'] * heads)}), counted in H2O KV; "
+        f"full KV holds at most the window in them; "
+    )
+
+
 def cache_by_device(
-    config, device_map: str, dtype, shape, table: dict, recalling: set[int]
+    config, device_map: str, dtype, table: dict, windowed: list[bool], recalling: set[int]
 ) -> dict[str, dict]:
     """{device: layers, their H2O cache bytes and RAM archive bytes} as `--device-map` places the layers
-    (`planned_layer_devices`); every layer's share of the cache is equal, and every recalling layer's (of
-    `recalling`) of the archive."""
+    (`planned_layer_devices`); each global layer holds its KV heads' budget, each sliding-window layer (of
+    `windowed`) its window, and every recalling layer (of `recalling`) an equal share of the archive."""
     from h2o_cli.models.loading import planned_layer_devices
 
+    per_layer = {
+        False: table["rows"][0]["h2o_kv_bytes_per_head"] * table["kv_heads_per_layer"],
+        True: table["window_kv_bytes_per_head"] * table["kv_heads_per_layer"],
+    }
     placed: dict[str, dict] = {}
     for number, device in enumerate(planned_layer_devices(config, device_map, dtype)):
         entry = placed.setdefault(device, {"layers": 0, "h2o_kv_bytes": 0, "recall_archive_ram_bytes": 0})
         entry["layers"] += 1
-        entry["h2o_kv_bytes"] += table["rows"][0]["h2o_kv_bytes"] // shape.n_layers
+        entry["h2o_kv_bytes"] += per_layer[windowed[number]]
         if number in recalling:
             entry["recall_archive_ram_bytes"] += table["recall_archive_ram_bytes"] // len(recalling)
     return placed

@@ -124,6 +124,26 @@ def recall_line(snapshot: CacheSnapshot) -> Text | None:
     )
 
 
+def layer_list(layers: list[int]) -> str:
+    """Layer numbers as runs: [0, 1, 2, 4] -> "L0–2, L4"."""
+    return ", ".join(f"L{a}–{b}" if b > a else f"L{a}" for a, b in token_runs(layers))
+
+
+def window_line(snapshot: CacheSnapshot) -> Text | None:
+    """Which layers take the budget and which attend over their own sliding window, with the slots those
+    hold beside the budget; None for a model whose layers all attend globally."""
+    if not snapshot.windowed:
+        return None
+    windows = [layer for layer in range(snapshot.n_layers) if snapshot.is_window(layer)]
+    budgeted = [layer for layer in range(snapshot.n_layers) if not snapshot.is_window(layer)]
+    return Text.assemble(
+        ("layers: ", "bold"),
+        f"budget on {len(budgeted)} global ({layer_list(budgeted)}) · ",
+        ("win", "green"),
+        f"dow on {len(windows)} ({layer_list(windows)}): {snapshot.window_slots} slots/head each beside it",
+    )
+
+
 def render_panel(
     snapshot: CacheSnapshot,
     view: PanelView,
@@ -158,6 +178,9 @@ def render_panel(
         f" · evictions {snapshot.evictions:,}/head · {tokens_per_s:,.1f} tok/s",
     )
     lines += [header, totals]
+    windows_line = window_line(snapshot)
+    if windows_line is not None:
+        lines.append(windows_line)
     heavy_line = heavy_slots_line(snapshot.heavy_summary)
     if heavy_line is not None:
         lines.append(heavy_line)
@@ -190,10 +213,16 @@ def render_panel(
             recalled = recall_cells[layer, head].tolist() if recalls else None
             row += strip_text(cells, tokens_per_cell, holds_tokens, recalled)
             kept, n_heavy = all_kept[layer][head], heavy_kept[layer][head]
-            row += Text(f" {kept:>4}/{snapshot.budget:<4} {n_heavy:>4}h")
+            if snapshot.is_window(layer):  # its own window: no budget, no heavy hitters
+                row += Text(f" {kept:>4}/{snapshot.window_slots:<4}") + Text("  win", style="green")
+            else:
+                row += Text(f" {kept:>4}/{snapshot.budget:<4} {n_heavy:>4}h")
             if recalls:
                 row += Text(f" {recalled_per_head[layer][head]:>4}r")
-            row += Text(f" {size(snapshot.bytes_per_head):>9}")
+            head_bytes = (
+                snapshot.window_bytes_per_head if snapshot.is_window(layer) else snapshot.bytes_per_head
+            )
+            row += Text(f" {size(head_bytes):>9}")
             lines.append(row)
             heavy = snapshot.kept(layer, head)[0] if view.layer is not None else []
             if view.layer is not None and decode is not None and heavy:

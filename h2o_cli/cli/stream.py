@@ -262,9 +262,15 @@ def _run_ppl(
     )
     if not quiet:  # the result is data: stdout; with --json the JSON object carries it instead
         print(f"perplexity {stats.ppl:.4f} over {stats.predictions:,} predictions{partial}", flush=True)
+    windows = (  # sliding-window layers (Gemma 3) hold their window beside the budget
+        f"; {report['windowed_layers']} window layers hold {report['window_slots']} slots each"
+        if report.get("windowed_layers")
+        else ""
+    )
     stderr.print(
         f"{stats.tokens_per_s:,.1f} tok/s · cache {size(report['kv_cache_bytes'])}"
-        f" ({report['policy']}, {report['budget_tokens']} tokens) · peak RSS {size(report['peak_rss_bytes'])}"
+        f" ({report['policy']}, {report['budget_tokens']} tokens{windows})"
+        f" · peak RSS {size(report['peak_rss_bytes'])}"
     )
     return report
 
