@@ -217,8 +217,8 @@ class H2OLayer(CacheLayerMixin):
             pinned=store.pinned,
         )
 
-    # A saved read (h2o_cli.saved). A layer kind with more state (pinned slots, say) adds its arrays and
-    # counters here and puts them back in `load_saved`.
+    # A saved read (h2o_cli.saved). The store's pins go with its buffers; a layer kind with more state adds
+    # its arrays and counters here and puts them back in `load_saved`.
 
     def saved_arrays(self) -> dict[str, torch.Tensor]:
         """What a saved read keeps of this layer, by name (live tensors, not copies): the store's buffers
