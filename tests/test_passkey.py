@@ -186,6 +186,7 @@ def test_the_summary_counts_correct_runs_per_length_policy_and_budget(tmp_path):
         (["--lengths", "1536"], "give --out FILE.jsonl"),
         (["--haystack", "no/such/file.txt", "--out", "x.jsonl"], "haystack no/such/file.txt not found"),
         (["--wording", "poem", "--out", "x.jsonl"], "--wording 'poem' is unknown"),
+        (["--budgets", "3277", "--out", "x.jsonl"], "give fractions of the text's tokens"),
         (["--wording", "door", "--needles", "2", "--out", "x.jsonl"], "--needles 2 hides a pass key"),
     ],
 )

@@ -47,6 +47,11 @@ class Grid:
 
     def __post_init__(self) -> None:
         passkey.wording_of(self.wording)
+        if any(not 0 < budget <= 1 for budget in self.budgets):
+            raise UsageError(
+                f"--budgets {','.join(map(str, self.budgets))}: give fractions of the text's tokens "
+                "(0.025 keeps 819 of 32,768), not token counts"
+            )
         if self.needles != 1 and self.wording != "passkey":
             raise UsageError("--needles 2 hides a pass key and a vault code; it has no --wording")
         if self.needles not in (1, 2):
