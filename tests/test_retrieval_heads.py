@@ -198,3 +198,41 @@ def test_tuning_and_report_probes_share_no_filler_nor_wording(smollm, tmp_path):
         assert item.value in item.needle and abs(at / len(item.text) - item.depth / 100) < 0.1
         assert abs(len(tokenizer(item.text)["input_ids"]) - 300) < 8
         assert probe_sets.KIND_NAMES[item.kind] in item.question
+
+
+def test_the_probe_attends_as_the_models_own_attention_sliding_windows_too():
+    """A random Gemma 3 (window 8; layers sliding, sliding, full, sliding) over 40 tokens and then one step:
+    through `CopyProbe` its logits are sdpa's (so a windowed layer keeps its window while calibrating)."""
+    import transformers
+    from transformers import AttentionInterface, DynamicCache
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (1, 41))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            first = model(ids[:, :40], cache=cache, use_cache=True).logits
+            step = model(ids[:, 40:], cache=cache, use_cache=True).logits
+        return first, step
+
+    model.set_attn_implementation("sdpa")
+    want = run()
+    probe = CopyProbe()
+    AttentionInterface.register(PROBE, probe)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE, sdpa_mask)
+    model.set_attn_implementation(PROBE)
+    try:
+        got = run()
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want, strict=True))
+    assert len(probe.top) == 4  # one step: a top key per layer

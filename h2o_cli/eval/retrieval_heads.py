@@ -132,11 +132,12 @@ def calibrate(
     """The retrieval scores of `model`'s KV heads over `probes` (each inside the model's window).
 
     Returns {"copied", "runs": [{filler, kind, depth, value, answer, correct}], "score": per layer a list of
-    per-KV-head scores `[n_layers][n_kv_heads]`, "ranked": [{layer, kv_head, score}] of the global layers,
+    per-KV-head scores `[n_layers][n_kv_heads]` (0 in a sliding-window layer), "ranked": [{layer, kv_head, score}] of the global layers,
     best first, "lead": [layer, kv_head] of the best or None when no probe was answered}. `progress` is
     called with each run's row. The model attends through `CopyProbe` meanwhile, and through its own
     attention again afterwards."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     from h2o_cli.cache.families import text_config, windowed_layers
     from h2o_cli.prompting import read_then_answer
@@ -145,6 +146,7 @@ def calibrate(
     group = config.num_attention_heads // config.num_key_value_heads
     probe = CopyProbe()
     AttentionInterface.register(PROBE, probe)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE, sdpa_mask)  # the masks sdpa gets: a sliding window's too
     before = config._attn_implementation
     model.set_attn_implementation(PROBE)
     total, copied, runs = torch.zeros(config.num_hidden_layers, config.num_attention_heads), 0, []
@@ -168,7 +170,9 @@ def calibrate(
         model.set_attn_implementation(before)
     score = (total / max(1, copied)).view(config.num_hidden_layers, config.num_key_value_heads, group)
     kv_score = score.max(-1).values  # [layers, kv heads]
-    ranked = rank(kv_score, [not sliding for sliding in windowed_layers(text_config(model))])
+    candidates = [not sliding for sliding in windowed_layers(text_config(model))]
+    kv_score[~torch.tensor(candidates)] = 0.0  # a windowed layer's cache keeps its window: no stream index
+    ranked = rank(kv_score, candidates)
     return {
         "copied": copied,
         "runs": runs,
