@@ -13,6 +13,7 @@ from h2o_cli.eval.retrieval_heads import (
     CopyProbe,
     calibrate,
     copy_hits,
+    lead_of,
     rank,
     value_spans,
 )
@@ -152,8 +153,11 @@ def test_calibrate_scores_each_kv_head_by_its_best_query_head_and_ranks_them(tin
     assert report["lead"] == [ranked[0]["layer"], ranked[0]["kv_head"]]
 
 
-def test_only_a_candidate_layer_is_ranked():
-    """A sliding-window layer cannot lead: `rank` leaves out the layers not marked, whatever their score."""
+def test_only_a_candidate_layer_is_ranked_and_a_head_that_copied_nothing_does_not_lead():
+    """A sliding-window layer cannot lead: `rank` leaves out the layers not marked, whatever their score; where
+    every candidate scored 0 there is no lead."""
+    assert lead_of(rank(torch.tensor([[0.9, 0.4], [0.0, 0.0]]), [False, True])) is None
+    assert lead_of(rank(torch.tensor([[0.9, 0.4], [0.0, 0.1]]), [False, True])) == [1, 1]
     score = torch.tensor([[0.9, 0.1], [0.2, 0.3], [0.8, 0.0]])
     assert rank(score, [False, True, True]) == [
         {"layer": 2, "kv_head": 0, "score": 0.8}, {"layer": 1, "kv_head": 1, "score": 0.3},

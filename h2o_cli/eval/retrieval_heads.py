@@ -133,7 +133,7 @@ def calibrate(
 
     Returns {"copied", "runs": [{filler, kind, depth, value, answer, correct}], "score": per layer a list of
     per-KV-head scores `[n_layers][n_kv_heads]` (0 in a sliding-window layer), "ranked": [{layer, kv_head, score}] of the global layers,
-    best first, "lead": [layer, kv_head] of the best or None when no probe was answered}. `progress` is
+    best first, "lead": `lead_of` the ranking}. `progress` is
     called with each run's row. The model attends through `CopyProbe` meanwhile, and through its own
     attention again afterwards."""
     from transformers import AttentionInterface
@@ -178,5 +178,11 @@ def calibrate(
         "runs": runs,
         "score": [[round(float(s), 4) for s in row] for row in kv_score],
         "ranked": ranked,
-        "lead": [ranked[0]["layer"], ranked[0]["kv_head"]] if copied and ranked else None,
+        "lead": lead_of(ranked),
     }
+
+
+def lead_of(ranked: list[dict]) -> list[int] | None:
+    """The lead of a ranking: its first head as [layer, kv_head], or None when no head copied anything (no
+    probe answered, or every piece copied by a layer that cannot lead)."""
+    return [ranked[0]["layer"], ranked[0]["kv_head"]] if ranked and ranked[0]["score"] > 0 else None
