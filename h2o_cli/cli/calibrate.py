@@ -62,7 +62,12 @@ def calibrate(
         f"pieces scored, {report['seconds']:g} s"
     )
     if report["lead"] is None:
-        print("no probe answered: no head can be ranked (try a shorter --length or more --probes)")
+        print(
+            "no head of a global layer copied a piece of an answer: no lead (--recall-lead auto keeps each "
+            "head's own choice)"
+            if report["answered"]
+            else "no probe answered: no head can be ranked (try a shorter --length or more --probes)"
+        )
         return
     print("layer  kv head  score")
     for row in report["ranked"][:top]:
