@@ -22,7 +22,7 @@ from h2o_cli.cli.app import app
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import UsageError
 from h2o_cli.generation import Sampling, generate_ids
-from h2o_cli.models.presets import calibrated_lead
+from h2o_cli.models.presets import PRESETS
 from h2o_cli.prompting import NewChunk
 from h2o_cli.streaming import prefill
 
@@ -291,9 +291,7 @@ def test_auto_is_the_models_calibrated_lead_where_pages_carry_attention(tiny_pai
     _, model = tiny_pair
     settings = CacheSettings(budget=40, policy="recall", chunk=16, page_size=4)  # recall_lead auto
     assert H2OCache(model, settings).lead is None  # a model without a calibrated head: each head's own choice
-    monkeypatch.setattr(
-        model, "h2o_lead_head", (1, 0), raising=False
-    )  # as `load_model` sets it from a preset
+    monkeypatch.setattr(model, "h2o_lead_head", (1, 0), raising=False)  # a head planted on the model wins
     cache = H2OCache(model, settings)
     assert (cache.lead.layer, cache.lead.head) == (1, 0) and cache.lead.archive is cache.layers[1].archive
     assert all(layer.lead is cache.lead for layer in cache.layers)
@@ -323,14 +321,9 @@ def test_the_fixed_step_refuses_a_lead(tiny_pair):
         assert cache.lead is None and all(layer.lead is None for layer in cache.layers)
 
 
-def test_the_embedded_model_has_a_calibrated_lead():
-    for name in (
-        "smollm2-135m",
-        "HuggingFaceTB/SmolLM2-135M-Instruct",
-        "/models/SmolLM2-135M-Instruct.Q4_1.gguf",
-    ):
-        assert calibrated_lead(name) == (18, 2), name
-    assert calibrated_lead("llama-7b") is None and calibrated_lead("/tmp/my-model") is None
+def test_no_preset_types_a_head():
+    """Heads are found per weights (`h2o_cli.models.calibration`), never typed in a preset."""
+    assert not any(hasattr(preset, "lead_head") for preset in PRESETS.values())
 
 
 def read_calls(

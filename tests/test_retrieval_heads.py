@@ -1,13 +1,23 @@
-"""`h2o_cli.eval.retrieval_heads` (what `h2o calibrate` prints): the heads' copy hits against the same
-attention written out by transformers' eager attention, and the report's scores and ranking."""
+"""`h2o_cli.eval.retrieval_heads` (what `h2o calibrate` finds): the heads' copy hits against the same attention
+written out by transformers' eager attention, the report's scores and ranking, and the probes it reads."""
 
 import pytest
 import torch
 from conftest import tiny_config
 
-from h2o_cli.eval import passkey
-from h2o_cli.eval.passkey import MAX_NEW_TOKENS
-from h2o_cli.eval.retrieval_heads import PROBE, CopyProbe, calibrate, copy_hits
+from h2o_cli.eval import probes as probe_sets
+from h2o_cli.eval.probes import Probe
+from h2o_cli.eval.retrieval_heads import (
+    MAX_NEW_TOKENS,
+    PROBE,
+    CopyProbe,
+    calibrate,
+    copy_hits,
+    lead_of,
+    rank,
+    value_spans,
+)
+from h2o_cli.prompting import read_then_answer
 
 ESSAY = " ".join(
     f"In the year {1900 + n} the {thing} by the river was {color}, said essay {n}."
@@ -43,128 +53,190 @@ def force_answers(model, answers: list[list[int]]):
     return model.lm_head.register_forward_hook(hook)
 
 
-def eager_hits(
-    model, ids: list[int], answer: list[int], digits: list[int], needle: list[int]
-) -> torch.Tensor:
-    """The copy hits written out: one eager forward over the prompt and the answer with the attention weights
-    returned; the query of answer step j (at position len(ids) + j) writes digit j + 1, and a head copies when
-    its largest weight falls on a needle token equal to that digit. [n_layers, n_heads]."""
+def planted(value: str, at: int = 500) -> Probe:
+    """ESSAY with a needle naming `value` twice planted at character `at`."""
+    needle = f"\nThe code is {value}. Remember {value} well.\n"
+    return Probe(
+        ESSAY[:at] + needle + ESSAY[at:1400], "What is the code?", value, needle, 40, "essay", "number"
+    )
+
+
+def prompt_ids(tokenizer, probe: Probe) -> tuple[list[int], int]:
+    pieces = list(read_then_answer(tokenizer, [tokenizer(probe.text, add_special_tokens=False)["input_ids"]],
+                                   probe.question))  # fmt: skip
+    return [token for piece in pieces for token in piece], len(pieces[0])
+
+
+def eager_hits(model, tokenizer, probe: Probe, ids: list[int], head: int, answer: list[int]) -> torch.Tensor:
+    """The copy hits written out for an answer whose token j is the value's digit j (one digit a token): one
+    eager forward over the prompt and the answer with the attention weights returned; the query of answer
+    step j (at position len(ids) + j) writes digit j + 1, and a head copies when its largest weight falls on
+    a text token whose characters include that digit of either mention of the value. [n_layers, n_heads]."""
     before = model.config._attn_implementation
     model.set_attn_implementation("eager")
     with torch.no_grad():
         out = model(torch.tensor([ids + answer]), output_attentions=True)
     model.set_attn_implementation(before)
+    offsets = tokenizer(probe.text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    needle_at = probe.text.index(probe.needle)
+    mentions = [needle_at + i for i in range(len(probe.needle)) if probe.needle.startswith(probe.value, i)]
     hits = torch.zeros(model.config.num_hidden_layers, model.config.num_attention_heads)
-    for step, digit in enumerate(digits[1:]):
-        position = len(ids) + step
-        sources = [p for p in needle if ids[p] == digit]
+    for step in range(len(probe.value) - 1):
+        chars = [mention + step + 1 for mention in mentions]
+        sources = [head + i for i, (a, b) in enumerate(offsets) if any(a <= c < b for c in chars)]
         for layer, weights in enumerate(out.attentions):
-            top = weights[0, :, position, : position + 1].argmax(-1)  # [n_heads]
-            hits[layer] += torch.tensor([int(int(t) in sources) for t in top], dtype=torch.float)
+            top = weights[0, :, len(ids) + step, : len(ids) + step + 1].argmax(-1)  # [n_heads]
+            hits[layer] += torch.tensor([float(int(t) in sources) for t in top])
     return hits
 
 
-def test_copy_hits_are_the_heads_whose_strongest_key_is_the_digit_written(tiny_model):
-    """A text full of years (digit tokens everywhere, all counted as the needle), an answer forced to the key
-    and then the end token: the hits per (layer, head) equal those of the eager attention's weights, four
-    digits are scored (the first is written by the prompt's pass), and some heads copied."""
-    model, tokenizer = tiny_model
-    ids = tokenizer(ESSAY, add_special_tokens=False)["input_ids"][:300]
-    key = "19041"
-    digits = [tokenizer.convert_tokens_to_ids(d) for d in key]
-    answer = digits + [tokenizer.eos_token_id] * (MAX_NEW_TOKENS + 1 - len(digits))
+def with_probe(model):
     probe = CopyProbe()
     from transformers import AttentionInterface
 
     AttentionInterface.register(PROBE, probe)
     model.set_attn_implementation(PROBE)
-    handle = force_answers(model, [answer])
+    return probe
+
+
+def test_copy_hits_are_the_heads_whose_strongest_key_holds_the_piece_written(tiny_model):
+    """An answer forced to the value and then the end token: the hits per (layer, head) equal those of the
+    eager attention's weights, four pieces are scored (the first digit is written by the prompt's pass),
+    and some heads copied."""
+    model, tokenizer = tiny_model
+    probe = planted("19041")
+    ids, head = prompt_ids(tokenizer, probe)
+    digits = [tokenizer.convert_tokens_to_ids(d) for d in probe.value]
+    copy = with_probe(model)
+    handle = force_answers(model, [digits + [tokenizer.eos_token_id] * MAX_NEW_TOKENS])
     try:
-        hits, scored, said = copy_hits(model, tokenizer, ids, key, list(range(len(ids))), probe)
+        hits, scored, said = copy_hits(
+            model, tokenizer, ids, probe.value, value_spans(tokenizer, probe, head), copy
+        )
     finally:
         handle.remove()
         model.set_attn_implementation("sdpa")
-    assert scored == 4 and said.startswith(key)
-    expected = eager_hits(model, ids, answer[: len(digits)], digits, list(range(len(ids))))
-    assert torch.equal(hits, expected)
+    assert scored == 4 and said.startswith(probe.value)
+    assert torch.equal(hits, eager_hits(model, tokenizer, probe, ids, head, digits[:-1]))
     assert hits.sum() > 0
 
 
 def test_calibrate_scores_each_kv_head_by_its_best_query_head_and_ranks_them(tiny_model):
-    """Two seeds x two depths of 200-token haystacks, every answer forced to its key: every run counts, four
-    digits each; each KV head's score is the best of its three query heads' share of copied digits, computed
-    from the eager attention; the ranking lists every (layer, KV head) once, best first, at those scores; the
-    model attends as before afterwards."""
-    from h2o_cli.prompting import read_then_answer
-
+    """Two probes, every answer forced to its value (an answer stops once the value is written): each counts, four pieces each; each KV head's score is
+    the best of its three query heads' share of copied pieces, from the eager attention; the ranking lists
+    every (layer, KV head) once, best first, at those scores; the lead is the first; the model attends as
+    before afterwards."""
     model, tokenizer = tiny_model
-    depths, seeds = [5, 95], range(100, 102)
-    runs = [
-        (key, text)
-        for seed in seeds
-        for _, key, text in passkey.haystacks(tokenizer, ESSAY, 200, depths, seed)
-    ]
-    eos = tokenizer.eos_token_id
-    answers = [[tokenizer.convert_tokens_to_ids(d) for d in key] for key, _ in runs]
-    handle = force_answers(model, [digits + [eos] * (MAX_NEW_TOKENS + 1 - len(digits)) for digits in answers])
+    items = [planted("19041"), planted("27365", 1000)]
+    answers = [[tokenizer.convert_tokens_to_ids(d) for d in item.value] for item in items]
+    handle = force_answers(model, answers)
     try:
-        report = calibrate(model, tokenizer, ESSAY, length=200, depths=2, seeds=2, seed_from=100)
+        report = calibrate(model, tokenizer, items)
     finally:
         handle.remove()
     assert model.config._attn_implementation != PROBE
-    assert [(run["key"], run["correct"]) for run in report["runs"]] == [(key, True) for key, _ in runs]
-    assert report["copied_digits"] == 4 * len(runs)
-
+    assert [(run["value"], run["correct"]) for run in report["runs"]] == [
+        (item.value, True) for item in items
+    ]
+    assert report["copied"] == 8
     total = torch.zeros(2, 6)
-    for (key, text), digits in zip(runs, answers, strict=True):
-        pieces = list(read_then_answer(tokenizer, [tokenizer(text, add_special_tokens=False)["input_ids"]],
-                                       passkey.QUESTION))  # fmt: skip
-        ids = [token for piece in pieces for token in piece]
-        needle, _ = passkey.needle_tokens(tokenizer, text, key, len(pieces[0]))
-        total += eager_hits(model, ids, digits, digits, needle)
-    expected = (total / report["copied_digits"]).view(2, 2, 3).max(-1).values  # [layers, kv heads]
+    for item, digits in zip(items, answers, strict=True):
+        ids, head = prompt_ids(tokenizer, item)
+        total += eager_hits(model, tokenizer, item, ids, head, digits[:-1])
+    expected = (total / 8).view(2, 2, 3).max(-1).values  # [layers, kv heads]
     assert torch.allclose(torch.tensor(report["score"]), expected, atol=1e-4)
     assert expected.sum() > 0  # some head copied: the comparison can fail
     ranked = report["ranked"]
     assert sorted((row["layer"], row["kv_head"]) for row in ranked) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [row["score"] for row in ranked] == sorted((row["score"] for row in ranked), reverse=True)
     assert all(abs(row["score"] - float(expected[row["layer"], row["kv_head"]])) < 1e-4 for row in ranked)
+    assert report["lead"] == [ranked[0]["layer"], ranked[0]["kv_head"]]
 
 
-def test_h2o_calibrate_prints_the_ranking_and_names_the_best_head_the_lead(tiny_model, monkeypatch, tmp_path):
-    """`h2o calibrate --json` reports the runs, scores and ranking, and `lead` is the first-ranked head as
-    `--recall-lead` takes it; without --json the ranking is a table and the lead its last line; --out writes
-    the same report."""
-    import json
+def test_only_a_candidate_layer_is_ranked_and_a_head_that_copied_nothing_does_not_lead():
+    """A sliding-window layer cannot lead: `rank` leaves out the layers not marked, whatever their score; where
+    every candidate scored 0 there is no lead."""
+    assert lead_of(rank(torch.tensor([[0.9, 0.4], [0.0, 0.0]]), [False, True])) is None
+    assert lead_of(rank(torch.tensor([[0.9, 0.4], [0.0, 0.1]]), [False, True])) == [1, 1]
+    score = torch.tensor([[0.9, 0.1], [0.2, 0.3], [0.8, 0.0]])
+    assert rank(score, [False, True, True]) == [
+        {"layer": 2, "kv_head": 0, "score": 0.8}, {"layer": 1, "kv_head": 1, "score": 0.3},
+        {"layer": 1, "kv_head": 0, "score": 0.2}, {"layer": 2, "kv_head": 1, "score": 0.0},
+    ]  # fmt: skip
 
-    from typer.testing import CliRunner
 
-    import h2o_cli.models
-    from h2o_cli.cli.app import app
-
+def test_a_value_tokenized_otherwise_in_the_answer_still_scores_by_its_characters(tiny_model):
+    """A word value: the needle holds " lantern" (one token with its space), the answer writes it as pieces
+    of its own ("lan", "tern" or whatever the tokenizer gives without the space): the first piece is the
+    prompt's pass, every later piece is scored, and each step's sources are the needle tokens holding it."""
     model, tokenizer = tiny_model
-    monkeypatch.setattr(h2o_cli.models, "load_model", lambda *args, **kwargs: (model, tokenizer))
-    (tmp_path / "book.txt").write_text(ESSAY)
-    (_, key, _), *_ = passkey.haystacks(tokenizer, ESSAY, 200, [5], 7)
-    digits = [tokenizer.convert_tokens_to_ids(d) for d in key]
-    answer = digits + [tokenizer.eos_token_id] * (MAX_NEW_TOKENS + 1 - len(digits))
-    args = ["calibrate", "--length", "200", "--depths", "1", "--seeds", "1", "--seed-from", "7", "--threads", "0",
-            "--haystack", str(tmp_path / "book.txt")]  # fmt: skip
-    handle = force_answers(model, [answer, answer])
+    probe = planted("lanternfish")
+    ids, head = prompt_ids(tokenizer, probe)
+    pieces = tokenizer("lanternfish", add_special_tokens=False)["input_ids"]
+    assert len(pieces) >= 2
+    copy = with_probe(model)
+    handle = force_answers(model, [pieces + [tokenizer.eos_token_id] * MAX_NEW_TOKENS])
     try:
-        given = CliRunner().invoke(app, [*args, "--json", "--out", str(tmp_path / "heads.json")])
-        shown = CliRunner().invoke(app, args)
+        _, scored, said = copy_hits(
+            model, tokenizer, ids, probe.value, value_spans(tokenizer, probe, head), copy
+        )
     finally:
         handle.remove()
-    assert given.exit_code == 0 and shown.exit_code == 0, given.output + shown.output
-    report = json.loads(given.stdout)
-    assert report == json.loads((tmp_path / "heads.json").read_text())
-    assert report["runs"] == [
-        {"seed": 7, "depth": 5, "key": key, "answer": report["runs"][0]["answer"], "correct": True}
-    ]
-    best = report["ranked"][0]
-    assert report["lead"] == f"{best['layer']}.{best['kv_head']}" and report["model"] == "smollm2-135m"
-    assert (
-        shown.stdout.strip().splitlines()[-1]
-        == f"lead head: {report['lead']} (--recall-lead {report['lead']})"
-    )
+        model.set_attn_implementation("sdpa")
+    assert said.startswith("lanternfish") and scored == len(pieces) - 1
+
+
+def test_tuning_and_report_probes_share_no_filler_nor_wording(smollm, tmp_path):
+    """The two sets are disjoint in novels, needle and question wordings; a probe holds its needle (with its
+    value) at about the depth asked, is about the tokens asked, and its question names the value's kind;
+    without a data folder the word lists stand in."""
+    _, tokenizer = smollm
+    tuning, report = probe_sets.TUNING, probe_sets.REPORT
+    assert not set(tuning.books) & set(report.books)
+    assert not set(tuning.needles) & set(report.needles) and not set(tuning.questions) & set(report.questions)
+    assert probe_sets.fillers(tuning, None) == [(probe_sets.WORD_LIST, "")]
+    made = list(probe_sets.probes(tokenizer, tuning, None, 300, 6, seed=3))
+    assert {item.kind for item in made} <= set(tuning.kinds) and len(made) == 6
+    for item in made:
+        at = item.text.index(item.needle)
+        assert item.value in item.needle and abs(at / len(item.text) - item.depth / 100) < 0.1
+        assert abs(len(tokenizer(item.text)["input_ids"]) - 300) < 8
+        assert probe_sets.KIND_NAMES[item.kind] in item.question
+
+
+def test_the_probe_attends_as_the_models_own_attention_sliding_windows_too():
+    """A random Gemma 3 (window 8; layers sliding, sliding, full, sliding) over 40 tokens and then one step:
+    through `CopyProbe` its logits are sdpa's (so a windowed layer keeps its window while calibrating)."""
+    import transformers
+    from transformers import AttentionInterface, DynamicCache
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (1, 41))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            first = model(ids[:, :40], cache=cache, use_cache=True).logits
+            step = model(ids[:, 40:], cache=cache, use_cache=True).logits
+        return first, step
+
+    model.set_attn_implementation("sdpa")
+    want = run()
+    probe = CopyProbe()
+    AttentionInterface.register(PROBE, probe)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE, sdpa_mask)
+    model.set_attn_implementation(PROBE)
+    try:
+        got = run()
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want, strict=True))
+    assert len(probe.top) == 4  # one step: a top key per layer

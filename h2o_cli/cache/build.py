@@ -117,8 +117,13 @@ def layer_ropes(rotary_emb, head_dim: int) -> dict[bool, Rope]:
 
 def lead_ranking(model, layers: list[H2OLayer], policy, shape: ModelShape) -> LeadRanking | None:
     """`--recall-lead`: the lead head's `LeadRanking`, given to every recalling layer; None without one. `auto`
-    takes the model's `h2o_lead_head` (what `h2o_cli.models.load_model` sets from its preset)."""
+    takes a head set on the model (`h2o_lead_head`), else the calibration kept for its weights, calibrating
+    them once where none is kept (`h2o_cli.models.calibration.ensure`)."""
     calibrated = getattr(model, "h2o_lead_head", None)
+    if calibrated is None and policy.lead_calibrated:
+        from h2o_cli.models.calibration import ensure
+
+        calibrated = ensure(model)
     name = getattr(model, "h2o_name", None) or "this model"
     lead = policy.lead_head(shape.n_layers, shape.n_kv_heads, calibrated, name)
     if lead is None:

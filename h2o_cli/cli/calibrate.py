@@ -1,8 +1,10 @@
-"""`h2o calibrate`: rank a model's KV heads by how often they copy a passkey, and name the lead head."""
+"""`h2o calibrate`: rank a model's KV heads by how often they copy a planted fact, name the lead head, and keep
+it for `--recall-lead auto` (`$H2O_HOME/calibration/`, keyed by the weights)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -10,70 +12,95 @@ import typer
 
 from h2o_cli.cli import options
 from h2o_cli.cli.common import load, stderr
-from h2o_cli.cli.passkey import Haystack, read_haystack
 
 EXAMPLES = """
 Examples:
-  h2o calibrate                                  # the embedded model, 15 passkey haystacks of 2,048 tokens
-  h2o calibrate --length 2048 --seeds 2 --depths 4 --out heads.json
-  h2o calibrate --model smollm2-360m --haystack my_book.txt --json > heads.json
+  h2o calibrate                                  # the embedded model: kept, or found now (12 probes)
+  h2o calibrate --force                          # find it again
+  h2o calibrate --model gemma3-270m --json > heads.json
 
-Each haystack must fit the model's window: it is read with a plain full cache and answered greedily. At each answer step that writes the passkey's next digit, a query head copies when its strongest key is a token of the needle holding that digit; a KV head scores the share of digits its best query head copied, over the runs the model answers. The best-ranked head is what `--recall-lead LAYER.HEAD` takes (`auto` names it for a calibrated preset).
+The probes (h2o_cli/eval/probes.py, the tuning set) plant a number, a word or a UUID in a novel of the data folder or a list of random words, with varied needle and question wordings, each inside the model's window. Each is read with a plain full cache and answered greedily; at each answer step that writes the next piece of the value, a query head copies when its strongest key is a needle token holding it. A KV head scores the share of pieces its best query head copied, over the probes the model answers; the best head of a global layer leads (`--recall-lead auto`). The result is kept under a hash of the weights, so a renamed copy of the model finds it; `h2o models` shows it.
 """
 
 
 def calibrate(
+    force: Annotated[
+        bool, typer.Option("--force", help="Calibrate again even where a calibration is kept.")
+    ] = False,
+    probes: Annotated[int, typer.Option("--probes", min=1, help="Tuning probes read.")] = 12,
     length: Annotated[
-        int, typer.Option("--length", min=64, help="Prompt tokens per haystack (inside the model's window).")
-    ] = 2048,
-    depths: Annotated[int, typer.Option("--depths", min=1, help="Needle depths, from 5 % to 95 %.")] = 5,
-    seeds: Annotated[int, typer.Option("--seeds", min=1, help="Haystacks per depth.")] = 3,
-    seed_from: Annotated[
-        int, typer.Option("--seed-from", min=0, help="First seed (apart from h2o passkey's 0-2).")
-    ] = 100,
-    top: Annotated[int, typer.Option("--top", min=1, help="KV heads shown in the ranking.")] = 15,
+        int, typer.Option("--length", min=64, help="Tokens per probe (inside the model's window).")
+    ] = 1024,
+    top: Annotated[int, typer.Option("--top", min=1, help="KV heads shown in the ranking.")] = 10,
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Write the whole report (runs, scores, ranking) here.")
+        Path | None, typer.Option("--out", "-o", help="Also write the whole report (runs, scores) here.")
     ] = None,
     json_out: Annotated[
         bool, typer.Option("--json", help="Print the whole report as JSON on stdout.")
     ] = False,
-    haystack: Haystack = None,
     data_dir: options.DataDir = None,
     model: options.Model = options.DEFAULTS["model"],
     threads: options.Threads = 1,
 ) -> None:
-    """Rank the model's KV heads by retrieval score (the copy-paste score) and name the lead head recall would take."""
-    from h2o_cli.eval.retrieval_heads import calibrate as run
+    """Find the model's lead head (the KV head that copies planted facts most) and keep it for --recall-lead auto."""
+    from h2o_cli.models import calibration
 
-    essays = read_haystack(haystack, data_dir)
     loaded, tokenizer = load(model, "cpu", "float32", False, threads)
-
-    def progress(row: dict) -> None:
-        stderr.print(
-            f"s{row['seed']} d{row['depth']:>2} {row['correct']!s:<5} {row['answer']!r}", markup=False
-        )
-
-    report = run(loaded, tokenizer, essays, length, depths, seeds, seed_from, progress)
-    best = report["ranked"][0] if report["copied_digits"] else None
-    report = {"model": model, **report, "lead": f"{best['layer']}.{best['kv_head']}" if best else None}
+    report = None if force else calibration.load(loaded)
+    if report is None:
+        report = _run(calibration, loaded, tokenizer, data_dir, probes, length, model)
+    else:
+        stderr.print(f"kept calibration: {calibration.cache_file(report['fingerprint'])} (--force to redo)")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1) + "\n")
     if json_out:
         print(json.dumps(report))
         return
-    answered = sum(run["correct"] for run in report["runs"])
     print(
-        f"{model}: {answered} of {len(report['runs'])} runs answered, {report['copied_digits']} digits scored"
+        f"{model}: {report['answered']} of {len(report['runs'])} probes answered, {report['copied']} value "
+        f"pieces scored, {report['seconds']:g} s"
     )
-    if best is None:
-        print("no run answered: no head can be ranked (try a shorter --length or more --seeds)")
+    if report["lead"] is None:
+        print(
+            "no head of a global layer copied a piece of an answer: no lead (--recall-lead auto keeps each "
+            "head's own choice)"
+            if report["answered"]
+            else "no probe answered: no head can be ranked (try a shorter --length or more --probes)"
+        )
         return
     print("layer  kv head  score")
     for row in report["ranked"][:top]:
         print(f"{row['layer']:>5}  {row['kv_head']:>7}  {row['score']:.2f}")
-    print(f"lead head: {report['lead']} (--recall-lead {report['lead']})")
+    layer, head = report["lead"]
+    print(f"lead head: {layer}.{head} (what --recall-lead auto takes for these weights)")
+
+
+def _run(calibration, loaded, tokenizer, data_dir, probes: int, length: int, model: str) -> dict:
+    """Calibrate with a progress bar on stderr (one line per probe when stderr is not a terminal)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("[bold]calibrating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        console=stderr,
+        disable=not sys.stderr.isatty(),
+    )
+    with bar:
+        task = bar.add_task("probes", total=probes, status="")
+
+        def progress(done: int, count: int, row: dict) -> None:
+            status = f"{row['kind']} in {row['filler']}: {'answered' if row['correct'] else 'missed'}"
+            bar.update(task, completed=done, status=status)
+            if not sys.stderr.isatty():
+                stderr.print(f"{done}/{count} {status} {row['answer']!r}", markup=False)
+
+        return calibration.run(
+            loaded, tokenizer, calibration.data_folder(data_dir), progress, probes, length, model
+        )
 
 
 calibrate.__doc__ = (calibrate.__doc__ or "") + EXAMPLES

@@ -98,9 +98,9 @@ RecallLead = Annotated[
         "--recall-lead",
         help="recall: after a question (stream --prompt), every head recalls only the pages one retrieval head "
         "ranks best, and the question is read twice so the layers before it have its ranking: LAYER.HEAD "
-        "(from 0), auto (the model's calibrated head, 18.2 for the embedded model; none for a model without "
-        "one), or none (each head's own choice). Past the window it finds pass keys each head's own choice "
-        "misses (docs/results.md).",
+        "(from 0), auto (the head `h2o calibrate` found for these weights, kept under $H2O_HOME; found once, "
+        "about 12 short probes, the first time a model without one recalls), or none (each head's own "
+        "choice). Past the window it finds pass keys each head's own choice misses (docs/results.md).",
         rich_help_panel=ADVANCED_RECALL,
     ),
 ]

@@ -1,29 +1,33 @@
-"""Which attention heads copy a passkey? The retrieval score of every (layer, KV head): what `--recall-lead
-auto` names a model's lead head from.
+"""Which attention heads copy a planted fact? The retrieval score of every (layer, KV head): what `--recall-lead
+auto` names a model's lead head from (`h2o_cli.models.calibration` caches it per weights).
 
-For each passkey haystack (`eval/passkey.py`) short enough for the model's window, the prompt is read with a
-plain full cache and the answer generated greedily. At every answer step that writes the next digit of the
-passkey, each query head's strongest key is looked up: a head *copies* that step when its top key is a token
-of the needle sentence holding the digit being written (Wu et al. 2024, "Retrieval Head Mechanistically
-Explains Long-Context Factuality": the copy-paste score). A head's score is the share of copied digits over
-the runs the full cache answers; a KV head's is the best of its query heads (GQA: a KV head recalls for its
-whole group). `h2o calibrate` prints the ranking.
+Each probe (`eval/probes.py`: a filler, a needle, a value, a question) short enough for the model's window is
+read with a plain full cache and answered greedily. At every answer step that writes the next piece of the
+value, each query head's strongest key is looked up: a head *copies* that step when its top key is a needle
+token holding those characters of the value (Wu et al. 2024, "Retrieval Head Mechanistically Explains
+Long-Context Factuality": the copy-paste score; matched by characters, so a value the answer tokenizes unlike
+the needle still scores). A head's score is the share of copied pieces over the probes the full cache answers;
+a KV head's is the best of its query heads (GQA: a KV head recalls for its whole group). Only a global layer
+can lead (a sliding-window layer keeps no archive); `h2o calibrate` prints the ranking.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 
-from h2o_cli.eval import passkey
+from h2o_cli.eval.probes import Probe
 
 PROBE = "copy_probe"  # the attention implementation's name while a calibration runs
+MAX_NEW_TOKENS = 24  # a UUID takes about 20 tokens
 
 
 class CopyProbe:
-    """Plain causal attention over one unpadded sequence (`attention_mask` is not needed), registered as a
-    transformers attention function; when one token queries, each head's strongest key goes to `top`."""
+    """Causal attention over one unpadded sequence, registered as a transformers attention function (the
+    model's own mask where it passes one: a sliding window's); when one token queries, each head's strongest
+    key goes to `top`."""
 
     def __init__(self) -> None:
         self.top: list[torch.Tensor] = []  # per layer call of a one-token step: [n_heads] index of the key
@@ -34,107 +38,151 @@ class CopyProbe:
         group = query.shape[1] // key.shape[1]
         key, value = repeat_kv(key, group), repeat_kv(value, group)
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        logits = torch.matmul(query, key.transpose(2, 3)) * scaling
         q, k = query.shape[2], key.shape[2]  # causal: the queries are the last q of the k positions
-        later = torch.ones(q, k, dtype=torch.bool).triu(k - q + 1)
-        logits = logits.masked_fill(later, float("-inf"))
-        weights = torch.softmax(logits.float(), dim=-1).to(query.dtype)
-        if query.shape[2] == 1:
-            self.top.append(weights[0, :, 0].argmax(-1))
+        allowed = torch.ones(q, k, dtype=torch.bool).tril(k - q)
+        if attention_mask is not None and attention_mask.dim() == 4:
+            mask = attention_mask[..., -q:, :k]
+            allowed = allowed & (mask if mask.dtype == torch.bool else mask == 0)
+        if q > 1:  # a prompt's pass: nothing to look up
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling)
+            return out.transpose(1, 2).contiguous(), None
+        logits = (torch.matmul(query, key.transpose(2, 3)) * scaling).float()
+        weights = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).to(query.dtype)
+        self.top.append(weights[0, :, 0].argmax(-1))
         return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
 
 
-def copy_hits(model, tokenizer, ids: list[int], key: str, needle: list[int], probe: CopyProbe):
+def value_spans(tokenizer, probe: Probe, head: int) -> list[tuple[int, int, int]]:
+    """(stream index, first, end) of every token of `probe.text` that holds characters of a mention of the
+    value inside the needle: `first`, `end` the value characters it holds (`head`: tokens read before the
+    text)."""
+    text, value = probe.text, probe.value
+    start = text.index(probe.needle)
+    mentions, at = [], probe.needle.find(value)
+    while at >= 0:
+        mentions.append(start + at)
+        at = probe.needle.find(value, at + len(value))
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    spans = []
+    for index, (a, b) in enumerate(offsets):
+        for mention in mentions:
+            first, end = max(a, mention) - mention, min(b, mention + len(value)) - mention
+            if first < end:
+                spans.append((head + index, first, end))
+    return spans
+
+
+def copy_hits(model, tokenizer, ids: list[int], value: str, spans, probe: CopyProbe):
     """Greedy answer of `ids` with a full cache (the model attending through `probe`): per (layer, query head)
-    how many of the passkey's digits the head copied (its top key is a needle token equal to the digit
-    written), `[n_layers, n_heads]`; the digits scored (each written in order by an answer step); the answer."""
+    how many pieces of `value` the head copied (its top key is a needle token holding characters of the
+    piece being written), `[n_layers, n_heads]`; the pieces scored; the answer. A piece is an answer token
+    that continues the value's characters in order; the prompt's pass writes the first token, unscored."""
     from transformers import DynamicCache
 
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
     hits = torch.zeros(layers, heads)
-    digits = [tokenizer.convert_tokens_to_ids(d) for d in key]
     cache = DynamicCache(config=model.config)
+    written, scored, answer = 0, 0, []
+
+    def advance(token: int) -> tuple[int, int] | None:  # the value characters `token` writes next, if any
+        piece = tokenizer.decode([token])
+        piece = piece.lstrip() if written == 0 else piece
+        if piece and value.startswith(piece, written):
+            return written, written + len(piece)
+        return None
+
     with torch.no_grad():
-        out = model(torch.tensor([ids]), cache=cache, use_cache=True)
+        out = model(torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
         token = int(out.logits[0, -1].argmax())
-        answer, scored = [], 0
-        written = int(token == digits[0])  # a first digit written by the prompt's pass: not scored
-        for _ in range(passkey.MAX_NEW_TOKENS):
+        first = advance(token)
+        written = first[1] if first else 0
+        for _ in range(MAX_NEW_TOKENS):
             answer.append(token)
+            if token == tokenizer.eos_token_id or written >= len(value):  # answered, or done
+                break
             probe.top.clear()
             out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
             following = int(out.logits[0, -1].argmax())
-            # this step's queries chose `following`: a copy when it is the next digit of the key
-            if written < len(digits) and following == digits[written]:
-                sources = torch.tensor([p for p in needle if ids[p] == following])
-                top = torch.stack(probe.top)  # [layers, heads]
-                hits += torch.isin(top, sources).float()
-                written, scored = written + 1, scored + 1
+            piece = advance(following) if written < len(value) else None
+            if piece is not None:  # this step's queries chose a piece of the value: a copy from the needle?
+                sources = torch.tensor([at for at, a, b in spans if a < piece[1] and b > piece[0]])
+                if len(sources):
+                    hits += torch.isin(torch.stack(probe.top), sources).float()  # [layers, heads]
+                    scored += 1
+                written = piece[1]
             token = following
-    return hits, scored, tokenizer.decode(answer + [token])
+    return hits, scored, tokenizer.decode(answer)
 
 
-def rank(kv_score: torch.Tensor) -> list[dict]:
+def rank(kv_score: torch.Tensor, candidates: list[bool] | None = None) -> list[dict]:
     """KV heads by score, best first (ties: the later layer, then the later head first):
-    `[{"layer", "kv_head", "score"}]` from `kv_score` `[n_layers, n_kv_heads]`."""
+    `[{"layer", "kv_head", "score"}]` from `kv_score` `[n_layers, n_kv_heads]`, of the layers `candidates`
+    marks (default every layer)."""
+    layers = range(kv_score.shape[0])
     ranked = sorted(
-        ((float(kv_score[layer, head]), layer, head) for layer in range(kv_score.shape[0])
+        ((float(kv_score[layer, head]), layer, head) for layer in layers if candidates is None or candidates[layer]
          for head in range(kv_score.shape[1])), reverse=True,
     )  # fmt: skip
     return [{"layer": layer, "kv_head": head, "score": round(s, 4)} for s, layer, head in ranked]
 
 
 def calibrate(
-    model,
-    tokenizer,
-    essays: str,
-    length: int = 2048,
-    depths: int = 5,
-    seeds: int = 3,
-    seed_from: int = 100,
-    progress: Callable[[dict], None] | None = None,
+    model, tokenizer, probes: Iterable[Probe], progress: Callable[[dict], None] | None = None
 ) -> dict:
-    """The retrieval scores of `model`'s KV heads over `seeds` x `depths` passkey haystacks of `length` tokens
-    cut from `essays` (depths from 5 % to 95 %; seeds from `seed_from`, apart from the grids' 0-2).
+    """The retrieval scores of `model`'s KV heads over `probes` (each inside the model's window).
 
-    Returns {"length", "copied_digits", "runs": [{seed, depth, key, answer, correct}], "score": per layer a
-    list of per-KV-head scores `[n_layers][n_kv_heads]`, "ranked": [{layer, kv_head, score}] best first}.
-    `progress` is called with each run's row. The model attends through `CopyProbe` meanwhile, and through
-    its own attention again afterwards."""
+    Returns {"copied", "runs": [{filler, kind, depth, value, answer, correct}], "score": per layer a list of
+    per-KV-head scores `[n_layers][n_kv_heads]` (0 in a sliding-window layer), "ranked": [{layer, kv_head, score}] of the global layers,
+    best first, "lead": `lead_of` the ranking}. `progress` is
+    called with each run's row. The model attends through `CopyProbe` meanwhile, and through its own
+    attention again afterwards."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+    from h2o_cli.cache.families import text_config, windowed_layers
     from h2o_cli.prompting import read_then_answer
 
     config = model.config
     group = config.num_attention_heads // config.num_key_value_heads
     probe = CopyProbe()
     AttentionInterface.register(PROBE, probe)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE, sdpa_mask)  # the masks sdpa gets: a sliding window's too
     before = config._attn_implementation
     model.set_attn_implementation(PROBE)
-    spread = [round(5 + 90 * i / max(1, depths - 1)) for i in range(depths)]
     total, copied, runs = torch.zeros(config.num_hidden_layers, config.num_attention_heads), 0, []
     try:
-        for seed in range(seed_from, seed_from + seeds):
-            for depth, key, text in passkey.haystacks(tokenizer, essays, length, spread, seed):
-                text_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-                pieces = list(read_then_answer(tokenizer, [text_ids], passkey.QUESTION))
-                ids = [token for piece in pieces for token in piece]
-                needle, _ = passkey.needle_tokens(tokenizer, text, key, len(pieces[0]))
-                hits, scored, answer = copy_hits(model, tokenizer, ids, key, needle, probe)
-                correct = key in answer
-                runs.append({"seed": seed, "depth": depth, "key": key, "answer": answer, "correct": correct})
-                if progress is not None:
-                    progress(runs[-1])
-                if correct:  # a wrong answer's digits are not a copy of the needle
-                    total, copied = total + hits, copied + scored
+        for item in probes:
+            text_ids = tokenizer(item.text, add_special_tokens=False)["input_ids"]
+            pieces = list(read_then_answer(tokenizer, [text_ids], item.question))
+            ids = [token for piece in pieces for token in piece]
+            spans = value_spans(tokenizer, item, len(pieces[0]))
+            hits, scored, answer = copy_hits(model, tokenizer, ids, item.value, spans, probe)
+            correct = item.value.lower() in answer.lower()
+            runs.append(
+                {"filler": item.filler, "kind": item.kind, "depth": item.depth, "value": item.value}
+                | {"answer": answer, "correct": correct}
+            )
+            if progress is not None:
+                progress(runs[-1])
+            if correct:  # a wrong answer's pieces are not a copy of the needle
+                total, copied = total + hits, copied + scored
     finally:
         model.set_attn_implementation(before)
     score = (total / max(1, copied)).view(config.num_hidden_layers, config.num_key_value_heads, group)
     kv_score = score.max(-1).values  # [layers, kv heads]
+    candidates = [not sliding for sliding in windowed_layers(text_config(model))]
+    kv_score[~torch.tensor(candidates)] = 0.0  # a windowed layer's cache keeps its window: no stream index
+    ranked = rank(kv_score, candidates)
     return {
-        "length": length,
-        "copied_digits": copied,
+        "copied": copied,
         "runs": runs,
         "score": [[round(float(s), 4) for s in row] for row in kv_score],
-        "ranked": rank(kv_score),
+        "ranked": ranked,
+        "lead": lead_of(ranked),
     }
+
+
+def lead_of(ranked: list[dict]) -> list[int] | None:
+    """The lead of a ranking: its first head as [layer, kv_head], or None when no head copied anything (no
+    probe answered, or every piece copied by a layer that cannot lead)."""
+    return [ranked[0]["layer"], ranked[0]["kv_head"]] if ranked and ranked[0]["score"] > 0 else None

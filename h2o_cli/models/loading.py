@@ -6,7 +6,7 @@ from h2o_cli.cache.families import SUPPORTED_FAMILIES
 from h2o_cli.errors import UnsupportedModelError, UsageError
 from h2o_cli.models.device import pick_device, pick_dtype, pick_read_dtype
 from h2o_cli.models.precision import read_in_bf16
-from h2o_cli.models.presets import DEFAULT_MODEL, calibrated_lead
+from h2o_cli.models.presets import DEFAULT_MODEL
 from h2o_cli.models.quant import quant_backend, quantization_config, torch_int8
 from h2o_cli.models.sources import load_config, local_folder, not_found, offline, resolve
 from h2o_cli.private import h2o_home, private_folder
@@ -73,7 +73,6 @@ def load_model(
     if pick_read_dtype(dtype, torch_device) is not None and backend == "none" and not device_map:
         read_in_bf16(model)
     model.h2o_name = name
-    model.h2o_lead_head = calibrated_lead(name)  # what `--recall-lead auto` names (h2o_cli.cache)
     model.h2o_quant = quant
     model.h2o_quant_backend = backend
     enable(model)

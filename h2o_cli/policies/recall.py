@@ -111,6 +111,12 @@ class RecallPolicy(HeavyHitterPolicy):
         """Whether `--recall-lead` is `auto` (the model's calibrated head, where it can lead)."""
         return self.recall_lead.strip().lower() == "auto"
 
+    @property
+    def lead_calibrated(self) -> bool:
+        """Whether `--recall-lead auto` would take the model's calibrated head: pages are ranked by carried
+        attention (`--page-score attention`, `--page-carry` above 0)."""
+        return self.lead_auto and self.page_score == "attention" and bool(self.page_carry)
+
     def lead_head(
         self, n_layers: int, n_kv_heads: int, calibrated: tuple[int, int] | None, model: str
     ) -> tuple[int, int] | None:
@@ -119,8 +125,7 @@ class RecallPolicy(HeavyHitterPolicy):
         where pages are not ranked by carried attention (`--page-score`, `--page-carry 0`) or its layer does
         not recall."""
         if self.lead_auto and (
-            self.page_score != "attention"
-            or not self.page_carry
+            not self.lead_calibrated
             or calibrated is None
             or calibrated[0] not in self.recalling_layers(n_layers)
         ):
