@@ -3,9 +3,9 @@ CPU), all 30 layers, 300 tokens past a full cache, for every registered policy, 
 the same text token by token (the perplexity, the log-prob of each next token, the greedy token at each
 step). The archive of a recalling policy is sized to the text (the span `stream --max-tokens` gives it), and
 its page choice runs both branches: every ring page scored (the ring within the step shortlist, as with the
-default shortlist of 512 pages below 8K tokens) and a shortlist shorter than the ring (`--shortlist 8`). Inductor compiles the
-whole model in minutes per run on two CPU cores, so this is the `slow` tier; the default suite traces the
-same step with dynamo on two layers (tests/test_compiled_step.py)."""
+default shortlist of 512 pages below 8K tokens) and a shortlist shorter than the ring (`--shortlist 8`).
+Inductor compiles the whole model in minutes per run on two CPU cores, so this is the `slow` tier; the
+default suite traces the same step with dynamo on two layers (tests/test_compiled_step.py)."""
 
 from __future__ import annotations
 
@@ -55,9 +55,10 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-# Float rounding only, which 30 layers amplify at some tokens (tests/test_compiled_step.py's `same_logits`: the
-# torch step and the chunk path already differ by up to 3e-4 of the largest |logit| at a step). So a next
-# token's log-prob within 7e-4 of that scale at every step, the greedy token the eager one or a near tie of it.
+# Float rounding only, which 30 layers amplify at some tokens (tests/test_compiled_step.py's `same_logits`:
+# the torch step and the chunk path already differ by up to 3e-4 of the largest |logit| at a step). So a
+# next token's log-prob within 7e-4 of that scale at every step, the greedy token the eager one or a near
+# tie of it.
 LOGIT_SHARE = 7e-4
 
 
@@ -65,9 +66,9 @@ LOGIT_SHARE = 7e-4
 @pytest.mark.parametrize(("policy", "shortlist"), whole_model_runs())
 def test_inductor_reads_the_whole_model_as_eager(smollm, excerpt, policy, shortlist):
     """`h2o stream --ppl --chunk 1 --budget 64 --max-tokens 364 [--shortlist 8] --compile` as a library call
-    (no lead head in either cache: the fixed step takes none), against the eager read (the model's forward on the default
-    path): the perplexity within 1e-3 relative, each next token's log-prob to float rounding of the logits'
-    scale, the same greedy token at every step (or a near tie), the same counters."""
+    (no lead head in either cache: the fixed step takes none), against the eager read (the model's forward on
+    the default path): the perplexity within 1e-3 relative, each next token's log-prob to float rounding of
+    the logits' scale, the same greedy token at every step (or a near tie), the same counters."""
     model, tokenizer = smollm
     ids = tokenizer(excerpt).input_ids[: BUDGET + PAST]
     assert len(ids) == BUDGET + PAST
