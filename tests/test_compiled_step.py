@@ -93,7 +93,7 @@ def prompt(smollm, excerpt) -> torch.Tensor:
 def first_layers(smollm):
     """The embedded model cut to its first two decoder layers (the same modules and weights, no copy): the
     graph holds every op of a layer, the first layer's and a later one's, and traces in seconds rather than
-    the whole model's minute (tests/test_compiled_step.py's `slow` tests take the whole model)."""
+    the whole model's minutes (the `slow` tests here and tests/test_compiled_whole.py take the whole model)."""
     model, inner = shallow_copy(smollm[0]), shallow_copy(smollm[0].model)
     model.config = inner.config = copy.deepcopy(model.config)
     model.config.num_hidden_layers = 2
@@ -394,28 +394,6 @@ def test_inductor_scores_pages_on_keys_held_in_float16():
         got = torch.compile(lambda q: captured.choose_fixed(q, resident, 32), fullgraph=True)(query)
     torch.testing.assert_close(captured.carried, archive.carried, rtol=0, atol=1e-6)  # 1e-4 off unrounded
     assert torch.equal(got[1], want[1]) and torch.equal(got[0][got[1]], want[0][want[1]])
-
-
-@pytest.mark.slow  # inductor compiles the whole model once per policy: minutes each on two CPU cores
-@pytest.mark.parametrize("policy", POLICIES)
-def test_inductor_stream_on_the_whole_model_gives_the_eager_perplexity(smollm, excerpt, policy):
-    """`h2o stream --ppl --chunk 1 --budget 64 --max-tokens 364 --compile` as a library call: all 30 layers,
-    300 tokens past a full cache, the archive sized to the text (the span `stream` gives it), through the
-    step inductor compiles; the perplexity of the eager torch step within 1e-3 relative. Both caches have the
-    same settings (no lead head: the fixed step takes none)."""
-    from h2o_cli.streaming import stream_perplexity
-
-    model, tokenizer = smollm
-    ids = tokenizer(excerpt).input_ids[: 64 + 300]
-    assert len(ids) == 364
-    settings = CacheSettings(budget=64, chunk=1, policy=policy, recall_lead="none")
-    eager_cache = H2OCache(model, settings, archive_span=len(ids))
-    eager = stream_perplexity(model, eager_cache, [ids], 1)
-    cache = H2OCache(model, settings, archive_span=len(ids))
-    captured = stream_perplexity(model, cache, [ids], 1, step=CompiledStep(model, cache))
-    assert captured.predictions == eager.predictions == 363
-    assert cache.report().evictions == eager_cache.report().evictions >= 300  # recall: past |S| < 64
-    assert captured.ppl == pytest.approx(eager.ppl, rel=1e-3)
 
 
 @pytest.mark.heavy  # inductor compiles two layers: tens of seconds
