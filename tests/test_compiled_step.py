@@ -114,8 +114,9 @@ def shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
 @pytest.mark.parametrize("policy", POLICIES)
 def test_captured_decode_equals_eager(first_layers, prompt, policy):
     """The embedded model's layers, 64 greedy steps past a full cache, the forward traced whole by dynamo
-    (`fullgraph=True`: a graph break or a host sync fails; the `eager` backend runs the traced graph as it is)."""
-    settings = CacheSettings(budget=32, chunk=16, policy=policy)
+    (`fullgraph=True`: a graph break or a host sync fails; the `eager` backend runs the traced graph as it is).
+    Recall's archive in RAM and no lead, as the fixed step takes them (its default reach goes to a file)."""
+    settings = CacheSettings(budget=32, chunk=16, policy=policy, archive="ram", recall_lead="none")
     eager, captured, counter = decode_both(first_layers, prompt, settings, 64, "eager")
     assert counter.frame_count == 1  # one graph, compiled once
     assert eager.report().evictions > 64  # every decode step evicted
@@ -163,7 +164,7 @@ def test_captured_bf16_decode_matches_the_bf16_chunk_path(first_layers_bf16, pro
     """A bfloat16 model on the fixed step (K/V stored in bf16, attention and scores in float32), traced whole
     (`fullgraph=True`, no recompilation), 64 steps past a full cache: the eager bf16 forward's logits and
     tokens to bf16 rounding (`SixteenBitLogits`), the same counters and kept tokens, the store still bf16."""
-    settings = CacheSettings(budget=32, chunk=16, policy=policy)
+    settings = CacheSettings(budget=32, chunk=16, policy=policy, archive="ram", recall_lead="none")
     check = SixteenBitLogits(**BF16_LOGITS)
     eager, captured, counter = decode_both(first_layers_bf16, prompt, settings, 64, "eager", check)
     assert counter.frame_count == 1

@@ -5,6 +5,7 @@ calls on to its layers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -115,15 +116,24 @@ def layer_ropes(rotary_emb, head_dim: int) -> dict[bool, Rope]:
     }
 
 
+# Who names `--recall-lead auto`'s head for a model when none is set on it: `h2o_cli.models` registers its
+# calibration here when imported (the cache imports no model loader; `register_lead_finder`).
+LEAD_FINDERS: list[Callable[[object], tuple[int, int] | None]] = []
+
+
+def register_lead_finder(finder: Callable[[object], tuple[int, int] | None]) -> None:
+    """Let `finder(model)` name the lead head (layer, KV head) of a model with none set on it, or None."""
+    if finder not in LEAD_FINDERS:
+        LEAD_FINDERS.append(finder)
+
+
 def lead_ranking(model, layers: list[H2OLayer], policy, shape: ModelShape) -> LeadRanking | None:
     """`--recall-lead`: the lead head's `LeadRanking`, given to every recalling layer; None without one. `auto`
-    takes a head set on the model (`h2o_lead_head`), else the calibration kept for its weights, calibrating
-    them once where none is kept (`h2o_cli.models.calibration.ensure`)."""
+    takes a head set on the model (`h2o_lead_head`), else the first head a registered finder gives (`h2o_cli.models`
+    registers its calibration: the one kept for the weights, calibrated once where none is kept)."""
     calibrated = getattr(model, "h2o_lead_head", None)
     if calibrated is None and policy.lead_calibrated:
-        from h2o_cli.models.calibration import ensure
-
-        calibrated = ensure(model)
+        calibrated = next((found for finder in LEAD_FINDERS if (found := finder(model)) is not None), None)
     name = getattr(model, "h2o_name", None) or "this model"
     lead = policy.lead_head(shape.n_layers, shape.n_kv_heads, calibrated, name)
     if lead is None:

@@ -9,6 +9,7 @@ The supported families are the cache's to say (`h2o_cli.cache.families`); they a
 
 from h2o_cli.cache.families import SUPPORTED_FAMILIES, check_family, context_window, text_config
 from h2o_cli.memory import QUANTS
+from h2o_cli.models import calibration  # noqa: F401  (registers `--recall-lead auto`'s calibration with the cache)
 from h2o_cli.models.device import pick_device, pick_dtype, pick_read_dtype
 from h2o_cli.models.gguf import convert_gguf
 from h2o_cli.models.loading import load_model
