@@ -81,13 +81,14 @@ def feed_torch_and_c(torch_layer, c_layer, q, k, v, start: int, c_calls) -> tupl
 
 
 def feed_against_naive(
-    layer, settings, inv_freq, chunks, n_heads: int, after_chunk=None, dtype=torch.float64
+    layer, settings, inv_freq, chunks, n_heads: int, after_chunk=None, dtype=torch.float64, pinned=frozenset()
 ) -> None:
     """Random chunks (spiky logits, so a few tokens become heavy hitters) through `layer` and through the naive
     simulation (tests/naive.py): after each chunk the outputs and every KV head's kept tokens must agree (a chunk
     given as (size, asks) ends in a question of `asks` tokens, `H2OCache.asking`);
     `after_chunk(store)` adds the caller's own checks. `dtype`: what the layer is given (float32: the model's
-    dtype, which the one-token steps of a float32 store take; the naive simulation gets the same values)."""
+    dtype, which the one-token steps of a float32 store take; the naive simulation gets the same values).
+    `pinned`: the token indices the layer's store was pinned with, which the simulation never evicts either."""
     from naive import NaiveHeadState, naive_attend_chunk
 
     store = layer.store
@@ -102,7 +103,7 @@ def feed_against_naive(
         layer.asks = asks
         got = feed_chunk(layer, q.to(dtype), k.to(dtype), v.to(dtype), start).double()
         layer.asks = 0
-        want = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, head_dim**-0.5, asks)
+        want = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, head_dim**-0.5, asks, pinned)
         # The model's rotary tables are float32 (cos/sin error ~1e-7); everything else is float64, or float32
         # throughout (softmax sums of ~20 terms: ~1e-6 relative, held to 1e-4 as the float32 decode tests are).
         tolerance = 1e-5 if dtype == torch.float64 else 1e-4

@@ -7,9 +7,9 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import feed_chunk
+from conftest import feed_against_naive
 from h2o_kernels import native
-from naive import NaiveHeadState, naive_attend_chunk, naive_model_nll
+from naive import naive_model_nll
 from test_eviction import make_layer
 from test_fixed_step import FixedSteps
 from test_native_step import make_layer as make_native_layer
@@ -37,26 +37,15 @@ def feed_pinned(layer, store, settings, inv_freq, chunks, pins, dtype=torch.floa
     """Random chunks through `layer` (its `store` pinned with `pins`) and the naive simulation with the same
     pins: outputs and every head's kept tokens agree after each chunk, and every pinned token read is kept."""
     store.pin(set(pins))
-    head_dim = store.head_dim
-    heads = [NaiveHeadState() for _ in range(store.n_kv_heads)]
-    start = 0
-    for chunk in chunks:
-        q = (torch.randn(N_HEADS, chunk, head_dim, dtype=torch.float64) * 2).to(dtype).double()
-        k = (torch.randn(store.n_kv_heads, chunk, head_dim, dtype=torch.float64) * 2).to(dtype).double()
-        v = torch.randn(store.n_kv_heads, chunk, head_dim, dtype=torch.float64).to(dtype).double()
-        got = feed_chunk(layer, q.to(dtype), k.to(dtype), v.to(dtype), start).double()
-        want = naive_attend_chunk(heads, q, k, v, start, settings, inv_freq, head_dim**-0.5, pinned=pins)
-        tolerance = 1e-5 if dtype == torch.float64 else 1e-4
-        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
-        start += chunk
-        for j, head in enumerate(heads):
-            kept = sorted(store.token_index[j][store.valid[j]].tolist())
-            assert kept == head.alive_indices(), f"head {j} after token {start}"
-            assert {t for t in pins if t < start} <= set(kept)
-            assert sorted(store.token_index[j][store.pinned[j]].tolist()) == sorted(
-                t for t in pins if t < start
-            )
-        assert store.pinned_count == len([t for t in pins if t < start])
+
+    def pins_kept(store) -> None:
+        read = sorted(t for t in pins if t < store.tokens_seen)
+        for j in range(store.n_kv_heads):
+            assert set(read) <= set(store.token_index[j][store.valid[j]].tolist())
+            assert sorted(store.token_index[j][store.pinned[j]].tolist()) == read
+        assert store.pinned_count == len(read)
+
+    feed_against_naive(layer, settings, inv_freq, chunks, N_HEADS, pins_kept, dtype, frozenset(pins))
 
 
 @pytest.mark.parametrize("overrides", POLICIES, ids=lambda o: "-".join(str(v) for v in o.values()))
