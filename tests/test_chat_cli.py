@@ -23,12 +23,16 @@ ANSI = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07]*\x07|[=>()][0-9A-Za-z]?)"
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
-    """A fresh H2O_HOME (history, transcripts) that shares the converted embedded model."""
+    """A fresh H2O_HOME (history, transcripts) that shares the converted embedded model and the lead heads
+    calibrated for it (`--recall-lead auto` would otherwise calibrate again in every test)."""
     from h2o_cli.models import h2o_home
 
     models = h2o_home() / "models"
     if models.is_dir():
         (tmp_path / "models").symlink_to(models)
+    calibration = h2o_home() / "calibration"
+    calibration.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (tmp_path / "calibration").symlink_to(calibration)
     monkeypatch.setenv("H2O_HOME", str(tmp_path))
     return tmp_path
 
