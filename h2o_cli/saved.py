@@ -5,7 +5,9 @@ The folder (docs/design.md, "How is a read saved, and why can a question not cha
   every layer's counters (`H2OCache.saved_counters`), what the caller keeps (`extra`: a text's unread tail, a
   chat's transcript), and for every array its file, dtype, shape, size in bytes and checksum;
 - `arrays/N.bin`: each array of `H2OCache.saved_arrays` as raw little-endian bytes, C order (a file maps as
-  `numpy.memmap(file, dtype, shape=shape)`).
+  `numpy.memmap(file, dtype, shape=shape)`);
+- `archive.kv`: where the recall archive lives in a memory-mapped file, the arrays in that file, as the file
+  lies (`h2o_cli.saved_archive`: a resumed cache maps it instead of copying it).
 
 It is written into a new folder beside its place, each file synced, then renamed into place (`write_saved`):
 an interrupted save (Ctrl-C, a full disk, SIGKILL) leaves the previous save whole. Files are 0600 in 0700
@@ -26,16 +28,15 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from h2o_cli.errors import H2OError
 from h2o_cli.private import FILE_MODE, FOLDER_MODE, FULL, private_folder, write_all
+from h2o_cli.saved_archive import Checksum, array_pieces
 
 FORMAT = "h2o saved read"
-VERSION = 2  # 2: a store's pinned flags and pins
+VERSION = 3  # 2: a store's pinned flags and pins; 3: the archive's file as it lies, no unread tail
 MANIFEST = "manifest.json"
-PIECE = 64 << 20  # bytes written or checked at a time
 
 
 def model_identity(model, name: str) -> dict:
@@ -61,49 +62,6 @@ def model_identity(model, name: str) -> dict:
     }
 
 
-class Checksum:
-    """The array files' checksum: the sum of the bytes' little-endian 64-bit words (the last one zero-padded),
-    modulo 2**64, and the byte count. It finds a truncated or changed file (not a forged one) at memory speed.
-    `update` takes the bytes piece by piece, of any sizes."""
-
-    def __init__(self) -> None:
-        self.total, self.count, self.tail = 0, 0, b""
-
-    def update(self, data) -> Checksum:
-        view = memoryview(data).cast("B")
-        self.count += len(view)
-        if self.tail:
-            taken = min(8 - len(self.tail), len(view))
-            self.tail, view = self.tail + bytes(view[:taken]), view[taken:]
-            if len(self.tail) == 8:
-                self.total += int.from_bytes(self.tail, "little")
-                self.tail = b""
-        whole = len(view) // 8 * 8
-        if whole:
-            self.total += int(np.frombuffer(view[:whole], dtype="<u8").sum(dtype=np.uint64))
-        self.tail += bytes(view[whole:])
-        return self
-
-    def hex(self) -> str:
-        total = self.total + int.from_bytes(self.tail.ljust(8, b"\0"), "little") if self.tail else self.total
-        return f"sum64:{total % 2**64:016x}:{self.count}"
-
-
-def _rows(tensor: torch.Tensor):
-    """The tensor's bytes in C order, as contiguous pieces of at most `PIECE` bytes (numpy views of CPU
-    tensors; a strided view, a ring's written part, goes row by row without copying the whole)."""
-    tensor = tensor.detach().cpu()
-    if tensor.numel() == 0:
-        return
-    if not tensor.is_contiguous() and tensor.dim() > 1:
-        for row in tensor:
-            yield from _rows(row)
-        return
-    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-    for start in range(0, data.size, PIECE):
-        yield data[start : start + PIECE]
-
-
 def saved_bytes(arrays: dict[str, torch.Tensor]) -> int:
     """Bytes a save of these arrays takes (its manifest aside)."""
     return sum(tensor.numel() * tensor.element_size() for tensor in arrays.values())
@@ -125,9 +83,12 @@ def write_saved(path: str | Path, cache, model: dict, extra: dict) -> int:
     identity (`model_identity`) and the caller's `extra` (JSON data) as a saved read at `path`, replacing a
     previous one atomically (module docs). Returns the bytes written. Raises H2OError in one line, before
     writing, when the disk lacks the room; on any failure the previous save at `path` stays whole."""
+    from h2o_cli.saved_archive import in_file, write_archive
+
     path = Path(path).expanduser().absolute()
     folder = private_folder(path.parent) if not path.parent.exists() else path.parent
     arrays = cache.saved_arrays()
+    archived = in_file(cache, arrays)
     size = saved_bytes(arrays)
     check_room(folder, size)
     _sweep(folder, path.name)
@@ -135,8 +96,10 @@ def write_saved(path: str | Path, cache, model: dict, extra: dict) -> int:
     try:
         private_folder(aside / "arrays")
         os.chmod(aside, FOLDER_MODE)
-        entries = {}
+        archive, entries = write_archive(aside, cache, arrays, archived) if archived else (None, {})
         for number, (name, tensor) in enumerate(arrays.items()):
+            if name in archived:
+                continue
             file = f"arrays/{number}.bin"
             entries[name] = {
                 "file": file,
@@ -154,7 +117,7 @@ def write_saved(path: str | Path, cache, model: dict, extra: dict) -> int:
             "counters": cache.saved_counters(),
             "extra": extra,
             "arrays": entries,
-        }
+        } | ({"archive": archive} if archive else {})
         _write_file(aside / MANIFEST, json.dumps(manifest, ensure_ascii=False).encode())
         _sync_folder(aside)
         _swap(aside, path)
@@ -175,7 +138,7 @@ def _write_array(file: Path, tensor: torch.Tensor) -> str:
     checksum = Checksum()
     try:
         os.fchmod(descriptor, FILE_MODE)
-        for piece in _rows(tensor):
+        for piece in array_pieces(tensor):
             write_all(descriptor, piece.data)
             checksum.update(piece.data)
         os.fsync(descriptor)
@@ -237,12 +200,35 @@ def _alive(pid: int) -> bool:
 
 
 class SavedArrays:
-    """The arrays of a save by name, as CPU tensors over copy-on-write maps of its files; each array's
-    checksum is checked when it is first read (H2OError naming the file when it differs)."""
+    """The arrays of a save by name, as CPU tensors over copy-on-write maps of its files (`archive` the map
+    of its `archive.kv`, if any); each array's checksum is checked when it is first read (H2OError naming the
+    file when it differs)."""
 
-    def __init__(self, path: Path, entries: dict, maps: dict) -> None:
-        self.path, self.entries, self.maps = path, entries, maps
+    def __init__(self, path: Path, entries: dict, maps: dict, archive=None) -> None:
+        self.path, self.entries, self.maps, self.archive = path, entries, maps, archive
         self._checked: set[str] = set()
+
+    def _check(self, name: str, pieces) -> None:
+        if name in self._checked:
+            return
+        summed = Checksum()
+        for piece in pieces:
+            summed.update(piece)
+        if summed.hex() != self.entries[name]["checksum"]:
+            raise H2OError(
+                f"the save {self.path} is damaged ({self.entries[name]['file']} differs); save it again"
+            )
+        self._checked.add(name)
+
+    def check_archive(self) -> None:
+        """Check the checksum of every array in `archive.kv` now (H2OError naming it when one differs), the
+        pages read leaving the process after each."""
+        from h2o_cli.saved_archive import archive_view
+
+        for name, entry in self.entries.items():
+            if "offset" in entry and entry["bytes"]:
+                self._check(name, (piece.data for piece in array_pieces(archive_view(self.archive, entry))))
+                self.archive.madvise(mmap.MADV_DONTNEED)
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -255,11 +241,14 @@ class SavedArrays:
         dtype = getattr(torch, entry["dtype"])
         if entry["bytes"] == 0:
             return torch.empty(entry["shape"], dtype=dtype)
+        if "offset" in entry:
+            from h2o_cli.saved_archive import archive_view
+
+            view = archive_view(self.archive, entry)
+            self._check(name, (piece.data for piece in array_pieces(view)))
+            return view
         data = self.maps[name]
-        if name not in self._checked:
-            if Checksum().update(data).hex() != entry["checksum"]:
-                raise H2OError(f"the save {self.path} is damaged ({entry['file']} differs); save it again")
-            self._checked.add(name)
+        self._check(name, [data])
         return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(entry["shape"])
 
 
@@ -285,8 +274,12 @@ class SavedRead:
         return sum(entry["bytes"] for entry in self.manifest["arrays"].values())
 
     def load_into(self, cache) -> None:
-        """Put the saved state into `cache` (built with the saved settings: `resume_settings`)."""
+        """Put the saved state into `cache` (built with the saved settings: `resume_settings`): its archive
+        file adopts the save's (`h2o_cli.saved_archive.adopt`) where it can, and the rest is copied."""
+        from h2o_cli.saved_archive import adopt
+
         try:
+            adopt(self, cache)
             cache.load_saved(self.arrays, self.manifest["counters"])
         except (KeyError, RuntimeError, TypeError, ValueError) as error:
             raise H2OError(
@@ -321,10 +314,12 @@ def open_saved(path: str | Path) -> SavedRead:
         raise H2OError(f"cannot open the save {path}: {error.strerror}") from None
     try:
         manifest = _manifest(path, folder)
-        maps = {name: _map(path, folder, entry) for name, entry in manifest["arrays"].items()}
+        entries = manifest["arrays"]
+        maps = {name: _map(path, folder, entry) for name, entry in entries.items() if "offset" not in entry}
+        archive = _map(path, folder, manifest["archive"]) if "archive" in manifest else None
     finally:
         os.close(folder)
-    return SavedRead(path, manifest, SavedArrays(path, manifest["arrays"], maps))
+    return SavedRead(path, manifest, SavedArrays(path, entries, maps, archive))
 
 
 def _manifest(path: Path, folder: int) -> dict:

@@ -1,10 +1,10 @@
 """Reading a text once and asking later (`h2o stream --save` / `--resume`): how a text is read for a save, and
 how a resumed cache is built and asked, so that its answer is the one the reading process gives.
 
-A save ends at a whole chunk: the text's last, shorter chunk is not read but kept in the save (`pending`),
-and a question is read after it as `h2o stream --prompt` reads one (`streaming.chunks_of`: the question joins
-that last chunk when it fits). So the calls a resumed cache makes for a question are the reading process's
-own, token for token (docs/design.md, "How is a read saved, and why can a question not change it?").
+A save holds the whole text read (the document frame's head, the text, cut to `--max-tokens`), and a question
+is read after it as a chunk of its own (a `NewChunk`), in the reading process as in a resumed one: so the
+calls a resumed cache makes for a question are the reading process's own, token for token, and a resume
+reads nothing but the question (docs/design.md, "How is a read saved, and why can a question not change it?").
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from h2o_cli.errors import H2OError
 from h2o_cli.prompting import ANSWER_CUE, NewChunk, document_frame, read_then_answer
 from h2o_cli.saved import SavedRead, model_identity, open_saved, write_saved
 from h2o_cli.saved_checks import check_model
-from h2o_cli.streaming import chunks_of
 
 # Archive room a save keeps past its text for the questions asked from it (their frames and answers): the
 # archive of a resumed cache is the saved one's size.
@@ -25,27 +24,19 @@ QUESTION_ROOM = 4096
 TEXT = "text"  # `extra["kind"]` of a save made by `h2o stream`
 
 
-def text_chunks(tokenizer, pieces: Iterable[list[int]], chunk: int, max_tokens: int | None, pending: list):
-    """The chunks of `chunk` tokens to read for a save: the document frame's head and the text (cut to
-    `max_tokens`), as `prompting.read_then_answer` gives them before a question; a last, shorter chunk is not
-    yielded but put into `pending` (the save keeps it, and a question is read after it)."""
-    framed = (
-        piece
-        for piece in read_then_answer(tokenizer, pieces, "", max_tokens)
-        if not isinstance(piece, NewChunk)
-    )
-    for ids in chunks_of(framed, chunk):
-        if len(ids) < chunk:
-            pending.extend(ids)
-        else:
-            yield ids
+def text_pieces(tokenizer, pieces: Iterable[list[int]], max_tokens: int | None):
+    """The ids to read for a save: the document frame's head and the text (cut to `max_tokens`), as
+    `prompting.read_then_answer` gives them before a question."""
+    for piece in read_then_answer(tokenizer, pieces, "", max_tokens):
+        if not isinstance(piece, NewChunk):
+            yield piece
 
 
-def question_pieces(tokenizer, pending: list[int], question: str) -> list[list[int]]:
-    """What a cache resumed from a text save reads to answer `question`: the pending tail, then the question
-    framed as `h2o stream --prompt` frames it (a `NewChunk`)."""
+def question_pieces(tokenizer, question: str) -> list[list[int]]:
+    """What a cache that read a text for a save reads to answer `question`: the question framed as
+    `h2o stream --prompt` frames it, as a chunk of its own (a `NewChunk`)."""
     after = document_frame(tokenizer, question, ANSWER_CUE)[1]
-    return [list(pending), NewChunk(tokenizer(after, add_special_tokens=False)["input_ids"])]
+    return [NewChunk(tokenizer(after, add_special_tokens=False)["input_ids"])]
 
 
 def text_identity(source: str) -> dict:
@@ -60,15 +51,9 @@ def text_identity(source: str) -> dict:
     return {"source": str(path), "bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
-def save_text_read(path, cache, model, model_name: str, text: dict, pending: list[int], spans: dict) -> int:
-    """Write a text read (`cache` after `text_chunks`) as a save; returns its bytes."""
-    extra = {
-        "kind": TEXT,
-        "text": text,
-        "pending": list(pending),
-        "tokens": cache.tokens_seen + len(pending),
-        **spans,
-    }
+def save_text_read(path, cache, model, model_name: str, text: dict, spans: dict) -> int:
+    """Write a text read (`cache` after `text_pieces`) as a save; returns its bytes."""
+    extra = {"kind": TEXT, "text": text, "tokens": cache.tokens_seen, **spans}
     return write_saved(path, cache, model_identity(model, model_name), extra)
 
 

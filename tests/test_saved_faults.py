@@ -145,7 +145,7 @@ def test_the_commands_refuse_in_one_line(tiny, tmp_path, monkeypatch, capsys):
     """Each refusal comes before a model loads: exit 1 (2 for a usage error) and one line on stderr."""
     from test_cli_stream import one_error_line
 
-    read(tiny, 40, {"kind": "text", "pending": [], "tokens": 40}, tmp_path / "text")
+    read(tiny, 40, {"kind": "text", "tokens": 40}, tmp_path / "text")
     read(tiny, 40, {"kind": "chat", "system": None, "turns": [], "ids": []}, tmp_path / "chat")
     save = str(tmp_path / "text")
     cases = [

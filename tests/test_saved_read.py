@@ -70,7 +70,7 @@ def saved_and_resumed(model, settings, tmp_path, text, question):
     tmp_path.mkdir(exist_ok=True)
     reader = read(model, settings, text)
     identity = model_identity(model, "tiny")
-    write_saved(tmp_path / "read", reader, identity, {"pending": []})
+    write_saved(tmp_path / "read", reader, identity, {})
     want = ask(model, reader, question)
     saved = open_saved(tmp_path / "read")
     resumed = H2OCache(model, resume_settings(saved, {}))
@@ -109,7 +109,7 @@ def test_pinned_tokens_come_back_pinned(tiny, tmp_path, policy):
     reader.pin({3, 40, TEXT + 2})  # two read soon, one in the question
     _, stats = prefill(tiny, reader, [text], CHUNK)
     stats.reraise()
-    write_saved(tmp_path / "read", reader, model_identity(tiny, "tiny"), {"pending": []})
+    write_saved(tmp_path / "read", reader, model_identity(tiny, "tiny"), {})
     want = ask(tiny, reader, question)
     saved = open_saved(tmp_path / "read")
     resumed = H2OCache(tiny, resume_settings(saved, {}))
@@ -214,26 +214,23 @@ def test_a_damaged_save_is_refused_in_one_line(tiny, tmp_path):
 def test_the_embedded_model_answers_from_a_save_as_the_reading_process(
     smollm, excerpt, tmp_path, policy, kernels
 ):
-    """`h2o stream --save` then `--resume --prompt` against `h2o stream --prompt`: the reading process reads the
-    text and the question in one stream (`read_then_answer`); the save holds the text but its last, shorter
-    chunk (`text_chunks`), which the resumed cache reads with the question (`question_pieces`)."""
-    from h2o_cli.prompting import read_then_answer
-    from h2o_cli.saved_read import open_text_save, question_pieces, resumed_cache, save_text_read, text_chunks
+    """`h2o stream --save --prompt` reads the text (`text_pieces`), saves, then reads the question as a chunk of
+    its own (`question_pieces`); `--resume --prompt` reads the question alone into a cache resumed from the
+    save. The answers are equal."""
+    from h2o_cli.saved_read import open_text_save, question_pieces, resumed_cache, save_text_read, text_pieces
 
     model, tokenizer = smollm
     text, question, chunk = tokenizer(excerpt)["input_ids"][:300], "Who is writing these letters?", 32
     settings = CacheSettings(budget=64, policy=policy, chunk=chunk, kernels=kernels)
     sampling = Sampling(max_new_tokens=8)
     reader = H2OCache(model, settings)
-    logits, _ = prefill(model, reader, read_then_answer(tokenizer, [text], question), chunk)
+    prefill(model, reader, text_pieces(tokenizer, [text], None), chunk)[1].reraise()
+    save_text_read(tmp_path / "read", reader, model, "smollm2-135m", {}, {})
+    logits, _ = prefill(model, reader, question_pieces(tokenizer, question), chunk)
     want = list(generate_ids(model, reader, logits, sampling))
-    saver, pending = H2OCache(model, settings), []
-    prefill(model, saver, text_chunks(tokenizer, [text], chunk, None, pending), chunk)[1].reraise()
-    assert 0 < len(pending) < chunk
-    save_text_read(tmp_path / "read", saver, model, "smollm2-135m", {}, pending, {})
     saved = open_text_save(tmp_path / "read")
     resumed = resumed_cache(saved, model, "smollm2-135m", resume_settings(saved, {}))
-    logits, _ = prefill(model, resumed, question_pieces(tokenizer, saved.extra["pending"], question), chunk)
+    logits, _ = prefill(model, resumed, question_pieces(tokenizer, question), chunk)
     assert list(generate_ids(model, resumed, logits, sampling)) == want
 
 

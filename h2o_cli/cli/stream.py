@@ -293,15 +293,14 @@ def _run_generate(
 ) -> dict:
     from h2o_cli.prompting import read_then_answer
     from h2o_cli.runtime import cache_summary
-    from h2o_cli.saved_read import question_pieces, text_chunks
+    from h2o_cli.saved_read import question_pieces, text_pieces
     from h2o_cli.streaming import prefill
 
-    pending: list[int] = []
     with _progress(total_bytes) as progress:
         task = progress.add_task("read", total=total_bytes, status="")
         pieces = _pieces(tokenizer, _tracked(progress, task, source_file, total_bytes), source)
-        if saving is not None:  # a save ends at a whole chunk: the last, shorter one waits for a question
-            pieces, max_tokens = text_chunks(tokenizer, pieces, chunk, max_tokens, pending), None
+        if saving is not None:  # a save holds the text; a question is read after it, as a chunk of its own
+            pieces, max_tokens = text_pieces(tokenizer, pieces, max_tokens), None
         elif prompt is not None:  # --max-tokens cuts the text; the question is always asked after it
             pieces, max_tokens = read_then_answer(tokenizer, pieces, prompt, max_tokens), None
 
@@ -322,11 +321,10 @@ def _run_generate(
         return report | ({"error": stats.error} if stats.error else {})
     saved = {}
     if saving is not None:
-        saved = save_read(lm, cache, source, pending, saving)
-        stats.tokens += len(pending)
+        saved = save_read(lm, cache, source, saving)
         if prompt is None:
             return {"answer": None, "tokens": stats.tokens, **saved, **cache_summary(cache)}
-        logits, asked = prefill(lm, cache, question_pieces(tokenizer, pending, prompt), chunk)
+        logits, asked = prefill(lm, cache, question_pieces(tokenizer, prompt), chunk)
         asked.reraise()
     if logits is None:
         raise InputError(f"{source} is empty; give a text to read")

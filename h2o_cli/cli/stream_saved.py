@@ -10,7 +10,7 @@ from h2o_cli.cli.chat import given_settings, left_default
 from h2o_cli.cli.common import load, size, stderr
 
 
-def save_read(lm, cache, source: str, pending: list[int], saving: dict) -> dict:
+def save_read(lm, cache, source: str, saving: dict) -> dict:
     """Write the read to `saving["path"]` (locked while written); say so on stderr; the figures for --json."""
     from h2o_cli.saved_checks import SaveLock
     from h2o_cli.saved_read import archive_bytes, save_text_read, text_identity
@@ -18,7 +18,7 @@ def save_read(lm, cache, source: str, pending: list[int], saving: dict) -> dict:
     lock = SaveLock(saving["path"])
     try:
         written = save_text_read(
-            saving["path"], cache, lm, saving["model"], text_identity(source), pending, saving["spans"]
+            saving["path"], cache, lm, saving["model"], text_identity(source), saving["spans"]
         )
     finally:
         lock.release()
@@ -83,7 +83,7 @@ def run_resumed(context, settings, path, prompt, model, sampling, quiet, compile
     cache = resumed_cache(saved, lm, model, settings)
     resumed = time.perf_counter() - started
     step = CompiledStep(lm, cache) if compiled else None
-    pieces = question_pieces(tokenizer, saved.extra["pending"], prompt)
+    pieces = question_pieces(tokenizer, prompt)
     logits, stats = prefill(lm, cache, pieces, cache.settings.chunk)
     stats.reraise()
     answer = answer_from(lm, tokenizer, cache, logits, sampling, step, quiet, started)

@@ -17,11 +17,20 @@ archive. The file is removed when the cache is closed or collected, or at the
 latest when the interpreter exits (normal end, exception, Ctrl-C; SIGTERM and SIGHUP for the `h2o` command),
 unless it is kept (`--keep-archive`). A run killed outright (SIGKILL) leaves its file: the next archive made in
 the same folder removes the files whose process is gone.
+
+A cache resumed from a saved read (`h2o_cli.saved_archive`) *adopts* the save's copy of such a file instead
+of copying it: `ArchiveFile.adopt` maps the save's file copy-on-write over the same addresses, so every tensor
+laid out in the file reads the save's pages in place (from the page cache, as they are touched), and what the
+cache writes after (its new tokens, their summaries) goes into private pages of the process, never into the
+save. Those pages stay resident (`release` drops every other page): a resumed cache holds in RAM what it has
+archived since it was resumed, until it `settle`s into its own file (after `SETTLE_TOKENS` tokens, or on
+request), as an archive that was never saved would be.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import math
 import mmap
@@ -42,6 +51,8 @@ OWNED = re.compile(r"recall-(\d{1,10})-[0-9a-f]{8}\.kv")  # files this module na
 PID_LIMIT = 2**31  # a process id is a positive C int
 FIX = "use --archive ram, or a folder with room with --archive PATH"
 ALIGN = mmap.PAGESIZE
+MAP_FIXED = 0x10  # Linux and the BSDs: mmap replaces what the address range held
+SETTLE_TOKENS = 8192  # tokens a resumed archive holds in private pages before it settles into its own file
 
 
 def archive_location(where: str, keep: bool = False) -> Path:
@@ -110,11 +121,63 @@ class ArchiveFile:
         self.descriptor = descriptor
         self._closer = weakref.finalize(self, os.close, descriptor)
         self.base = torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()
+        self.regions: list[ArchiveRegion] = []
+        self.adopted = False  # the mapping is a saved file's, copy-on-write (`adopt`)
+
+    def layout(self) -> list[list]:
+        """Every tensor laid out in the file, in order: [byte offset, dtype, shape]. Two files of the same
+        layout and size hold the same tensors at the same places."""
+        return [
+            [tensor.data_ptr() - self.base, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
+            for region in self.regions
+            for tensor in region._tensors
+        ]
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s data lies in this file's mapping."""
+        return self.base <= tensor.data_ptr() < self.base + self.size
+
+    def adopt(self, descriptor: int) -> bool:
+        """Map the file open at `descriptor` (a saved copy of this file: the same size and `layout`) over this
+        file's addresses, copy-on-write (module docs): no byte is copied, every tensor keeps its address. False
+        (nothing changed) where the system refuses the fixed mapping; the caller then copies."""
+        if self.adopted or os.fstat(descriptor).st_size != self.size:
+            return False
+        if not _map_fixed(self.base, self.size, mmap.MAP_PRIVATE, descriptor):
+            return False
+        self.adopted = True
+        return True
+
+    def settle(self) -> None:
+        """Move an adopted file's contents (the save's, and what was written since) into this cache's own file
+        and map that shared again, so that pages leave the process after every read as before `adopt`. Every
+        tensor keeps its address; the written rows are read once. ArchiveError, one line, on a full disk
+        (nothing lost: the adopted mapping stays)."""
+        if not self.adopted:
+            return
+        written = [(region, region.reserved) for region in self.regions]
+        self.adopted = False  # `reserve` and `_pwrite` now reach this file
+        try:
+            for region, reserved in written:
+                region.reserved = 0
+                region.reserve(reserved, region.capacity)
+                for offset, length in region.rows(0, min(reserved, region.capacity)):
+                    region._pwrite(memoryview(self.map)[offset : offset + length], offset)
+        except ArchiveError:
+            self.adopted = True
+            raise
+        if not _map_fixed(self.base, self.size, mmap.MAP_SHARED, self.descriptor):
+            raise ArchiveError(f"cannot map the recall archive {self.path} again; {FIX}")
+        for region in self.regions:
+            region.release()
 
     def reserve(self, offset: int, length: int) -> None:
         """Reserve bytes `offset .. offset + length` of the file on its disk (`posix_fallocate`; where the file
         system cannot, its free space is checked instead), so that no write through the mapping finds the disk
-        full (the C step's would end the process with SIGBUS). Raises ArchiveError, one line, when it is."""
+        full (the C step's would end the process with SIGBUS). Raises ArchiveError, one line, when it is.
+        Nothing while adopted: the writes then go to private pages, not to a disk."""
+        if self.adopted:
+            return
         try:
             os.posix_fallocate(self.descriptor, offset, length)
         except OSError as error:
@@ -130,7 +193,8 @@ class ArchiveFile:
         """The next `nbytes` of the file (rounded up to whole OS pages)."""
         start, self._next = self._next, self._next + aligned(nbytes)
         assert self._next <= self.size, "the file was sized for every region"
-        return ArchiveRegion(self, start, self._next)
+        self.regions.append(ArchiveRegion(self, start, self._next))
+        return self.regions[-1]
 
     def close(self) -> None:
         """Remove the file now (unless kept); the mapping goes when its last tensor does."""
@@ -173,6 +237,23 @@ def remove_stale(folder: Path) -> None:
                 pass  # alive, another user's
 
 
+def _map_fixed(address: int, size: int, sharing: int, descriptor: int) -> bool:
+    """mmap(2) `size` bytes of the file open at `descriptor` at `address` (MAP_FIXED: replacing what was
+    mapped there), read-write, `sharing` (MAP_SHARED or MAP_PRIVATE). False where the system refuses."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    placed = libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, sharing | MAP_FIXED, descriptor, 0)
+    return placed == address
+
+
 class ArchiveRegion:
     """Bytes `start .. end` of an `ArchiveFile`: tensors laid out in it, and `release()` of its pages."""
 
@@ -181,6 +262,27 @@ class ArchiveRegion:
         self._next = start
         self._tensors: list[torch.Tensor] = []  # what `take` laid out, each [n, rows, ...]
         self.reserved = 0  # the ring slots whose rows are reserved on disk so far (`reserve`)
+        self.capacity = 1  # the ring's slots (told by `reserve` and `resume`)
+        self.resumed_at = 0  # tokens held when the file was adopted: later ones are in private pages
+
+    def resume(self, tokens: int, capacity: int) -> None:
+        """The region holds a ring of `capacity` slots with `tokens` written (a saved read put back): in an
+        adopted file, the rows of later tokens are the private ones `release` keeps."""
+        self.capacity, self.resumed_at = capacity, tokens
+        self.reserved = 0 if not self.file.adopted else tokens
+
+    def rows(self, first: int, last: int):
+        """(file offset, bytes) of the rows of ring slots `first .. last - 1` (0 <= first <= last <= capacity)
+        in every tensor `take` laid out, head by head: a tensor of `rows` rows holds `rows / capacity` of a row
+        per slot (the K/V and scales one, the summaries one per block)."""
+        for tensor in self._tensors:
+            heads, rows = tensor.shape[0], tensor.shape[1]
+            row = tensor[0, 0].nbytes
+            begin, end = first * rows // self.capacity, -(-last * rows // self.capacity)
+            start = tensor.data_ptr() - self.file.base
+            for head in range(heads):
+                if end > begin:
+                    yield start + (head * rows + begin) * row, (end - begin) * row
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of `shape` and `dtype` over the next bytes of the region (zero until written)."""
@@ -196,12 +298,18 @@ class ArchiveRegion:
         """Whether `take(shape, dtype)` still has room in the region."""
         return -(-self._next // 8) * 8 + math.prod(shape) * dtype.itemsize <= self.end
 
-    def reserve(self, tokens: int, capacity: int) -> None:
-        """Reserve on disk the rows (axis 1) of every tensor `take` laid out that the ring's first `tokens` of
-        `capacity` slots span, in every head (axis 0): a tensor of `rows` rows holds `rows / capacity` of a row
-        per slot (the K/V and scales one, the summaries one per block). Raises ArchiveError
-        (`ArchiveFile.reserve`) when the disk is full."""
-        tokens = min(tokens, capacity)
+    def reserve(self, tokens: int, capacity: int, ahead: int = 0) -> None:
+        """Reserve on disk the rows (axis 1) of every tensor `take` laid out that the ring's first `tokens`
+        (and `ahead` more) of `capacity` slots span, in every head (axis 0) (`rows`). Raises ArchiveError
+        (`ArchiveFile.reserve`) when the disk is full. In an adopted file, only counts `tokens`: private pages
+        need no disk, and past `SETTLE_TOKENS` of them the file settles into its own (`ArchiveFile.settle`)."""
+        self.capacity = capacity
+        if self.file.adopted:
+            self.reserved = max(self.reserved, tokens)
+            if self.reserved - self.resumed_at > SETTLE_TOKENS:
+                self.file.settle()
+            return
+        tokens = min(tokens + ahead, capacity)
         if tokens <= self.reserved:
             return
         for tensor in self._tensors:
@@ -226,6 +334,10 @@ class ArchiveRegion:
         runs = [(0, min(count, capacity - start), start)]  # (from, to) in data, its first slot
         if runs[0][1] < count:
             runs.append((runs[0][1], count, 0))
+        if self.file.adopted:  # into the private pages: the save's file is never written
+            for begin, end, slot in runs:
+                target[:, slot : slot + end - begin] = data[:, begin:end]
+            return
         for head in range(data.shape[0]):
             for begin, end, slot in runs:
                 piece = memoryview(data[head, begin:end].view(torch.uint8).numpy()).cast("B")
@@ -246,5 +358,25 @@ class ArchiveRegion:
             ) from None
 
     def release(self) -> None:
-        """Drop the region's pages from the process's resident set (their data stays in the file)."""
-        self.file.map.madvise(mmap.MADV_DONTNEED, self.start, self.end - self.start)
+        """Drop the region's pages from the process's resident set (their data stays in the file); in an
+        adopted file, every page but those of the tokens written since (`resume`), which live nowhere else."""
+        if not self.file.adopted:
+            self.file.map.madvise(mmap.MADV_DONTNEED, self.start, self.end - self.start)
+            return
+        written = self.reserved - self.resumed_at
+        if written >= self.capacity:
+            return
+        first = self.resumed_at % self.capacity
+        runs = [(first, min(self.capacity, first + written))]
+        if first + written > self.capacity:
+            runs.append((0, first + written - self.capacity))
+        kept = sorted(
+            (offset // ALIGN * ALIGN, aligned(offset + length))
+            for begin, end in runs
+            for offset, length in self.rows(begin, end)
+        )
+        at = self.start
+        for begin, end in kept + [(self.end, self.end)]:
+            if begin > at:
+                self.file.map.madvise(mmap.MADV_DONTNEED, at, begin - at)
+            at = max(at, end)

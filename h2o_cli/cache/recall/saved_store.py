@@ -40,13 +40,17 @@ class SavedStore:
 
     def load_saved(self, arrays, counters: dict) -> None:
         """Put back `saved_arrays` (a mapping by name; the ring's written part) and `saved_counters` into an
-        archive of the same shape: its unwritten part stays as built (empty). What a step kept of the old
+        archive of the same shape: its unwritten part stays as built (empty); what lies in a file that adopted
+        the save's (`ArchiveFile.adopt`) is in place already. What a step kept of the old
         state is void (`epoch`), and a mapped file's pages leave the process (`release`)."""
         self.tokens, self._floor, self.epoch = counters["tokens"], counters["floor"], counters["epoch"] + 1
+        adopted = self.region is not None and self.region.file.adopted
         if self.region is not None:  # the slots about to be written through the mapping, on disk first
-            self.region.reserve(self.tokens + GROW_TOKENS, self.capacity)
+            self.region.resume(self.tokens, self.capacity)
+            self.region.reserve(self.tokens, self.capacity, GROW_TOKENS)
         for name, saved in self.saved_arrays().items():  # sized by `tokens`, now the saved count
-            saved.copy_(arrays[name])
+            if not (adopted and self.region.file.holds(saved)):  # an adopted file holds the saved bytes
+                saved.copy_(arrays[name])
         for name in SCORING_COUNTERS:
             if hasattr(self, name):
                 setattr(self, name, counters[name])

@@ -142,7 +142,7 @@ class ArchiveStore(SavedStore):
         full), and the first token that drops a page of the text is told (`tell_outgrown`)."""
         end = self.tokens + count
         if self.region is not None and end > self.region.reserved:
-            self.region.reserve(end + GROW_TOKENS, self.capacity)
+            self.region.reserve(end, self.capacity, GROW_TOKENS)
         if self.tokens <= self.capacity < end and self.capacity > self._floor:
             tell_outgrown(self.capacity, self.capacity)
 
