@@ -96,6 +96,11 @@ class ModelShape:
     def linear_params(self) -> int:
         return self.n_layers * sum(out * inp for out, inp in self.linear_shapes())
 
+    def read_copy_bytes(self) -> int:
+        """Bytes of the bf16 copy `--dtype auto` keeps for reads: every linear layer and the output layer
+        (`h2o_cli.models.precision.read_in_bf16`)."""
+        return 2 * (self.linear_params() + self.vocab * self.hidden)
+
     def params(self) -> int:
         return self.float_params() + self.linear_params()
 
@@ -225,14 +230,15 @@ def memory_table(
     archive_storage: str = "ram",
     shortlist: int = 512,
     recall_layers: int | None = None,
+    read_copy_bytes: int = 0,
 ) -> dict:
-    """Weights, KV cache (full vs H2O, per head and total) and activation peaks for each context length;
+    """Weights (with `read_copy_bytes` of a bf16 copy for reads, `read_copy_bytes`), KV cache (full vs H2O, per head and total) and activation peaks for each context length;
     the `recall` archive per token and at `archive_max` tokens (pages of `page_size`, summaries per `block_size`
     tokens), stored as `archive_bits`
     in `archive_storage` (ram or disk), split into RAM and disk bytes, and per token for every `--archive-bits`;
     what its page choice keeps in RAM beside it (`choice_bytes`: answer steps score a `shortlist` of pages),
     in `recall_layers` layers (`--recall-layers`; None: every one)."""
-    weights = weight_bytes(shape, quant, dtype_bytes)
+    weights = weight_bytes(shape, quant, dtype_bytes) + read_copy_bytes
     archived = replace(shape, n_layers=shape.budgeted_layers if recall_layers is None else recall_layers)
     heads = shape.budgeted_layers * shape.n_kv_heads  # the sliding-window layers' heads are counted apart
     window_heads = shape.windowed_layers * shape.n_kv_heads
@@ -283,6 +289,7 @@ def memory_table(
         "window_tokens": shape.window,
         "context_window": shape.context,
         "weights_bytes": weights,
+        "read_copy_bytes": read_copy_bytes,
         "recall_archive_bits": archive_bits,
         "recall_archive_storage": archive_storage,
         "recall_archive_bytes_per_token": per_token(archive_bits, "ram")[0],

@@ -316,7 +316,7 @@ def open_saved(path: str | Path) -> SavedRead:
         manifest = _manifest(path, folder)
         entries = manifest["arrays"]
         maps = {name: _map(path, folder, entry) for name, entry in entries.items() if "offset" not in entry}
-        archive = _map(path, folder, manifest["archive"]) if "archive" in manifest else None
+        archive = _map(path, folder, manifest["archive"], mmap.ACCESS_READ) if "archive" in manifest else None
     finally:
         os.close(folder)
     return SavedRead(path, manifest, SavedArrays(path, entries, maps, archive))
@@ -345,7 +345,7 @@ def _manifest(path: Path, folder: int) -> dict:
     return manifest
 
 
-def _map(path: Path, folder: int, entry: dict):
+def _map(path: Path, folder: int, entry: dict, access: int = mmap.ACCESS_COPY):
     try:
         descriptor = os.open(entry["file"], os.O_RDONLY, dir_fd=folder)
     except OSError as error:
@@ -359,6 +359,6 @@ def _map(path: Path, folder: int, entry: dict):
                 f"the save {path} is damaged ({entry['file']} holds {size:,} bytes of {entry['bytes']:,}); "
                 "save it again"
             )
-        return mmap.mmap(descriptor, size, access=mmap.ACCESS_COPY) if size else None
+        return mmap.mmap(descriptor, size, access=access) if size else None
     finally:
         os.close(descriptor)

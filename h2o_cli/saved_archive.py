@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -118,9 +119,12 @@ def _write_at(descriptor: int, view: memoryview, offset: int) -> None:
 
 
 def archive_view(data: mmap.mmap, entry: dict) -> torch.Tensor:
-    """The array of `entry` (offset, strides, dtype, shape) over the mapped `archive.kv`."""
+    """The array of `entry` (offset, strides, dtype, shape) over `archive.kv`, mapped read-only (a private
+    writable map of a reach of GBs would be charged to the commit limit): never written, only copied from."""
     dtype = getattr(torch, entry["dtype"])
-    whole = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        whole = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
     return whole.as_strided(entry["shape"], entry["strides"], entry["offset"] // dtype.itemsize)
 
 

@@ -190,3 +190,20 @@ def test_the_cache_under_auto_is_plain_transformers_with_the_same_linears(tmp_pa
         assert (ours - theirs).abs().max() <= 1e-4 + 0.05 * gap, (start, end)
         if start == 0:
             assert gap > 1e-3  # the first read's rounding is bf16's, not fp32's
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_h2o_memory_counts_the_bf16_copy_the_loader_makes(tie):
+    """`h2o memory --dtype auto` adds `ModelShape.read_copy_bytes` to the weights: the bytes of the copies
+    `read_in_bf16` actually makes on a model of that shape (tied output layer or not)."""
+    import transformers
+
+    from h2o_cli.memory import ModelShape, memory_table
+
+    config = tiny_config(tie_word_embeddings=tie)
+    model = read_in_bf16(transformers.LlamaForCausalLM(config).eval())
+    shape = ModelShape.from_config(config)
+    assert shape.read_copy_bytes() == precision.read_copy_bytes(model)
+    plain, with_copy = memory_table(shape, 32), memory_table(shape, 32, read_copy_bytes=shape.read_copy_bytes())
+    assert with_copy["weights_bytes"] - plain["weights_bytes"] == precision.read_copy_bytes(model)
+    assert with_copy["rows"][0]["h2o_total_bytes"] - plain["rows"][0]["h2o_total_bytes"] == shape.read_copy_bytes()

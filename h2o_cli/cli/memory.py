@@ -58,6 +58,7 @@ def memory(
     )
     from h2o_cli.memory import ModelShape, archive_bytes, archive_split, memory_table
     from h2o_cli.models import config_for, pick_device, pick_dtype
+    from h2o_cli.models.device import pick_read_dtype
 
     config, origin = config_for(model)
     shape = ModelShape.from_config(config)
@@ -72,6 +73,9 @@ def memory(
     page_bytes = archive_bytes(archived, page, block, dtype_bytes, bits)
     archive = archive_capacity(settings.archive_max, page, None, page_bytes)  # whole pages, as the cache
     stored = archive_split(archived, archive, block, dtype_bytes, bits, "disk")[1]  # the K/V (and scales)
+    reads_bf16 = (
+        pick_read_dtype(dtype, pick_device(device)) is not None and quant == "none" and not device_map
+    )
     storage = (
         "ram" if archive_storage(settings.archive, stored, pick_device(device).type) == "ram" else "disk"
     )
@@ -89,6 +93,7 @@ def memory(
         archive_storage=storage,
         shortlist=step_pages(settings.shortlist, settings.step_shortlist),
         recall_layers=len(recalling),
+        read_copy_bytes=shape.read_copy_bytes() if reads_bf16 else 0,
     )
     table.update(model=model, config_source=origin)
     if device_map:
@@ -103,7 +108,13 @@ def memory(
     kv = {None: f"{8 * dtype_bytes}-bit (model dtype)", 16: "16-bit", 8: "int8 + per-token scales"}[kv_bits]
     title = (
         f"{model} · {table['params'] / 1e9:.2f} B params · "
-        f"weights {quant}: {size(table['weights_bytes'])} · "
+        f"weights {quant}: {size(table['weights_bytes'])}"
+        + (
+            f" (with a bf16 copy for reads, {size(table['read_copy_bytes'])})"
+            if table["read_copy_bytes"]
+            else ""
+        )
+        + " · "
         f"KV {kv} · H2O budget {tokens} tokens (+{chunk} chunk) · context window {shape.context:,}"
     )
     grid = Table(title=title + window_title(table), title_justify="left")

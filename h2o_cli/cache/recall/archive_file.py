@@ -52,6 +52,7 @@ PID_LIMIT = 2**31  # a process id is a positive C int
 FIX = "use --archive ram, or a folder with room with --archive PATH"
 ALIGN = mmap.PAGESIZE
 MAP_FIXED = 0x10  # Linux and the BSDs: mmap replaces what the address range held
+MAP_NORESERVE = 0x4000  # Linux: a private writable mapping charges no commit (a reach of GBs is mostly holes)
 SETTLE_TOKENS = 8192  # tokens a resumed archive holds in private pages before it settles into its own file
 
 
@@ -143,7 +144,7 @@ class ArchiveFile:
         (nothing changed) where the system refuses the fixed mapping; the caller then copies."""
         if self.adopted or os.fstat(descriptor).st_size != self.size:
             return False
-        if not _map_fixed(self.base, self.size, mmap.MAP_PRIVATE, descriptor):
+        if not _map_fixed(self.base, self.size, mmap.MAP_PRIVATE | MAP_NORESERVE, descriptor):
             return False
         self.adopted = True
         return True
