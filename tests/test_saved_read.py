@@ -234,6 +234,32 @@ def test_the_embedded_model_answers_from_a_save_as_the_reading_process(
     assert list(generate_ids(model, resumed, logits, sampling)) == want
 
 
+def test_the_embedded_model_answers_from_a_mapped_archive_as_the_reading_process(smollm, excerpt, tmp_path):
+    """recall with its archive in a file: the resumed cache maps the save's `archive.kv` (no copy) and gives
+    the reading process's answer to two questions in turn, on the C step."""
+    from h2o_cli.saved_read import open_text_save, question_pieces, resumed_cache, save_text_read, text_pieces
+
+    model, tokenizer = smollm
+    text, chunk = tokenizer(excerpt)["input_ids"][:600], 32
+    settings = CacheSettings(budget=64, policy="recall", chunk=chunk, archive=f"{tmp_path}/archives/")
+    sampling = Sampling(max_new_tokens=8)
+    for question in ("Who is writing these letters?", "Where is the ship?"):
+        reader = H2OCache(model, settings, archive_span=len(text) + 4096)  # a reading process per question
+        prefill(model, reader, text_pieces(tokenizer, [text], None), chunk)[1].reraise()
+        if not (tmp_path / "read").exists():
+            spans = {"archive_span": len(text) + 4096}
+            save_text_read(tmp_path / "read", reader, model, "smollm2-135m", {}, spans)
+        logits, _ = prefill(model, reader, question_pieces(tokenizer, question), chunk)
+        want = list(generate_ids(model, reader, logits, sampling))
+        saved = open_text_save(tmp_path / "read")
+        resumed = resumed_cache(saved, model, "smollm2-135m", resume_settings(saved, {}))
+        assert resumed.archive_file.adopted
+        logits, _ = prefill(model, resumed, question_pieces(tokenizer, question), chunk)
+        assert list(generate_ids(model, resumed, logits, sampling)) == want
+        resumed.close()
+        reader.close()
+
+
 @pytest.mark.parametrize("policy", ["h2o", "recall"])
 def test_a_resumed_chat_answers_as_the_chat_that_went_on(smollm, tmp_path, policy):
     from h2o_cli.chat import ChatSession
