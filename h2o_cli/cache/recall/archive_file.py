@@ -265,11 +265,12 @@ class ArchiveRegion:
         self.reserved = 0  # the ring slots whose rows are reserved on disk so far (`reserve`)
         self.capacity = 1  # the ring's slots (told by `reserve` and `resume`)
         self.resumed_at = 0  # tokens held when the file was adopted: later ones are in private pages
+        self._gaps: tuple[int, list[tuple[int, int]]] = (-1, [])  # (reserved, what `release` drops then)
 
     def resume(self, tokens: int, capacity: int) -> None:
         """The region holds a ring of `capacity` slots with `tokens` written (a saved read put back): in an
         adopted file, the rows of later tokens are the private ones `release` keeps."""
-        self.capacity, self.resumed_at = capacity, tokens
+        self.capacity, self.resumed_at, self._gaps = capacity, tokens, (-1, [])
         self.reserved = 0 if not self.file.adopted else tokens
 
     def rows(self, first: int, last: int):
@@ -364,9 +365,16 @@ class ArchiveRegion:
         if not self.file.adopted:
             self.file.map.madvise(mmap.MADV_DONTNEED, self.start, self.end - self.start)
             return
+        if self._gaps[0] != self.reserved:
+            self._gaps = (self.reserved, self._unwritten())
+        for begin, end in self._gaps[1]:
+            self.file.map.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
+    def _unwritten(self) -> list[tuple[int, int]]:
+        """The page-aligned byte ranges of the region that hold no row written since the resume."""
         written = self.reserved - self.resumed_at
         if written >= self.capacity:
-            return
+            return []
         first = self.resumed_at % self.capacity
         runs = [(first, min(self.capacity, first + written))]
         if first + written > self.capacity:
@@ -376,8 +384,9 @@ class ArchiveRegion:
             for begin, end in runs
             for offset, length in self.rows(begin, end)
         )
-        at = self.start
+        gaps, at = [], self.start
         for begin, end in kept + [(self.end, self.end)]:
             if begin > at:
-                self.file.map.madvise(mmap.MADV_DONTNEED, at, begin - at)
+                gaps.append((at, begin))
             at = max(at, end)
+        return gaps
