@@ -25,6 +25,7 @@ import os
 import secrets
 import shutil
 import sys
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -207,6 +208,8 @@ class SavedArrays:
     def __init__(self, path: Path, entries: dict, maps: dict, archive=None) -> None:
         self.path, self.entries, self.maps, self.archive = path, entries, maps, archive
         self._checked: set[str] = set()
+        self._checking: threading.Thread | None = None
+        self._damage: H2OError | None = None
 
     def _check(self, name: str, pieces) -> None:
         if name in self._checked:
@@ -219,6 +222,27 @@ class SavedArrays:
                 f"the save {self.path} is damaged ({self.entries[name]['file']} differs); save it again"
             )
         self._checked.add(name)
+
+    def check_archive_meanwhile(self) -> None:
+        """Start `check_archive` in a thread (its reads and sums release the GIL): a cache that maps
+        `archive.kv` answers while the save's pages are read from disk once to be checked. `verified` waits
+        for it and raises what it found."""
+
+        def check() -> None:
+            try:
+                self.check_archive()
+            except H2OError as error:
+                self._damage = error
+
+        self._checking = threading.Thread(target=check, name="h2o-save-check", daemon=True)
+        self._checking.start()
+
+    def verified(self) -> None:
+        """Wait for `check_archive_meanwhile` (if started); H2OError naming a damaged array."""
+        if self._checking is not None:
+            self._checking.join()
+        if self._damage is not None:
+            raise self._damage
 
     def check_archive(self) -> None:
         """Check the checksum of every array in `archive.kv` now (H2OError naming it when one differs), the
@@ -272,6 +296,12 @@ class SavedRead:
     def size(self) -> int:
         """Bytes of its arrays."""
         return sum(entry["bytes"] for entry in self.manifest["arrays"].values())
+
+    def verified(self) -> None:
+        """Raise H2OError when the check of a mapped archive (`SavedArrays.check_archive_meanwhile`), started
+        by `load_into`, found damage: what a cache resumed from it answered may be wrong, and nothing may be
+        saved from it. Waits for the check to end."""
+        self.arrays.verified()
 
     def load_into(self, cache) -> None:
         """Put the saved state into `cache` (built with the saved settings: `resume_settings`): its archive

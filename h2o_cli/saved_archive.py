@@ -130,14 +130,18 @@ def archive_view(data: mmap.mmap, entry: dict) -> torch.Tensor:
 
 def adopt(saved, cache) -> bool:
     """Map the save's `archive.kv` over `cache`'s archive file (`ArchiveFile.adopt`) when the two have the same
-    size and layout, after checking the checksums of every array in it (H2OError naming a damaged one).
+    size and layout, and start checking the checksums of every array in it meanwhile
+    (`SavedArrays.check_archive_meanwhile`: a save not in the page cache is read from disk once, GBs for a
+    long text, which the first answer need not wait for; `SavedRead.verified` says what the check found).
     True when adopted: those arrays are then in place, and `load_saved` leaves them."""
     file, spec = getattr(cache, "archive_file", None), saved.manifest.get("archive")
     if file is None or spec is None or spec["bytes"] != file.size or spec["layout"] != file.layout():
         return False
-    saved.arrays.check_archive()
     descriptor = os.open(Path(saved.path) / ARCHIVE, os.O_RDONLY)
     try:
-        return file.adopt(descriptor)
+        adopted = file.adopt(descriptor)
     finally:
         os.close(descriptor)
+    if adopted:
+        saved.arrays.check_archive_meanwhile()
+    return adopted

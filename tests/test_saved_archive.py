@@ -5,6 +5,7 @@ keeps its bytes. Checked against the reading cache that went on without a save."
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -38,7 +39,28 @@ def go_on(model, cache: H2OCache, text: list[int]) -> None:
 
 
 def saved_files(folder) -> dict:
-    return {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+    """Every file of a save by path: a SHA-256 of its data extents with their offsets (a sparse archive.kv
+    of a chat's reach is tens of GB of holes)."""
+    import hashlib
+
+    digests = {}
+    for path in folder.rglob("*"):
+        if not path.is_file():
+            continue
+        digest, size = hashlib.sha256(), path.stat().st_size
+        with open(path, "rb") as file:
+            offset = 0
+            while offset < size:
+                try:
+                    offset = os.lseek(file.fileno(), offset, os.SEEK_DATA)
+                except OSError:  # ENXIO: no data past offset
+                    break
+                end = os.lseek(file.fileno(), offset, os.SEEK_HOLE)
+                file.seek(offset)
+                digest.update(f"{offset}:".encode() + file.read(end - offset))
+                offset = end
+        digests[path] = (size, digest.hexdigest())
+    return digests
 
 
 @pytest.mark.parametrize("bits", [None, 8])
@@ -92,20 +114,57 @@ def test_an_archive_of_another_layout_is_copied_not_mapped(tiny, tmp_path):  # n
             assert torch.equal(want[name], got[name]), name
 
 
-def test_a_damaged_archive_file_is_refused_before_it_is_mapped(tiny, tmp_path):  # noqa: F811
-    from h2o_cli.errors import H2OError
-
-    settings = replace(settings_of("recall", "torch"), archive=f"{tmp_path}/archives/")
-    write_saved(tmp_path / "read", read(tiny, settings, ids(TEXT, 14)), model_identity(tiny, "tiny"), {})
-    saved = open_saved(tmp_path / "read")
-    entry = next(entry for entry in saved.manifest["arrays"].values() if "offset" in entry)
-    with open(tmp_path / "read" / "archive.kv", "r+b") as file:
+def damage(folder) -> None:
+    """Flip one byte of the first array in `folder/archive.kv`."""
+    saved = open_saved(folder)
+    entry = next(entry for entry in saved.manifest["arrays"].values() if "offset" in entry and entry["bytes"])
+    with open(folder / "archive.kv", "r+b") as file:
         file.seek(entry["offset"] + 3)
         byte = file.read(1)
         file.seek(entry["offset"] + 3)
         file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_damaged_archive_file_is_found_and_nothing_is_saved_from_it(tiny, tmp_path):  # noqa: F811
+    """The mapped archive is checked while the resumed cache answers (`verified`): a damaged one is one
+    line naming archive.kv."""
+    from h2o_cli.errors import H2OError
+
+    settings = replace(settings_of("recall", "torch"), archive=f"{tmp_path}/archives/")
+    write_saved(tmp_path / "read", read(tiny, settings, ids(TEXT, 14)), model_identity(tiny, "tiny"), {})
+    damage(tmp_path / "read")
     saved = open_saved(tmp_path / "read")
     resumed = H2OCache(tiny, resume_settings(saved, {}))
+    saved.load_into(resumed)
+    assert resumed.archive_file.adopted
     with pytest.raises(H2OError, match="damaged .*archive.kv"):
-        saved.load_into(resumed)
-    assert not resumed.archive_file.adopted
+        saved.verified()
+    undamaged = open_saved(tmp_path / "read")  # (a fresh open checks again)
+    with pytest.raises(H2OError, match="damaged .*archive.kv"):
+        undamaged.arrays.check_archive()
+
+
+def test_a_chat_resumed_from_a_damaged_archive_saves_nothing(smollm, tmp_path):
+    """The damage would be copied into the chat's next save: `save_read` refuses in one line, and the
+    previous save is left as it was."""
+    from h2o_cli.chat import ChatSession
+    from h2o_cli.config import CacheSettings
+    from h2o_cli.errors import H2OError
+    from h2o_cli.generation import Sampling
+
+    model, tokenizer = smollm
+    settings = CacheSettings(budget=48, policy="recall", chunk=16, archive=f"{tmp_path}/archives/")
+    talk = ChatSession(model, tokenizer, settings, Sampling(max_new_tokens=4), system="Be brief.")
+    talk.ask("Name three colours.")
+    talk.save_read(tmp_path / "chat", "smollm2-135m")
+    damage(tmp_path / "chat")
+    before = saved_files(tmp_path / "chat")
+    saved = open_saved(tmp_path / "chat")
+    resumed = ChatSession(
+        model, tokenizer, resume_settings(saved, {}), Sampling(max_new_tokens=4), "Be brief."
+    )
+    resumed.load_read(saved, "smollm2-135m")
+    assert resumed.cache.archive_file.adopted
+    with pytest.raises(H2OError, match="damaged .*archive.kv"):
+        resumed.save_read(tmp_path / "chat", "smollm2-135m")
+    assert saved_files(tmp_path / "chat") == before

@@ -84,6 +84,7 @@ class ChatSession:
         self.ids = array("l")
         # Token indices of the chat template's tokens fed (role markers, turn ends, the system message).
         self.frame = array("l")
+        self.resumed_from = None  # the save `load_read` went on from (checked before a save is written)
         self.last = AnswerStats()
         self.started = time.time()
         self._suffix = answer_suffix(self.tokenizer, self.system)
@@ -330,6 +331,8 @@ class ChatSession:
 
         extra = {"kind": CHAT, "system": self.system, "turns": self.transcript(), "ids": list(self.ids),
                  "frame": list(self.frame)}  # fmt: skip
+        if self.resumed_from is not None:
+            self.resumed_from.verified()  # nothing is saved from a damaged save
         return write_saved(path, self.cache, model_identity(self.model, model_name), extra)
 
     def load_read(self, saved, model_name: str) -> None:
@@ -344,6 +347,7 @@ class ChatSession:
             raise InputError(f"{saved.path} is a read text, not a chat; ask it with h2o stream --resume")
         check_model(saved, model_identity(self.model, model_name))
         saved.load_into(self.cache)
+        self.resumed_from = saved
         self.ids = array("l", saved.extra["ids"])
         self.turns = [Turn(**turn) for turn in saved.extra["turns"]]
         self.frame = array("l", saved.extra.get("frame", ()))

@@ -87,6 +87,7 @@ def run_resumed(context, settings, path, prompt, model, sampling, quiet, compile
     logits, stats = prefill(lm, cache, pieces, cache.settings.chunk)
     stats.reraise()
     answer = answer_from(lm, tokenizer, cache, logits, sampling, step, quiet, started)
+    saved.verified()  # a damaged archive, found while answering: one line, exit 1
     figures = {"resumed": str(saved.path), "resume_seconds": resumed, "save_bytes": saved.size}
     figures["save_archive_bytes"] = archive_bytes(saved)
     return {**answer, "tokens": saved.extra["tokens"], **figures, **cache_summary(cache), "model": model}
