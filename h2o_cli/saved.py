@@ -2,7 +2,7 @@
 
 The folder (docs/design.md, "How is a read saved, and why can a question not change it?"):
 - `manifest.json`: the format and its version, the model's identity (`model_identity`), the cache settings,
-  every layer's counters (`H2OCache.saved_counters`), what the caller keeps (`extra`: a text's unread tail, a
+  every layer's counters (`H2OCache.saved_counters`), what the caller keeps (`extra`: a text's identity, a
   chat's transcript), and for every array its file, dtype, shape, size in bytes and checksum;
 - `arrays/N.bin`: each array of `H2OCache.saved_arrays` as raw little-endian bytes, C order (a file maps as
   `numpy.memmap(file, dtype, shape=shape)`);
@@ -12,9 +12,9 @@ The folder (docs/design.md, "How is a read saved, and why can a question not cha
 It is written into a new folder beside its place, each file synced, then renamed into place (`write_saved`):
 an interrupted save (Ctrl-C, a full disk, SIGKILL) leaves the previous save whole. Files are 0600 in 0700
 folders (`h2o_cli.private`). Reading (`open_saved`) maps every file copy-on-write at once, so a save replaced
-meanwhile is not mixed into the one being read, and loading a cache from it (`H2OCache.load_saved`) copies
-out of the maps: what the resumed cache then reads or writes never reaches the save. A process that will
-write a save again holds its lock (`saved_checks.SaveLock`, beside the resume checks); readers take none.
+meanwhile is not mixed into the one being read; a cache loaded from it copies out of the maps or maps the
+archive copy-on-write: what it then writes never reaches the save. A process that will write a save again
+holds its lock (`saved_checks.SaveLock`, beside the resume checks); readers take none.
 """
 
 from __future__ import annotations
@@ -63,11 +63,6 @@ def model_identity(model, name: str) -> dict:
     }
 
 
-def saved_bytes(arrays: dict[str, torch.Tensor]) -> int:
-    """Bytes a save of these arrays takes (its manifest aside)."""
-    return sum(tensor.numel() * tensor.element_size() for tensor in arrays.values())
-
-
 def check_room(folder: Path, size: int) -> None:
     """Raise H2OError unless `folder`'s file system has `size` bytes free (and 1 MiB for the manifest)."""
     status = os.statvfs(folder)
@@ -90,7 +85,7 @@ def write_saved(path: str | Path, cache, model: dict, extra: dict) -> int:
     folder = private_folder(path.parent) if not path.parent.exists() else path.parent
     arrays = cache.saved_arrays()
     archived = in_file(cache, arrays)
-    size = saved_bytes(arrays)
+    size = sum(tensor.numel() * tensor.element_size() for tensor in arrays.values())  # the manifest aside
     check_room(folder, size)
     _sweep(folder, path.name)
     aside = folder / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
@@ -293,14 +288,21 @@ class SavedRead:
         return self.manifest["settings"]
 
     @property
+    def archive_reach(self) -> int | None:
+        """The recall archive's capacity in tokens (None without one), for the resumed cache (`H2OCache`)."""
+        for layer in self.manifest["counters"]["layers"]:
+            if "archive" in layer:
+                return layer["archive"]["capacity"]
+        return None
+
+    @property
     def size(self) -> int:
         """Bytes of its arrays."""
         return sum(entry["bytes"] for entry in self.manifest["arrays"].values())
 
     def verified(self) -> None:
-        """Raise H2OError when the check of a mapped archive (`SavedArrays.check_archive_meanwhile`), started
-        by `load_into`, found damage: what a cache resumed from it answered may be wrong, and nothing may be
-        saved from it. Waits for the check to end."""
+        """H2OError when the check `load_into` started of a mapped archive found damage (what a cache resumed
+        from it answered may be wrong; save nothing from it). Waits for the check to end."""
         self.arrays.verified()
 
     def load_into(self, cache) -> None:
@@ -318,7 +320,7 @@ class SavedRead:
 
 
 def is_saved_read(path: str | Path) -> bool:
-    """Whether `path` names a saved read (a folder with a manifest), rather than a file (a transcript)."""
+    """Whether `path` names a saved read (a folder), rather than a file (a transcript)."""
     path = Path(path).expanduser()
     return path.is_dir() or (not path.exists() and _interrupted(path) is not None)
 

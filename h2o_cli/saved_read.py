@@ -72,7 +72,8 @@ def resumed_cache(saved: SavedRead, model, model_name: str, settings):
 
     check_model(saved, model_identity(model, model_name))
     extra = saved.extra
-    cache = H2OCache(model, settings, span=extra.get("span"), archive_span=extra.get("archive_span"))
+    spans = {"span": extra.get("span"), "archive_span": extra.get("archive_span")}
+    cache = H2OCache(model, settings, **spans, archive_reach=saved.archive_reach)
     saved.load_into(cache)
     return cache
 

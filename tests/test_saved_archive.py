@@ -168,3 +168,29 @@ def test_a_chat_resumed_from_a_damaged_archive_saves_nothing(smollm, tmp_path):
     with pytest.raises(H2OError, match="damaged .*archive.kv"):
         resumed.save_read(tmp_path / "chat", "smollm2-135m")
     assert saved_files(tmp_path / "chat") == before
+
+
+def test_a_resume_takes_the_saved_reach_whatever_the_disk_holds_now(tiny, tmp_path, monkeypatch):  # noqa: F811
+    """A file archive's reach follows the disk's free space (`disk_reach`); the disk holds more or less when the
+    save is resumed, yet the resumed archive has the save's reach (`SavedRead.archive_reach`), maps it, and
+    goes on as the reading cache does."""
+    from h2o_cli.cache.recall import limits
+
+    def reach_of(tokens):
+        return lambda capacity, page, *rest: min(capacity, tokens)
+
+    settings = replace(settings_of("recall", "torch"), archive=f"{tmp_path}/archives/")
+    monkeypatch.setattr(limits, "disk_reach", reach_of(1024))
+    reader = read(tiny, settings, ids(TEXT, 15))
+    write_saved(tmp_path / "read", reader, model_identity(tiny, "tiny"), {})
+    monkeypatch.setattr(limits, "disk_reach", reach_of(2048))
+    saved = open_saved(tmp_path / "read")
+    assert saved.archive_reach == 1024
+    resumed = H2OCache(tiny, resume_settings(saved, {}), archive_reach=saved.archive_reach)
+    saved.load_into(resumed)
+    assert resumed.archive_file.adopted
+    go_on(tiny, reader, ids(MORE, 16))
+    go_on(tiny, resumed, ids(MORE, 16))
+    for want, got in zip(archives(reader), archives(resumed), strict=True):
+        for name in want:
+            assert torch.equal(want[name], got[name]), name

@@ -45,10 +45,11 @@ def build_layers(
     devices: list[torch.device],
     span: int | None,
     archive_span: int | None,
+    archive_reach: int | None = None,
 ) -> BuiltLayers:
     """One layer per decoder layer of `model` (`settings` resolved, `budget` the resident tokens per head,
     `shape` its decoder's, `devices` each layer's): `--recall-layers` gives a layer that does not recall S alone, as `h2o` on the
-    resident budget. `span`, `archive_span` bound a recall archive (`H2OCache`)."""
+    resident budget. `span`, `archive_span` bound a recall archive, `archive_reach` fixes a file's (`H2OCache`)."""
     dtype = compute_dtype(model)
     windowed = windowed_layers(text_config(model))
     ropes = layer_ropes(model.model.rotary_emb, shape.head_dim)
@@ -99,7 +100,9 @@ def build_layers(
         return BuiltLayers(layers, None, None)
     known = [bound for bound in (span, archive_span) if bound is not None]
     recallers = [(layer, devices[number]) for number, layer in enumerate(layers) if number in recalling]
-    archive_file = add_archives(recallers, settings, shape, policy, min(known) if known else None, dtype)
+    archive_file = add_archives(
+        recallers, settings, shape, policy, min(known) if known else None, dtype, archive_reach
+    )
     return BuiltLayers(layers, archive_file, lead_ranking(model, layers, policy, shape))
 
 
@@ -156,10 +159,12 @@ def add_archives(
     policy,
     span: int | None,
     dtype: torch.dtype,
+    reach: int | None = None,
 ):
     """Give every recalling layer (with its device) its `PageArchive`, in RAM or in one mapped file
     (docs/spec.md, recall: storage): the default reach is `RAM_ARCHIVE_MAX` in RAM, and a file's as many
-    tokens as its disk holds (`disk_reach`, one line when fewer)."""
+    tokens as its disk holds (`disk_reach`, one line when fewer), or `reach` exactly (a resumed cache takes
+    its save's, whatever the disk holds now: the file's layout is the save's)."""
     from h2o_cli import memory
     from h2o_cli.cache.recall.archive_file import ArchiveFile, aligned, archive_location
     from h2o_cli.cache.recall.limits import archive_storage, disk_reach, free_bytes, ram_reach, summary_block
@@ -185,7 +190,10 @@ def add_archives(
         where = archive_location(storage, settings.keep_archive)
         in_file = PageArchive.stored_bytes(shape.n_kv_heads, shape.head_dim, capacity, dtype, bits, block)
         token_bytes = -(-in_file * len(layers) // capacity)
-        capacity = disk_reach(capacity, page, token_bytes, free_bytes(where.parent), where.parent)
+        if reach is not None:
+            capacity = reach
+        else:
+            capacity = disk_reach(capacity, page, token_bytes, free_bytes(where.parent), where.parent)
         region = aligned(
             PageArchive.stored_bytes(shape.n_kv_heads, shape.head_dim, capacity, dtype, bits, block)
         )

@@ -32,7 +32,8 @@ class H2OCache(Cache):
     will be given (default: the context window): a policy that never evicts preallocates that many.
     `archive_span` bounds only what a recall archive holds (the most tokens a text can bring when that is known,
     e.g. a file's size): the archive is then no larger than the text, and the settings are still checked as
-    for any text.
+    for any text. `archive_reach` is an archive file's capacity in tokens, exactly (a cache resumed from a
+    saved read takes its save's: `SavedRead.archive_reach`).
     With rolling positions, `budget + chunk` (capped at `span`) must fit in the context window, else a
     `UsageError` names the fix (positions would pass the window the model was trained on).
 
@@ -42,7 +43,12 @@ class H2OCache(Cache):
     """
 
     def __init__(
-        self, model, settings: CacheSettings, span: int | None = None, archive_span: int | None = None
+        self,
+        model,
+        settings: CacheSettings,
+        span: int | None = None,
+        archive_span: int | None = None,
+        archive_reach: int | None = None,
     ) -> None:
         from h2o_cli.cache.attention import enable
 
@@ -64,7 +70,9 @@ class H2OCache(Cache):
         on_cpu = all(device.type == "cpu" for device in devices)
         self.decode_threads = DecodeThreads(settings.decode_threads, measure=on_cpu)
         self._policy = policy
-        built = build_layers(model, settings, shape, policy, budget, devices, span, archive_span)
+        built = build_layers(
+            model, settings, shape, policy, budget, devices, span, archive_span, archive_reach
+        )
         self.archive_file = (
             built.archive_file
         )  # the recall archive's mapped file, with --archive disk or PATH

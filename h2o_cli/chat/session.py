@@ -346,6 +346,12 @@ class ChatSession:
         if saved.extra.get("kind") != CHAT:
             raise InputError(f"{saved.path} is a read text, not a chat; ask it with h2o stream --resume")
         check_model(saved, model_identity(self.model, model_name))
+        if saved.archive_reach is not None:  # the archive of the save's shape, whatever the disk holds now
+            self.cache.close()
+            self.cache, self._step = (
+                H2OCache(self.model, self.settings, archive_reach=saved.archive_reach),
+                None,
+            )
         saved.load_into(self.cache)
         self.resumed_from = saved
         self.ids = array("l", saved.extra["ids"])

@@ -34,7 +34,12 @@ class SavedStore:
     def saved_counters(self) -> dict:
         """The counters beside `saved_arrays` (the scoring's too: how often scores were carried, and when the
         section summaries were refreshed)."""
-        counters = {"tokens": self.tokens, "floor": self._floor, "epoch": self.epoch}
+        counters = {
+            "tokens": self.tokens,
+            "floor": self._floor,
+            "epoch": self.epoch,
+            "capacity": self.capacity,
+        }
         counters |= {name: getattr(self, name) for name in SCORING_COUNTERS if hasattr(self, name)}
         return counters
 
