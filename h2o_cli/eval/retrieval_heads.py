@@ -31,6 +31,10 @@ class CopyProbe:
 
     def __init__(self) -> None:
         self.top: list[torch.Tensor] = []  # per layer call of a one-token step: [n_heads] index of the key
+        self.targets: list[torch.Tensor] = []  # key index sets whose attention mass is recorded
+        self.question = 0  # a prompt's last `question` queries: their mass on each target goes to `asked`
+        self.asked: list[torch.Tensor] = []  # per layer call of a prompt: [n_heads, question, n_targets]
+        self.mass: list[torch.Tensor] = []  # per layer call of a one-token step: [n_heads, n_targets]
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         from transformers.integrations.sdpa_attention import repeat_kv
@@ -43,13 +47,35 @@ class CopyProbe:
         if attention_mask is not None and attention_mask.dim() == 4:
             mask = attention_mask[..., -q:, :k]
             allowed = allowed & (mask if mask.dtype == torch.bool else mask == 0)
-        if q > 1:  # a prompt's pass: nothing to look up
+        heads, windowed = (
+            query.shape[1],
+            getattr(module, "is_sliding", False),
+        )  # a window's keys: no stream index
+        if q > 1 or windowed:  # a prompt's pass, or a window: no key to look up
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling)
+            if q == 1:
+                self.top.append(torch.full((heads,), -1))
+                self.mass.append(torch.zeros(heads, len(self.targets)))
+            elif self.question and windowed:
+                self.asked.append(torch.zeros(heads, self.question, len(self.targets)))
+            elif self.question:
+                asked = query[:, :, -self.question :]
+                logits = (torch.matmul(asked, key.transpose(2, 3)) * scaling).float()
+                weights = torch.softmax(
+                    logits.masked_fill(~allowed.reshape(q, k)[-self.question :], float("-inf")), -1
+                )
+                self.asked.append(self._on_targets(weights[0]))
             return out.transpose(1, 2).contiguous(), None
         logits = (torch.matmul(query, key.transpose(2, 3)) * scaling).float()
         weights = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).to(query.dtype)
         self.top.append(weights[0, :, 0].argmax(-1))
+        self.mass.append(self._on_targets(weights[0].float())[:, 0])
         return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
+
+    def _on_targets(self, weights: torch.Tensor) -> torch.Tensor:
+        """[n_heads, q, k] weights -> [n_heads, q, n_targets]: the mass on each target's keys."""
+        sums = [weights[..., target].sum(-1) for target in self.targets]
+        return torch.stack(sums, -1) if sums else weights.new_zeros(*weights.shape[:-1], 0)
 
 
 def value_spans(tokenizer, probe: Probe, head: int) -> list[tuple[int, int, int]]:
@@ -81,6 +107,7 @@ def copy_hits(model, tokenizer, ids: list[int], value: str, spans, probe: CopyPr
 
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
     hits = torch.zeros(layers, heads)
+    mass = torch.zeros(layers, heads, len(probe.targets))
     cache = DynamicCache(config=model.config)
     written, scored, answer = 0, 0, []
 
@@ -101,6 +128,7 @@ def copy_hits(model, tokenizer, ids: list[int], value: str, spans, probe: CopyPr
             if token == tokenizer.eos_token_id or written >= len(value):  # answered, or done
                 break
             probe.top.clear()
+            probe.mass.clear()
             out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
             following = int(out.logits[0, -1].argmax())
             piece = advance(following) if written < len(value) else None
@@ -108,10 +136,12 @@ def copy_hits(model, tokenizer, ids: list[int], value: str, spans, probe: CopyPr
                 sources = torch.tensor([at for at, a, b in spans if a < piece[1] and b > piece[0]])
                 if len(sources):
                     hits += torch.isin(torch.stack(probe.top), sources).float()  # [layers, heads]
+                    if probe.targets:
+                        mass += torch.stack(probe.mass)
                     scored += 1
                 written = piece[1]
             token = following
-    return hits, scored, tokenizer.decode(answer)
+    return hits, scored, tokenizer.decode(answer), mass
 
 
 def rank(kv_score: torch.Tensor, candidates: list[bool] | None = None) -> list[dict]:
@@ -140,7 +170,6 @@ def calibrate(
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     from h2o_cli.cache.families import text_config, windowed_layers
-    from h2o_cli.prompting import read_then_answer
 
     config = model.config
     group = config.num_attention_heads // config.num_key_value_heads
@@ -149,14 +178,17 @@ def calibrate(
     ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE, sdpa_mask)  # the masks sdpa gets: a sliding window's too
     before = config._attn_implementation
     model.set_attn_implementation(PROBE)
-    total, copied, runs = torch.zeros(config.num_hidden_layers, config.num_attention_heads), 0, []
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    total, copied, runs = torch.zeros(layers, heads), 0, []
+    copy_mass, asked_all, asked_last, asked_right = (torch.zeros(layers, heads, 2) for _ in range(4))
     try:
         for item in probes:
-            text_ids = tokenizer(item.text, add_special_tokens=False)["input_ids"]
-            pieces = list(read_then_answer(tokenizer, [text_ids], item.question))
-            ids = [token for piece in pieces for token in piece]
-            spans = value_spans(tokenizer, item, len(pieces[0]))
-            hits, scored, answer = copy_hits(model, tokenizer, ids, item.value, spans, probe)
+            ids, head, question = framed(tokenizer, item)
+            spans = value_spans(tokenizer, item, head)
+            probe.targets = [needle_tokens(tokenizer, item, head), torch.tensor([at for at, _, _ in spans])]
+            probe.question, probe.asked = question, []
+            hits, scored, answer, mass = copy_hits(model, tokenizer, ids, item.value, spans, probe)
+            asked = torch.stack(probe.asked[:layers])  # [layers, heads, question, targets]
             correct = item.value.lower() in answer.lower()
             runs.append(
                 {"filler": item.filler, "kind": item.kind, "depth": item.depth, "value": item.value}
@@ -164,22 +196,60 @@ def calibrate(
             )
             if progress is not None:
                 progress(runs[-1])
+            asked_all += asked.mean(2)
+            asked_last += asked[:, :, -1]
             if correct:  # a wrong answer's pieces are not a copy of the needle
                 total, copied = total + hits, copied + scored
+                copy_mass += mass
+                asked_right += asked.mean(2)
     finally:
         model.set_attn_implementation(before)
-    score = (total / max(1, copied)).view(config.num_hidden_layers, config.num_key_value_heads, group)
+    kv = config.num_key_value_heads
+    score = (total / max(1, copied)).view(layers, kv, group)
     kv_score = score.max(-1).values  # [layers, kv heads]
     candidates = [not sliding for sliding in windowed_layers(text_config(model))]
-    kv_score[~torch.tensor(candidates)] = 0.0  # a windowed layer's cache keeps its window: no stream index
+    windowed = ~torch.tensor(candidates)
+    kv_score[windowed] = 0.0  # a windowed layer's cache keeps its window: no stream index
     ranked = rank(kv_score, candidates)
+    scores = {"copy": kv_score}
+    for name, table, n in (
+        ("copy_mass", copy_mass, copied),
+        ("asked_all", asked_all, len(runs)),
+        ("asked_last", asked_last, len(runs)),
+        ("asked_right", asked_right, sum(r["correct"] for r in runs)),
+    ):
+        for t, target in enumerate(("needle", "value")):
+            grouped = (table[..., t] / max(1, n)).view(layers, kv, group).sum(-1)
+            grouped[windowed] = 0.0
+            scores[f"{name}_{target}"] = grouped
     return {
         "copied": copied,
         "runs": runs,
         "score": [[round(float(s), 4) for s in row] for row in kv_score],
         "ranked": ranked,
         "lead": lead_of(ranked),
+        "scores": {name: rank(table, candidates) for name, table in scores.items()},
     }
+
+
+def framed(tokenizer, probe: Probe) -> tuple[list[int], int, int]:
+    """`probe` as the model reads it (`read_then_answer`: the frame's head, the text, the question and the
+    answer cue): (token ids, tokens before the text, tokens of the question's chunk). A model without a chat
+    template has no head: its text starts at 0."""
+    from h2o_cli.prompting import read_then_answer
+
+    text_ids = tokenizer(probe.text, add_special_tokens=False)["input_ids"]
+    pieces = list(read_then_answer(tokenizer, [text_ids], probe.question))
+    ids = [token for piece in pieces for token in piece]
+    return ids, len(ids) - len(text_ids) - len(pieces[-1]), len(pieces[-1])
+
+
+def needle_tokens(tokenizer, probe: Probe, head: int) -> torch.Tensor:
+    """Stream indices of the tokens of `probe.text` holding characters of the needle."""
+    start = probe.text.index(probe.needle)
+    end = start + len(probe.needle)
+    offsets = tokenizer(probe.text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return torch.tensor([head + i for i, (a, b) in enumerate(offsets) if a < end and b > start])
 
 
 def lead_of(ranked: list[dict]) -> list[int] | None:
