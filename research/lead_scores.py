@@ -1,14 +1,15 @@
 """Which calibration score names the best lead head? Each score's head, found on the tuning probes, measured by
 the page proxy of `research/lead_online.py` on the report probes.
 
-Scores (per KV head of a global layer, from `h2o_cli.eval.retrieval_heads.calibrate`): `copy` (the share of
-answer pieces whose strongest key is the needle), and attention masses on the needle's tokens (`needle`) or
-its value's tokens (`value`), summed over the group's query heads: at the answer steps that copy a piece
-(`copy_mass`, answered probes), at the question's queries (`asked_all`, every probe; `asked_right`, answered
-ones) or its last token (`asked_last`). The proxy: a report probe counts for a head when the value's page is
-among its `--pages` best pages by its question's attention.
+Scores (per KV head of a global layer, `h2o_cli.eval.retrieval_heads.calibrate`): `copy_mass` (what
+`--recall-lead auto` takes: the group's attention mass on the needle at the answer steps that copy a piece
+of the value, answered probes), `argmax` (the share of those pieces whose strongest key is the needle) and
+`question` (the group's mass on the needle from the prompt's last token, every probe). The proxy: a report
+probe counts for a head when the value's page is among its `--pages` best pages by its question's attention.
+Each head is printed as `layer.head:score/report hits(hits of the first 12)`. (At 2a6d759 this script also
+measured the masses on the value's tokens alone and over all the question's queries.)
 
-    python -m research.lead_scores --model smollm2-135m --data /work/shared/data
+    python -m research.lead_scores --model smollm2-135m --report-probes 24 --data /work/shared/data
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def main() -> None:
     print(json.dumps({"report_probes": len(found), "best_single_head": _best(hits)}))
     if len(found) > 12:
         print(json.dumps({"first_12_best": _best(torch.stack(found[:12]).sum(0))}))
-    for name, ranked in report["scores"].items():
+    for name, ranked in {"copy_mass": report["ranked"], **report["others"]}.items():
         heads = [(row["layer"], row["kv_head"]) for row in ranked[:5]]
         top = [f"{layer}.{head}:{row['score']:.3f}/{int(hits[layer, head])}"
                f"({int(sum(f[layer, head] for f in found[:12]))})" for (layer, head), row in

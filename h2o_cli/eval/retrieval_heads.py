@@ -3,12 +3,17 @@ auto` names a model's lead head from (`h2o_cli.models.calibration` caches it per
 
 Each probe (`eval/probes.py`: a filler, a needle, a value, a question) short enough for the model's window is
 read with a plain full cache and answered greedily. At every answer step that writes the next piece of the
-value, each query head's strongest key is looked up: a head *copies* that step when its top key is a needle
-token holding those characters of the value (Wu et al. 2024, "Retrieval Head Mechanistically Explains
-Long-Context Factuality": the copy-paste score; matched by characters, so a value the answer tokenizes unlike
-the needle still scores). A head's score is the share of copied pieces over the probes the full cache answers;
-a KV head's is the best of its query heads (GQA: a KV head recalls for its whole group). Only a global layer
-can lead (a sliding-window layer keeps no archive); `h2o calibrate` prints the ranking.
+value (matched by characters, so a value the answer tokenizes unlike the needle still counts), each query
+head's attention is looked at: its *copy mass* is the attention probability on the needle's tokens. A KV
+head's score is its group's copy mass (summed over the query heads that share it: GQA, a KV head recalls for
+its whole group), averaged over the pieces of the probes the full cache answers. Only a global layer can
+lead (a sliding-window layer keeps no archive); `h2o calibrate` prints the ranking.
+
+Two other scores are kept beside it, for comparison (docs/results.md, "Which head leads"): the copy-paste
+score of Wu et al. 2024 ("Retrieval Head Mechanistically Explains Long-Context Factuality": the share of
+pieces whose strongest key is a needle token holding that piece, best query head of the group), which a
+head that puts its top weight on a sink while it copies never scores; and the question's mass (the group's
+attention on the needle from the prompt's last token, over every probe, answered or not).
 """
 
 from __future__ import annotations
@@ -26,15 +31,16 @@ MAX_NEW_TOKENS = 24  # a UUID takes about 20 tokens
 
 class CopyProbe:
     """Causal attention over one unpadded sequence, registered as a transformers attention function (the
-    model's own mask where it passes one: a sliding window's); when one token queries, each head's strongest
-    key goes to `top`."""
+    model's own mask where it passes one: a sliding window's). At a one-token step of a global layer each
+    head's strongest key goes to `top` and its attention mass on the `needle` keys to `mass`; a prompt's
+    pass puts its last query's mass on them in `asked`. A sliding-window layer attends through sdpa alone
+    (its keys are a window, not the stream) and records -1 and 0: every list holds one entry per layer."""
 
     def __init__(self) -> None:
         self.top: list[torch.Tensor] = []  # per layer call of a one-token step: [n_heads] index of the key
-        self.targets: list[torch.Tensor] = []  # key index sets whose attention mass is recorded
-        self.question = 0  # a prompt's last `question` queries: their mass on each target goes to `asked`
-        self.asked: list[torch.Tensor] = []  # per layer call of a prompt: [n_heads, question, n_targets]
-        self.mass: list[torch.Tensor] = []  # per layer call of a one-token step: [n_heads, n_targets]
+        self.mass: list[torch.Tensor] = []  # per layer call of a one-token step: [n_heads] mass on `needle`
+        self.asked: list[torch.Tensor] = []  # per layer call of a prompt: [n_heads] its last query's mass
+        self.needle = torch.empty(0, dtype=torch.int64)  # stream indices of the needle's tokens
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         from transformers.integrations.sdpa_attention import repeat_kv
@@ -47,35 +53,25 @@ class CopyProbe:
         if attention_mask is not None and attention_mask.dim() == 4:
             mask = attention_mask[..., -q:, :k]
             allowed = allowed & (mask if mask.dtype == torch.bool else mask == 0)
-        heads, windowed = (
-            query.shape[1],
-            getattr(module, "is_sliding", False),
-        )  # a window's keys: no stream index
-        if q > 1 or windowed:  # a prompt's pass, or a window: no key to look up
+        allowed = allowed.reshape(q, k)  # one sequence, one mask for every head
+        heads, windowed = query.shape[1], getattr(module, "is_sliding", False)
+        if q > 1 or windowed:  # a prompt's pass (its last query's mass alone), or a window's step
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling)
-            if q == 1:
-                self.top.append(torch.full((heads,), -1))
-                self.mass.append(torch.zeros(heads, len(self.targets)))
-            elif self.question and windowed:
-                self.asked.append(torch.zeros(heads, self.question, len(self.targets)))
-            elif self.question:
-                asked = query[:, :, -self.question :]
-                logits = (torch.matmul(asked, key.transpose(2, 3)) * scaling).float()
-                weights = torch.softmax(
-                    logits.masked_fill(~allowed.reshape(q, k)[-self.question :], float("-inf")), -1
-                )
-                self.asked.append(self._on_targets(weights[0]))
+            if windowed:
+                (self.asked if q > 1 else self.mass).append(torch.zeros(heads))
+                if q == 1:
+                    self.top.append(torch.full((heads,), -1))
+            else:
+                last = torch.matmul(query[0, :, -1:], key[0].transpose(1, 2)).float() * scaling  # [H, 1, k]
+                weights = torch.softmax(last.masked_fill(~allowed[-1:], float("-inf")), dim=-1)
+                self.asked.append(weights[:, 0, self.needle].sum(-1))
             return out.transpose(1, 2).contiguous(), None
         logits = (torch.matmul(query, key.transpose(2, 3)) * scaling).float()
-        weights = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).to(query.dtype)
+        weights = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)  # [1, H, 1, k]
         self.top.append(weights[0, :, 0].argmax(-1))
-        self.mass.append(self._on_targets(weights[0].float())[:, 0])
-        return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
-
-    def _on_targets(self, weights: torch.Tensor) -> torch.Tensor:
-        """[n_heads, q, k] weights -> [n_heads, q, n_targets]: the mass on each target's keys."""
-        sums = [weights[..., target].sum(-1) for target in self.targets]
-        return torch.stack(sums, -1) if sums else weights.new_zeros(*weights.shape[:-1], 0)
+        self.mass.append(weights[0, :, 0, self.needle].sum(-1))
+        out = torch.matmul(weights.to(query.dtype), value)
+        return out.transpose(1, 2).contiguous(), None
 
 
 def value_spans(tokenizer, probe: Probe, head: int) -> list[tuple[int, int, int]]:
@@ -99,15 +95,17 @@ def value_spans(tokenizer, probe: Probe, head: int) -> list[tuple[int, int, int]
 
 
 def copy_hits(model, tokenizer, ids: list[int], value: str, spans, probe: CopyProbe):
-    """Greedy answer of `ids` with a full cache (the model attending through `probe`): per (layer, query head)
-    how many pieces of `value` the head copied (its top key is a needle token holding characters of the
-    piece being written), `[n_layers, n_heads]`; the pieces scored; the answer. A piece is an answer token
-    that continues the value's characters in order; the prompt's pass writes the first token, unscored."""
+    """Greedy answer of `ids` with a full cache (the model attending through `probe`, its `needle` set):
+    per (layer, query head) how many pieces of `value` the head copied (its top key is a needle token
+    holding characters of the piece being written) and its summed attention mass on the needle at those
+    steps, each `[n_layers, n_heads]`; the pieces scored; the answer. A piece is an answer token that
+    continues the value's characters in order; the prompt's pass writes the first token, unscored. Returns
+    (hits, mass, scored, answer)."""
     from transformers import DynamicCache
 
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
     hits = torch.zeros(layers, heads)
-    mass = torch.zeros(layers, heads, len(probe.targets))
+    mass = torch.zeros(layers, heads)
     cache = DynamicCache(config=model.config)
     written, scored, answer = 0, 0, []
 
@@ -136,12 +134,11 @@ def copy_hits(model, tokenizer, ids: list[int], value: str, spans, probe: CopyPr
                 sources = torch.tensor([at for at, a, b in spans if a < piece[1] and b > piece[0]])
                 if len(sources):
                     hits += torch.isin(torch.stack(probe.top), sources).float()  # [layers, heads]
-                    if probe.targets:
-                        mass += torch.stack(probe.mass)
+                    mass += torch.stack(probe.mass)  # [layers, heads]
                     scored += 1
                 written = piece[1]
             token = following
-    return hits, scored, tokenizer.decode(answer), mass
+    return hits, mass, scored, tokenizer.decode(answer)
 
 
 def rank(kv_score: torch.Tensor, candidates: list[bool] | None = None) -> list[dict]:
@@ -161,10 +158,11 @@ def calibrate(
 ) -> dict:
     """The retrieval scores of `model`'s KV heads over `probes` (each inside the model's window).
 
-    Returns {"copied", "runs": [{filler, kind, depth, value, answer, correct}], "score": per layer a list of
-    per-KV-head scores `[n_layers][n_kv_heads]` (0 in a sliding-window layer), "ranked": [{layer, kv_head, score}] of the global layers,
-    best first, "lead": `lead_of` the ranking}. `progress` is
-    called with each run's row. The model attends through `CopyProbe` meanwhile, and through its own
+    Returns {"copied" (pieces scored), "runs": [{filler, kind, depth, value, answer, correct}], "score": per
+    layer a list of per-KV-head copy masses `[n_layers][n_kv_heads]` (0 in a sliding-window layer),
+    "ranked": [{layer, kv_head, score}] of the global layers, best first, "lead": `lead_of` the ranking,
+    "others": the rankings of the other two scores, "argmax" and "question", their best five}. `progress`
+    is called with each run's row. The model attends through `CopyProbe` meanwhile, and through its own
     attention again afterwards."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -172,23 +170,20 @@ def calibrate(
     from h2o_cli.cache.families import text_config, windowed_layers
 
     config = model.config
-    group = config.num_attention_heads // config.num_key_value_heads
+    layers, heads, kv = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
     probe = CopyProbe()
     AttentionInterface.register(PROBE, probe)
     ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE, sdpa_mask)  # the masks sdpa gets: a sliding window's too
     before = config._attn_implementation
     model.set_attn_implementation(PROBE)
-    layers, heads = config.num_hidden_layers, config.num_attention_heads
-    total, copied, runs = torch.zeros(layers, heads), 0, []
-    copy_mass, asked_all, asked_last, asked_right = (torch.zeros(layers, heads, 2) for _ in range(4))
+    hits, mass, asked = (torch.zeros(layers, heads) for _ in range(3))  # summed over the probes
+    copied, runs = 0, []
     try:
         for item in probes:
-            ids, head, question = framed(tokenizer, item)
+            ids, head, _ = framed(tokenizer, item)
             spans = value_spans(tokenizer, item, head)
-            probe.targets = [needle_tokens(tokenizer, item, head), torch.tensor([at for at, _, _ in spans])]
-            probe.question, probe.asked = question, []
-            hits, scored, answer, mass = copy_hits(model, tokenizer, ids, item.value, spans, probe)
-            asked = torch.stack(probe.asked[:layers])  # [layers, heads, question, targets]
+            probe.needle, probe.asked = needle_tokens(tokenizer, item, head), []
+            run_hits, run_mass, scored, answer = copy_hits(model, tokenizer, ids, item.value, spans, probe)
             correct = item.value.lower() in answer.lower()
             runs.append(
                 {"filler": item.filler, "kind": item.kind, "depth": item.depth, "value": item.value}
@@ -196,39 +191,27 @@ def calibrate(
             )
             if progress is not None:
                 progress(runs[-1])
-            asked_all += asked.mean(2)
-            asked_last += asked[:, :, -1]
+            asked += torch.stack(probe.asked[:layers])  # the prompt's pass: one entry per layer
             if correct:  # a wrong answer's pieces are not a copy of the needle
-                total, copied = total + hits, copied + scored
-                copy_mass += mass
-                asked_right += asked.mean(2)
+                hits, mass, copied = hits + run_hits, mass + run_mass, copied + scored
     finally:
         model.set_attn_implementation(before)
-    kv = config.num_key_value_heads
-    score = (total / max(1, copied)).view(layers, kv, group)
-    kv_score = score.max(-1).values  # [layers, kv heads]
     candidates = [not sliding for sliding in windowed_layers(text_config(model))]
-    windowed = ~torch.tensor(candidates)
-    kv_score[windowed] = 0.0  # a windowed layer's cache keeps its window: no stream index
-    ranked = rank(kv_score, candidates)
-    scores = {"copy": kv_score}
-    for name, table, n in (
-        ("copy_mass", copy_mass, copied),
-        ("asked_all", asked_all, len(runs)),
-        ("asked_last", asked_last, len(runs)),
-        ("asked_right", asked_right, sum(r["correct"] for r in runs)),
-    ):
-        for t, target in enumerate(("needle", "value")):
-            grouped = (table[..., t] / max(1, n)).view(layers, kv, group).sum(-1)
-            grouped[windowed] = 0.0
-            scores[f"{name}_{target}"] = grouped
+    scores = {
+        "copy_mass": (mass / max(1, copied)).view(layers, kv, -1).sum(-1),  # [layers, kv heads]
+        "argmax": (hits / max(1, copied)).view(layers, kv, -1).max(-1).values,
+        "question": (asked / max(1, len(runs))).view(layers, kv, -1).sum(-1),
+    }
+    for score in scores.values():
+        score[~torch.tensor(candidates)] = 0.0  # a windowed layer's cache keeps its window: no stream index
+    ranked = rank(scores["copy_mass"], candidates)
     return {
         "copied": copied,
         "runs": runs,
-        "score": [[round(float(s), 4) for s in row] for row in kv_score],
+        "score": [[round(float(s), 4) for s in row] for row in scores["copy_mass"]],
         "ranked": ranked,
         "lead": lead_of(ranked),
-        "scores": {name: rank(table, candidates) for name, table in scores.items()},
+        "others": {name: rank(scores[name], candidates)[:5] for name in ("argmax", "question")},
     }
 
 
@@ -253,6 +236,6 @@ def needle_tokens(tokenizer, probe: Probe, head: int) -> torch.Tensor:
 
 
 def lead_of(ranked: list[dict]) -> list[int] | None:
-    """The lead of a ranking: its first head as [layer, kv_head], or None when no head copied anything (no
-    probe answered, or every piece copied by a layer that cannot lead)."""
+    """The lead of a ranking: its first head as [layer, kv_head], or None when its score is 0 (no probe
+    answered, so no piece was scored; or no layer that can lead attended to the needle)."""
     return [ranked[0]["layer"], ranked[0]["kv_head"]] if ranked and ranked[0]["score"] > 0 else None
