@@ -212,22 +212,41 @@ def test_a_head_built_to_attend_to_the_needle_leads(tiny_model):
     assert max(score for layer in report["score"] for score in layer if score != report["score"][0][1]) < 1.5
 
 
+class PlainWithBos:
+    """A tokenizer without a chat template that puts its BOS token before plain text unless told not to (as
+    Gemma's does; the embedded model's puts none)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.chat_template, self.bos_token_id = inner, None, inner.bos_token_id
+
+    def __call__(self, text, add_special_tokens: bool = True, **kwargs):
+        out = self.inner(text, add_special_tokens=False, **kwargs)
+        out["input_ids"] = [self.bos_token_id] * add_special_tokens + out["input_ids"]
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def test_the_text_starts_after_the_frames_head_or_at_0_without_a_chat_template(smollm):
-    """`framed` counts the tokens before the text: the chat template's head, or none for a base model (no
-    template: the text comes first), so the needle's stream indices are its tokens in either frame."""
+    """`framed` counts the tokens before the text: the chat template's head, or for a base model (no template)
+    the BOS token alone where its tokenizer puts one before plain text, else none; the needle's stream
+    indices are its tokens in each frame."""
     import copy
 
     _, tokenizer = smollm
     base = copy.copy(tokenizer)
     base.chat_template = None
+    with_bos = PlainWithBos(base)
     probe = planted("19041")
     text_ids = tokenizer(probe.text, add_special_tokens=False)["input_ids"]
-    for which in (tokenizer, base):
+    for which in (tokenizer, base, with_bos):
         ids, head, question = framed(which, probe)
         assert ids[head : head + len(text_ids)] == text_ids and len(ids) == head + len(text_ids) + question
         needle = needle_tokens(which, probe, head).tolist()
         assert probe.needle.strip() in which.decode([ids[at] for at in needle])
-    assert framed(base, probe)[1] == 0 and framed(tokenizer, probe)[1] > 0
+    assert framed(base, probe)[1] == 0 and framed(tokenizer, probe)[1] > 1
+    assert framed(with_bos, probe)[0] == [with_bos.bos_token_id] + framed(base, probe)[0]
 
 
 def test_only_a_candidate_layer_is_ranked_and_a_head_that_copied_nothing_does_not_lead():
