@@ -6,7 +6,7 @@ Scores (per KV head of a global layer, `h2o_cli.eval.retrieval_heads.calibrate`)
 of the value, answered probes), `argmax` (the share of those pieces whose strongest key is the needle) and
 `question` (the group's mass on the needle from the prompt's last token, every probe). The proxy: a report
 probe counts for a head when the value's page is among its `--pages` best pages by its question's attention.
-Each head is printed as `layer.head:score/report hits(hits of the first 12)`. (At 2a6d759 this script also
+Each head is printed as `layer.head:score/report probes found`. (At 2a6d759 this script also
 measured the masses on the value's tokens alone and over all the question's queries.)
 
     python -m research.lead_scores --model smollm2-135m --report-probes 24 --data /work/shared/data
@@ -52,12 +52,9 @@ def main() -> None:
     ]
     hits = torch.stack(found).sum(0)  # [layers, n_kv]: report probes whose value page the head finds
     print(json.dumps({"report_probes": len(found), "best_single_head": _best(hits)}))
-    if len(found) > 12:
-        print(json.dumps({"first_12_best": _best(torch.stack(found[:12]).sum(0))}))
     for name, ranked in {"copy_mass": report["ranked"], **report["others"]}.items():
         heads = [(row["layer"], row["kv_head"]) for row in ranked[:5]]
-        top = [f"{layer}.{head}:{row['score']:.3f}/{int(hits[layer, head])}"
-               f"({int(sum(f[layer, head] for f in found[:12]))})" for (layer, head), row in
+        top = [f"{layer}.{head}:{row['score']:.3f}/{int(hits[layer, head])}" for (layer, head), row in
                zip(heads, ranked, strict=False)]  # fmt: skip
         print(f"{name:>18}  " + "  ".join(top))
 
