@@ -4,7 +4,8 @@ The rule measured: at the question, each KV head's page scores are the attention
 put on each 16-token page of the text (the mean over queries and the group's heads); the head whose best
 `--lead-pages` pages hold the largest share of its text attention leads. A probe counts for a rule when the
 page holding the value's first mention is among the chosen head's best pages. Beside it: the calibrated head
-(`--lead HEAD`), and the best any single head does over all probes (its ceiling).
+(`--lead HEAD`), and the best any single head does over all probes (its ceiling). `page_hits` is the proxy
+`research/lead_scores.py` measures the calibration's scores with.
 
     python -m research.lead_online --lead 18.2 --probes 12 --tokens 2048 --data /work/shared/data
 """
@@ -19,10 +20,12 @@ import torch
 import torch.nn.functional as F
 
 PAGE = 16
+NAME = "question_pages"
 
 
 class QuestionAttention:
-    """sdpa, and for a call of more than one query the page attention of the last `question` queries."""
+    """sdpa under the model's own mask (a sliding window's too), and for a call of more than one query the
+    page attention of the last `question` queries."""
 
     def __init__(self) -> None:
         self.question, self.text, self.pages = 0, (0, 0), []  # pages: per layer [n_kv, n_pages]
@@ -32,12 +35,17 @@ class QuestionAttention:
 
         group = query.shape[1] // key.shape[1]
         key, value = repeat_kv(key, group), repeat_kv(value, group)
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=query.shape[2] > 1, scale=scaling)
-        if query.shape[2] > 1 and self.question:
-            q = query[0, :, -self.question :]  # [H, Q, d]
+        q, k = query.shape[2], key.shape[2]
+        allowed = torch.ones(q, k, dtype=torch.bool).tril(k - q)
+        if attention_mask is not None and attention_mask.dim() == 4:
+            mask = attention_mask[..., -q:, :k]
+            allowed = allowed & (mask if mask.dtype == torch.bool else mask == 0)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling)
+        if q > 1 and self.question:
+            logits = (query[0, :, -self.question :] @ key[0].transpose(1, 2)).float() * scaling  # [H, Q, k]
             weights = torch.softmax(
-                (q @ key[0].transpose(1, 2)).float() * scaling, dim=-1
-            )  # causal: keys before
+                logits.masked_fill(~allowed.reshape(q, k)[-self.question :], float("-inf")), -1
+            )
             first, end = self.text
             used = (end - first) // PAGE * PAGE
             mass = weights[:, :, first : first + used].reshape(weights.shape[0], weights.shape[1], -1, PAGE)
@@ -46,12 +54,41 @@ class QuestionAttention:
         return out.transpose(1, 2).contiguous(), None
 
 
-def main() -> None:
+def report_pages(model, tokenizer, data: Path | None, tokens: int, count: int, seed: int = 9000):
+    """For each of `count` report probes of `tokens` tokens: (probe, [layers, n_kv, pages] page attention of
+    the question, the page of the value's first mention)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     from h2o_cli.eval.probes import REPORT, probes
+    from h2o_cli.eval.retrieval_heads import framed
+
+    probe = QuestionAttention()
+    AttentionInterface.register(NAME, probe)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    before = model.config._attn_implementation
+    model.set_attn_implementation(NAME)
+    try:
+        for item in probes(tokenizer, REPORT, data, tokens, count, seed=seed):
+            ids, head, question = framed(tokenizer, item)
+            probe.question, probe.text, probe.pages = question, (head, len(ids) - question), []
+            with torch.no_grad():
+                model(torch.tensor([ids]), logits_to_keep=1)
+            at = item.text.index(item.needle) + item.needle.index(item.value)
+            offsets = tokenizer(item.text, add_special_tokens=False, return_offsets_mapping=True)
+            needle_page = next(i for i, (a, b) in enumerate(offsets["offset_mapping"]) if b > at) // PAGE
+            yield item, torch.stack(probe.pages), needle_page
+    finally:
+        model.set_attn_implementation(before)
+
+
+def page_hits(pages: torch.Tensor, needle_page: int, best: int) -> torch.Tensor:
+    """[layers, n_kv] bool: whether the needle's page is among each KV head's `best` pages."""
+    return (pages.topk(best, dim=-1).indices == needle_page).any(-1)
+
+
+def main() -> None:
     from h2o_cli.models import load_model
-    from h2o_cli.prompting import read_then_answer
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m")
@@ -62,26 +99,11 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=None)
     args = parser.parse_args()
     model, tokenizer = load_model(args.model, "cpu", "float32")
-    probe = QuestionAttention()
-    AttentionInterface.register("question_pages", probe)
-    model.set_attn_implementation("question_pages")
     lead = tuple(int(part) for part in args.lead.split("."))
     rows, hits_by_head = [], None
-    for item in probes(tokenizer, REPORT, args.data, args.tokens, args.probes, seed=9000):
-        text_ids = tokenizer(item.text, add_special_tokens=False)["input_ids"]
-        pieces = list(read_then_answer(tokenizer, [text_ids], item.question))
-        head = len(pieces[0])
-        probe.question, probe.text, probe.pages = len(pieces[-1]), (head, head + len(text_ids)), []
-        with torch.no_grad():
-            model(torch.tensor([[token for piece in pieces for token in piece]]), logits_to_keep=1)
-        pages = torch.stack(probe.pages)  # [layers, n_kv, pages]
-        at = item.text.index(item.needle) + item.needle.index(item.value)
-        offsets = tokenizer(item.text, add_special_tokens=False, return_offsets_mapping=True)[
-            "offset_mapping"
-        ]
-        needle_page = next(i for i, (a, b) in enumerate(offsets) if b > at) // PAGE
+    for item, pages, needle_page in report_pages(model, tokenizer, args.data, args.tokens, args.probes):
         best = pages.topk(args.pages, dim=-1)
-        found = (best.indices == needle_page).any(-1)  # [layers, n_kv]
+        found = page_hits(pages, needle_page, args.pages)  # [layers, n_kv]
         share = best.values.sum(-1) / pages.sum(-1).clamp_min(1e-12)
         online = divmod(int(share.flatten().argmax()), share.shape[1])
         hits_by_head = found.float() if hits_by_head is None else hits_by_head + found.float()

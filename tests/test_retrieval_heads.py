@@ -1,5 +1,6 @@
-"""`h2o_cli.eval.retrieval_heads` (what `h2o calibrate` finds): the heads' copy hits against the same attention
-written out by transformers' eager attention, the report's scores and ranking, and the probes it reads."""
+"""`h2o_cli.eval.retrieval_heads` (what `h2o calibrate` finds): the heads' copy hits and copy masses against the
+same attention written out by transformers' eager attention, the report's scores and ranking, a head built to
+attend to the needle leading, the text's offset with and without a chat template, and the probes it reads."""
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ from h2o_cli.eval.retrieval_heads import (
     CopyProbe,
     calibrate,
     copy_hits,
+    framed,
     lead_of,
+    needle_tokens,
     rank,
     value_spans,
 )
@@ -67,11 +70,12 @@ def prompt_ids(tokenizer, probe: Probe) -> tuple[list[int], int]:
     return [token for piece in pieces for token in piece], len(pieces[0])
 
 
-def eager_hits(model, tokenizer, probe: Probe, ids: list[int], head: int, answer: list[int]) -> torch.Tensor:
-    """The copy hits written out for an answer whose token j is the value's digit j (one digit a token): one
-    eager forward over the prompt and the answer with the attention weights returned; the query of answer
-    step j (at position len(ids) + j) writes digit j + 1, and a head copies when its largest weight falls on
-    a text token whose characters include that digit of either mention of the value. [n_layers, n_heads]."""
+def eager_hits(model, tokenizer, probe: Probe, ids: list[int], head: int, answer: list[int]):
+    """The copy hits and copy masses written out for an answer whose token j is the value's digit j (one digit
+    a token): one eager forward over the prompt and the answer with the attention weights returned; the query
+    of answer step j (at position len(ids) + j) writes digit j + 1, a head copies when its largest weight
+    falls on a text token whose characters include that digit of either mention of the value, and its mass
+    is its weights' sum over the text tokens holding characters of the needle. ([n_layers, n_heads] each)."""
     before = model.config._attn_implementation
     model.set_attn_implementation("eager")
     with torch.no_grad():
@@ -81,13 +85,17 @@ def eager_hits(model, tokenizer, probe: Probe, ids: list[int], head: int, answer
     needle_at = probe.text.index(probe.needle)
     mentions = [needle_at + i for i in range(len(probe.needle)) if probe.needle.startswith(probe.value, i)]
     hits = torch.zeros(model.config.num_hidden_layers, model.config.num_attention_heads)
+    mass = torch.zeros_like(hits)
+    end = needle_at + len(probe.needle)
+    needle = [head + i for i, (a, b) in enumerate(offsets) if a < end and b > needle_at]
     for step in range(len(probe.value) - 1):
         chars = [mention + step + 1 for mention in mentions]
         sources = [head + i for i, (a, b) in enumerate(offsets) if any(a <= c < b for c in chars)]
         for layer, weights in enumerate(out.attentions):
             top = weights[0, :, len(ids) + step, : len(ids) + step + 1].argmax(-1)  # [n_heads]
             hits[layer] += torch.tensor([float(int(t) in sources) for t in top])
-    return hits
+            mass[layer] += weights[0, :, len(ids) + step, needle].sum(-1)
+    return hits, mass
 
 
 def with_probe(model):
@@ -99,33 +107,36 @@ def with_probe(model):
     return probe
 
 
-def test_copy_hits_are_the_heads_whose_strongest_key_holds_the_piece_written(tiny_model):
-    """An answer forced to the value and then the end token: the hits per (layer, head) equal those of the
-    eager attention's weights, four pieces are scored (the first digit is written by the prompt's pass),
-    and some heads copied."""
+def test_copy_hits_and_masses_are_those_of_the_eager_attention(tiny_model):
+    """An answer forced to the value and then the end token: the hits (top key on the piece) and the masses
+    (weights on the needle) per (layer, head) equal those of the eager attention's weights, four pieces are
+    scored (the first digit is written by the prompt's pass), and some heads copied."""
     model, tokenizer = tiny_model
     probe = planted("19041")
     ids, head = prompt_ids(tokenizer, probe)
     digits = [tokenizer.convert_tokens_to_ids(d) for d in probe.value]
     copy = with_probe(model)
+    copy.needle = needle_tokens(tokenizer, probe, head)
     handle = force_answers(model, [digits + [tokenizer.eos_token_id] * MAX_NEW_TOKENS])
     try:
-        hits, scored, said = copy_hits(
+        hits, mass, scored, said = copy_hits(
             model, tokenizer, ids, probe.value, value_spans(tokenizer, probe, head), copy
         )
     finally:
         handle.remove()
         model.set_attn_implementation("sdpa")
     assert scored == 4 and said.startswith(probe.value)
-    assert torch.equal(hits, eager_hits(model, tokenizer, probe, ids, head, digits[:-1]))
-    assert hits.sum() > 0
+    want_hits, want_mass = eager_hits(model, tokenizer, probe, ids, head, digits[:-1])
+    assert torch.equal(hits, want_hits) and hits.sum() > 0
+    assert torch.allclose(mass, want_mass, atol=1e-5) and mass.min() > 0
 
 
-def test_calibrate_scores_each_kv_head_by_its_best_query_head_and_ranks_them(tiny_model):
-    """Two probes, every answer forced to its value (an answer stops once the value is written): each counts, four pieces each; each KV head's score is
-    the best of its three query heads' share of copied pieces, from the eager attention; the ranking lists
-    every (layer, KV head) once, best first, at those scores; the lead is the first; the model attends as
-    before afterwards."""
+def test_calibrate_scores_each_kv_head_by_its_groups_copy_mass_and_ranks_them(tiny_model):
+    """Two probes, every answer forced to its value (an answer stops once the value is written): each counts,
+    four pieces each; each KV head's score is its three query heads' summed mass on the needle per piece,
+    from the eager attention (and the argmax score beside it, the best query head's share of copied
+    pieces); the ranking lists every (layer, KV head) once, best first, at those scores; the lead is the
+    first; the model attends as before afterwards."""
     model, tokenizer = tiny_model
     items = [planted("19041"), planted("27365", 1000)]
     answers = [[tokenizer.convert_tokens_to_ids(d) for d in item.value] for item in items]
@@ -139,18 +150,103 @@ def test_calibrate_scores_each_kv_head_by_its_best_query_head_and_ranks_them(tin
         (item.value, True) for item in items
     ]
     assert report["copied"] == 8
-    total = torch.zeros(2, 6)
+    hits, mass = torch.zeros(2, 6), torch.zeros(2, 6)
     for item, digits in zip(items, answers, strict=True):
         ids, head = prompt_ids(tokenizer, item)
-        total += eager_hits(model, tokenizer, item, ids, head, digits[:-1])
-    expected = (total / 8).view(2, 2, 3).max(-1).values  # [layers, kv heads]
+        item_hits, item_mass = eager_hits(model, tokenizer, item, ids, head, digits[:-1])
+        hits, mass = hits + item_hits, mass + item_mass
+    expected = (mass / 8).view(2, 2, 3).sum(-1)  # [layers, kv heads]
     assert torch.allclose(torch.tensor(report["score"]), expected, atol=1e-4)
-    assert expected.sum() > 0  # some head copied: the comparison can fail
+    argmax = (hits / 8).view(2, 2, 3).max(-1).values
+    assert argmax.sum() > 0  # some head copied: the comparison can fail
+    assert all(abs(row["score"] - float(argmax[row["layer"], row["kv_head"]])) < 1e-4
+               for row in report["others"]["argmax"])  # fmt: skip
     ranked = report["ranked"]
     assert sorted((row["layer"], row["kv_head"]) for row in ranked) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [row["score"] for row in ranked] == sorted((row["score"] for row in ranked), reverse=True)
     assert all(abs(row["score"] - float(expected[row["layer"], row["kv_head"]])) < 1e-4 for row in ranked)
     assert report["lead"] == [ranked[0]["layer"], ranked[0]["kv_head"]]
+
+
+def test_a_head_built_to_attend_to_the_needle_leads(tiny_model):
+    """KV head 1 of layer 0 is made a retrieval head: its keys are large on a marker dimension that only the
+    needle's own tokens' embeddings carry, and its three query heads ask for that dimension from every token
+    (through RoPE's slowest pair, which turns by under 0.2 rad over the probe). Every other weight stays
+    random. Its group's mass on the needle at the copy steps is near 3 (each query head's near 1), and the
+    calibration leads with it (its top keys are the needle's words, not the digit being written: the argmax
+    score would not see it)."""
+    model, tokenizer = tiny_model
+    items = [planted("19041"), planted("27365", 1000)]
+    answers = [[tokenizer.convert_tokens_to_ids(d) for d in item.value] for item in items]
+    marked = set()
+    for item in items:
+        ids, head = prompt_ids(tokenizer, item)
+        needle = set(needle_tokens(tokenizer, item, head).tolist())
+        inside = {ids[at] for at in needle}
+        marked |= (
+            inside
+            - {token for at, token in enumerate(ids) if at not in needle}
+            - {t for a in answers for t in a}
+        )
+    assert len(marked) >= 3  # "code", "Remember", "well": tokens the needle alone holds
+    d, slow = (
+        model.config.head_dim,
+        model.config.head_dim // 2 - 1,
+    )  # RoPE pairs (i, i + d/2): the last turns least
+    layer = model.model.layers[0].self_attn
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed[:, 1] = 1.0  # every token: a constant the queries read
+        embed[sorted(marked), 0] = 1.0  # the needle's own tokens: the marker the keys read
+        layer.k_proj.weight[d : 2 * d] = 0.0
+        layer.k_proj.weight[d + slow, 0] = 3.0
+        for query_head in (3, 4, 5):  # the group of KV head 1
+            layer.q_proj.weight[query_head * d : (query_head + 1) * d] = 0.0
+            layer.q_proj.weight[query_head * d + slow, 1] = 3.0
+    handle = force_answers(model, answers)
+    try:
+        report = calibrate(model, tokenizer, items)
+    finally:
+        handle.remove()
+    assert report["lead"] == [0, 1] and report["score"][0][1] > 2.5
+    assert max(score for layer in report["score"] for score in layer if score != report["score"][0][1]) < 1.5
+
+
+class PlainWithBos:
+    """A tokenizer without a chat template that puts its BOS token before plain text unless told not to (as
+    Gemma's does; the embedded model's puts none)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.chat_template, self.bos_token_id = inner, None, inner.bos_token_id
+
+    def __call__(self, text, add_special_tokens: bool = True, **kwargs):
+        out = self.inner(text, add_special_tokens=False, **kwargs)
+        out["input_ids"] = [self.bos_token_id] * add_special_tokens + out["input_ids"]
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_the_text_starts_after_the_frames_head_or_at_0_without_a_chat_template(smollm):
+    """`framed` counts the tokens before the text: the chat template's head, or for a base model (no template)
+    the BOS token alone where its tokenizer puts one before plain text, else none; the needle's stream
+    indices are its tokens in each frame."""
+    import copy
+
+    _, tokenizer = smollm
+    base = copy.copy(tokenizer)
+    base.chat_template = None
+    with_bos = PlainWithBos(base)
+    probe = planted("19041")
+    text_ids = tokenizer(probe.text, add_special_tokens=False)["input_ids"]
+    for which in (tokenizer, base, with_bos):
+        ids, head, question = framed(which, probe)
+        assert ids[head : head + len(text_ids)] == text_ids and len(ids) == head + len(text_ids) + question
+        needle = needle_tokens(which, probe, head).tolist()
+        assert probe.needle.strip() in which.decode([ids[at] for at in needle])
+    assert framed(base, probe)[1] == 0 and framed(tokenizer, probe)[1] > 1
+    assert framed(with_bos, probe)[0] == [with_bos.bos_token_id] + framed(base, probe)[0]
 
 
 def test_only_a_candidate_layer_is_ranked_and_a_head_that_copied_nothing_does_not_lead():
@@ -177,7 +273,7 @@ def test_a_value_tokenized_otherwise_in_the_answer_still_scores_by_its_character
     copy = with_probe(model)
     handle = force_answers(model, [pieces + [tokenizer.eos_token_id] * MAX_NEW_TOKENS])
     try:
-        _, scored, said = copy_hits(
+        _, _, scored, said = copy_hits(
             model, tokenizer, ids, probe.value, value_spans(tokenizer, probe, head), copy
         )
     finally:

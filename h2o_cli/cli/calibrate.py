@@ -1,5 +1,5 @@
-"""`h2o calibrate`: rank a model's KV heads by how often they copy a planted fact, name the lead head, and keep
-it for `--recall-lead auto` (`$H2O_HOME/calibration/`, keyed by the weights)."""
+"""`h2o calibrate`: rank a model's KV heads by their attention on a planted fact while the answer copies it, name
+the lead head, and keep it for `--recall-lead auto` (`$H2O_HOME/calibration/`, keyed by the weights)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ Examples:
   h2o calibrate --force                          # find it again
   h2o calibrate --model gemma3-270m --json > heads.json
 
-The probes (h2o_cli/eval/probes.py, the tuning set) plant a number, a word or a UUID in a novel of the data folder or a list of random words, with varied needle and question wordings, each inside the model's window. Each is read with a plain full cache and answered greedily; at each answer step that writes the next piece of the value, a query head copies when its strongest key is a needle token holding it. A KV head scores the share of pieces its best query head copied, over the probes the model answers; the best head of a global layer leads (`--recall-lead auto`). The result is kept under a hash of the weights, so a renamed copy of the model finds it; `h2o models` shows it.
+The probes (h2o_cli/eval/probes.py, the tuning set) plant a number, a word or a UUID in a novel of the data folder or a list of random words, with varied needle and question wordings, each inside the model's window. Each is read with a plain full cache and answered greedily; at each answer step that writes the next piece of the value, each query head's attention mass on the needle's tokens is summed over the heads that share a KV head. A KV head scores that mass per piece, over the probes the model answers; the best head of a global layer leads (`--recall-lead auto`; a sliding-window layer takes no lead). The result is kept under a hash of the weights, so a renamed copy of the model finds it; `h2o models` shows it.
 """
 
 
@@ -42,7 +42,7 @@ def calibrate(
     model: options.Model = options.DEFAULTS["model"],
     threads: options.Threads = 1,
 ) -> None:
-    """Find the model's lead head (the KV head that copies planted facts most) and keep it for --recall-lead auto."""
+    """Find the model's lead head (the KV head that reads planted facts most while copying them) and keep it for --recall-lead auto."""
     from h2o_cli.models import calibration
 
     loaded, tokenizer = load(model, "cpu", "float32", False, threads)
@@ -63,8 +63,8 @@ def calibrate(
     )
     if report["lead"] is None:
         print(
-            "no head of a global layer copied a piece of an answer: no lead (--recall-lead auto keeps each "
-            "head's own choice)"
+            "no head of a global layer attended to the needle while an answer copied it: no lead "
+            "(--recall-lead auto keeps each head's own choice)"
             if report["answered"]
             else "no probe answered: no head can be ranked (try a shorter --length or more --probes)"
         )

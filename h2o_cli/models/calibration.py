@@ -29,7 +29,7 @@ import torch
 from h2o_cli.cache.build import register_lead_finder
 from h2o_cli.private import h2o_home, write_private
 
-VERSION = 1  # of the probes and the score: a file of another version is calibrated again
+VERSION = 2  # of the probes and the score: a file of another version is calibrated again
 SAMPLES = 4096  # elements hashed per tensor
 PROBE_TOKENS = 1024  # tokens per tuning probe
 PROBE_COUNT = 12
@@ -88,7 +88,8 @@ def run(
     """Calibrate `model` on `count` tuning probes of `tokens` tokens (fillers from the data folder `data`,
     or random word lists alone) and keep the result (0600) under its fingerprint. `progress(done, count,
     row)` after each probe. Returns what was kept: {"version", "fingerprint", "model", "lead", "ranked"
-    (the ten best), "score", "runs", "answered", "copied", "seconds", "probes", "tokens"}."""
+    (the ten best), "score", "others" (the other scores' five best), "runs", "answered", "copied",
+    "seconds", "probes", "tokens"}."""
     from h2o_cli.eval.probes import TUNING, probes
     from h2o_cli.eval.retrieval_heads import calibrate
 
@@ -109,6 +110,7 @@ def run(
         "lead": report["lead"],
         "ranked": report["ranked"][:10],
         "score": report["score"],
+        "others": report["others"],
         "runs": report["runs"],
         "answered": sum(row["correct"] for row in report["runs"]),
         "copied": report["copied"],
