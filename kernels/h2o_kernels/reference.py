@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -60,14 +61,19 @@ def slot_attention(
     # serves them all (a broadcast matmul over the group would copy the keys group times).
     q = rotate(query, query_cos, query_sin).reshape(n_kv_heads, group * chunk, head_dim)
     k = rotate(keys, key_cos, key_sin)
-    if matmul_dtype is None:
-        logits = torch.bmm(q, k.transpose(1, 2)).float().mul_(scaling)  # [n_kv, group * chunk, slots]
-    else:  # scaled before rounding to matmul_dtype: as after it for a power-of-two scale (head_dim 64's 1/8)
-        q, k = q.mul(scaling).to(matmul_dtype), k.to(matmul_dtype)
-        logits = torch.bmm(q, k.transpose(1, 2)).float()
+    # A power-of-two scale (head_dim 64's 1/8) scales q exactly as it would scale the logits, in fewer values;
+    # a bf16 matmul takes q scaled before rounding.
+    early = math.frexp(scaling)[0] == 0.5 or matmul_dtype is not None
+    if early:
+        q = q.mul_(scaling)
+    if matmul_dtype is not None:
+        q, k = q.to(matmul_dtype), k.to(matmul_dtype)
+    logits = torch.bmm(q, k.transpose(1, 2)).float()  # [n_kv, group * chunk, slots]
+    if not early:
+        logits = logits.mul_(scaling)
     logits = logits.view(n_kv_heads, group, chunk, slots)
     if allowed is None:  # E_q in token order: only the chunk's own columns are masked, causally
-        logits[..., slots - chunk :].masked_fill_(later_in_chunk(chunk, logits.device), float("-inf"))
+        logits[..., slots - chunk :].add_(later_in_chunk(chunk, logits.dtype, logits.device))
     else:
         logits.masked_fill_(~allowed.unsqueeze(1), float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # [n_kv, group, chunk, slots]
@@ -80,15 +86,17 @@ def slot_attention(
     if query_weights is not None:
         score_increments = torch.einsum("kgcs,c->ks", probs, query_weights)
     else:
-        score_increments = last_probs if chunk == 1 else probs.sum(dim=(1, 2))
+        score_increments = last_probs if chunk == 1 else weights.sum(dim=1)
     return output.view(n_heads, chunk, head_dim), score_increments, last_probs
 
 
 @functools.lru_cache(maxsize=8)
-def later_in_chunk(chunk: int, device: torch.device) -> torch.Tensor:
-    """[chunk, chunk] bool: query i must not see the chunk's token j > i (the mask of `slot_attention`'s
-    last `chunk` columns when `allowed` is None). Cached: read only, the same for every layer."""
-    return torch.ones(chunk, chunk, dtype=torch.bool, device=device).triu_(1)
+def later_in_chunk(chunk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[chunk, chunk]: -inf where query i must not see the chunk's token j > i, else 0 (added to
+    `slot_attention`'s last `chunk` columns when `allowed` is None: a masked fill, in one vectorised add).
+    Cached: read only, the same for every layer."""
+    later = torch.ones(chunk, chunk, dtype=torch.bool, device=device).triu_(1)
+    return torch.zeros(chunk, chunk, dtype=dtype, device=device).masked_fill_(later, float("-inf"))
 
 
 NEVER = float("inf")
