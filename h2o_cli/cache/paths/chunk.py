@@ -50,15 +50,16 @@ class ChunkPath(Path):
     def attend_written(self, layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attend the chunk just written (query [n_heads, chunk, head_dim], unrotated) over S, the layer's R
         (`recall_chunk`, which chooses it with these queries; None: R = ∅) and the chunk, add S's probabilities
-        to its scores, evict. Returns [1, chunk, n_heads, head_dim]. A read of `layer.read_rows` tokens or more
-        multiplies QK^T and PV in `layer.read_matmul` (bf16 under `--dtype auto`; None: the store's dtype)."""
+        to its scores, evict. Returns [1, chunk, n_heads, head_dim]. In token order (R = ∅, `in_order`), a read
+        of `layer.read_rows` tokens or more multiplies QK^T and PV in `layer.read_matmul` (bf16 under `--dtype
+        auto`; None: the store's dtype); recall and window layers keep the store's dtype (not measured in bf16)."""
         chunk, store, decay = query.shape[1], layer.store, layer.policy.decay_per_query
-        matmul = layer.read_matmul if chunk >= layer.read_rows else None
         recalled = layer.recall_chunk(query, chunk)
         if recalled is None and self.in_order:
+            matmul = layer.read_matmul if chunk >= layer.read_rows else None
             output, increments, last_probs = self.attend_in_order(layer, query, scaling, matmul)
         else:
-            output, increments, last_probs = self.attend_slots(layer, query, scaling, matmul, recalled)
+            output, increments, last_probs = self.attend_slots(layer, query, scaling, None, recalled)
         # S only (r = 0 is h2o), decayed as h2o's: R's entries are not S's, so nothing decays them.
         store.accumulate(increments, last_probs, chunk, decay=decay)
         store.evict(layer.policy)
