@@ -6,7 +6,8 @@ the same load on a shared machine:
 
   read    `h2o stream --sample --ppl --budget 0.1` (chunks of 256): each chunk through both caches in turn
           (the first of the two alternating), the seconds of each forward + NLL summed per variant; the
-          perplexity of each over the whole text (or `--max-tokens`).
+          perplexity of each over the whole text (or `--max-tokens`). `--masked` adds fp32 with the chunk
+          path's former layout (E_q as a mask over every slot), the read as it was before S in token order.
   decode  after reading `--context` tokens, `--steps` greedy steps of each, alternating step by step.
   recall  `h2o stream --policy recall --budget 819 --prompt` on pass-key haystacks of `--length` tokens
           (`h2o passkey`'s cells, $H2O_DATA's essays), each cell fp32 then auto (or the reverse): the
@@ -25,6 +26,7 @@ import time
 import torch
 
 VARIANTS = ("float32", "auto")
+MASKED = "float32-masked"  # `read --masked`: fp32 on the chunk path's former layout
 
 
 def load(threads: int) -> tuple[dict, object]:
@@ -58,28 +60,39 @@ def sample_ids(tokenizer, max_tokens: int | None) -> list[int]:
     return ids[:max_tokens] if max_tokens else ids
 
 
-def read(models, tokenizer, max_tokens: int | None, chunk: int = 256) -> dict:
+def read(models, tokenizer, max_tokens: int | None, chunk: int = 256, masked: bool = False) -> dict:
+    """`masked`: a third variant, fp32 with the chunk path's former layout (a mask over every slot, not S in
+    token order: `ChunkPath.in_order` off), the path before that change, paired with the other two."""
+    from h2o_cli.cache.paths.chunk import ChunkPath
     from h2o_cli.streaming import _chunk_nll, forward_chunk
 
     ids = sample_ids(tokenizer, max_tokens)
-    caches = {dtype: new_cache(model, "0.1") for dtype, model in models.items()}
-    seconds = dict.fromkeys(VARIANTS, 0.0)
-    nll = dict.fromkeys(VARIANTS, 0.0)
-    previous = dict.fromkeys(VARIANTS)
+    variants = {name: (models[name], True) for name in VARIANTS}
+    if masked:
+        variants[MASKED] = (models["float32"], False)
+    caches = {name: new_cache(model, "0.1") for name, (model, _) in variants.items()}
+    seconds = dict.fromkeys(variants, 0.0)
+    nll = dict.fromkeys(variants, 0.0)
+    previous = dict.fromkeys(variants)
     for number, start in enumerate(range(0, len(ids), chunk)):
         piece = ids[start : start + chunk]
-        for dtype in VARIANTS if number % 2 == 0 else VARIANTS[::-1]:
+        for name in list(variants) if number % 2 == 0 else list(variants)[::-1]:
+            model, ChunkPath.in_order = variants[name]
             started = time.perf_counter()
             with torch.inference_mode():
-                logits = forward_chunk(models[dtype], caches[dtype], piece)
-                loss, previous[dtype] = _chunk_nll(logits, piece, previous[dtype])
-            seconds[dtype] += time.perf_counter() - started
-            nll[dtype] += loss
-    ppl = {dtype: float(torch.tensor(nll[dtype] / (len(ids) - 1)).exp()) for dtype in VARIANTS}
+                logits = forward_chunk(model, caches[name], piece)
+                loss, previous[name] = _chunk_nll(logits, piece, previous[name])
+            seconds[name] += time.perf_counter() - started
+            nll[name] += loss
+    ChunkPath.in_order = True
+    ppl = {name: float(torch.tensor(nll[name] / (len(ids) - 1)).exp()) for name in variants}
     return {
         "tokens": len(ids),
-        "tokens_per_s": {dtype: len(ids) / seconds[dtype] for dtype in VARIANTS},
+        "tokens_per_s": {name: len(ids) / seconds[name] for name in variants},
         "speedup": seconds["float32"] / seconds["auto"],
+        "speedup_over_masked": {name: seconds[MASKED] / seconds[name] for name in variants}
+        if masked
+        else None,
         "ppl": ppl,
         "ppl_relative_change": ppl["auto"] / ppl["float32"] - 1,
     }
@@ -146,6 +159,11 @@ def main() -> None:
         "--parts", nargs="+", default=["read", "decode"], choices=["read", "decode", "recall"]
     )
     parser.add_argument("--max-tokens", type=int, default=None, help="read: the first N tokens (default all)")
+    parser.add_argument(
+        "--masked",
+        action="store_true",
+        help="read: also fp32 on the chunk path's former layout (a mask over every slot)",
+    )
     parser.add_argument("--context", type=int, default=1024, help="decode: tokens read before the steps")
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--length", type=int, default=32768, help="recall: haystack tokens")
@@ -157,7 +175,7 @@ def main() -> None:
     models, tokenizer = load(args.threads)
     print(json.dumps({"cpu": cpu_name(), "threads": args.threads, "load": os.getloadavg()}), flush=True)
     if "read" in args.parts:
-        print(json.dumps({"read": read(models, tokenizer, args.max_tokens)}), flush=True)
+        print(json.dumps({"read": read(models, tokenizer, args.max_tokens, masked=args.masked)}), flush=True)
     if "decode" in args.parts:
         print(json.dumps({"decode": decode(models, tokenizer, args.context, args.steps)}), flush=True)
     if "recall" in args.parts:

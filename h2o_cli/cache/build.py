@@ -95,6 +95,8 @@ def build_layers(
                 first_layer=first,
                 maps=maps,
             )
+        layer.read_matmul = getattr(model, "h2o_read_dtype", None)
+        layer.read_rows = getattr(model, "h2o_read_rows", 0)
         layers.append(layer)
     if not policy.recalls:
         return BuiltLayers(layers, None, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from h2o_kernels.reference import OLDEST_LAST
 
 from h2o_cli.cache.kvquant import dequantize, quantize
 from h2o_cli.cache.saved_store import SavedLayerStore
@@ -256,6 +257,13 @@ class LayerStore(SavedLayerStore):
         if self.active > self.length + 1:
             self.compact()
 
+    def in_token_order(self) -> torch.Tensor:
+        """The slots of the entries [n_kv_heads, length] (int64), each head's in token order."""
+        token_index = self.token_index[:, : self.active]
+        if self.active > self.length:  # holes below `active`: ranked last, then cut
+            token_index = token_index.masked_fill(~self.valid[:, : self.active], OLDEST_LAST)
+        return torch.sort(token_index, dim=1).indices[:, : self.length]
+
     def allowed(self, chunk: int) -> torch.Tensor:
         """E_q for each query of the last written chunk: `[n_kv_heads, chunk, active]` bool."""
         valid = self.valid[:, : self.active]
@@ -320,8 +328,9 @@ class LayerStore(SavedLayerStore):
         # Ranks stay dense 0..length-1: each entry moves down by the evicted entries older than it.
         if excess == 1:
             self.rank.add_(self.rank > evicted_rank, alpha=-1)
-        else:
-            self.rank -= (self.rank.unsqueeze(-1) > evicted_rank.unsqueeze(1)).sum(-1)
+        else:  # the evicted ranks below each rank, by a prefix count (every rank lies in [0, slots))
+            evicted = torch.zeros_like(self.rank).scatter_(1, evicted_rank, 1)
+            self.rank -= evicted.cumsum(1).sub_(evicted).gather(1, self.rank)
         self.valid.scatter_(1, slots, False)
         self.token_index.scatter_(1, slots, -1)
         self.length -= excess

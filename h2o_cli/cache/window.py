@@ -31,6 +31,7 @@ class WindowPath(ChunkPath):
     the one to go, so the scores the body keeps are never read."""
 
     name = "window"
+    in_order = False  # E_q is each query's own window (`WindowLayer.chunk_allowed`)
 
 
 WINDOW = WindowPath()

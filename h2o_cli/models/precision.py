@@ -58,7 +58,10 @@ def read_in_bf16(model: nn.Module) -> nn.Module:
             module.register_buffer("read_weight", module.weight.detach().to(torch.bfloat16), persistent=False)
             bias = None if module.bias is None else module.bias.detach().to(torch.bfloat16)
             module.register_buffer("read_bias", bias, persistent=False)
-    model.h2o_read_dtype = torch.bfloat16
+    model.h2o_read_dtype = (
+        torch.bfloat16
+    )  # the cache's chunk path multiplies QK^T and PV of such a read in it
+    model.h2o_read_rows = READ_ROWS
     return model
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 
 
@@ -28,23 +31,28 @@ def slot_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    allowed: torch.Tensor,
+    allowed: torch.Tensor | None,
     query_cos: torch.Tensor,
     query_sin: torch.Tensor,
     key_cos: torch.Tensor,
     key_sin: torch.Tensor,
     scaling: float,
     query_weights: torch.Tensor | None = None,
+    matmul_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact softmax attention of a chunk over the entries each KV head may see.
 
     query: [n_heads, chunk, head_dim] unrotated; keys, values: [n_kv_heads, slots, head_dim] unrotated.
-    allowed: [n_kv_heads, chunk, slots] bool, the set E_q of SPEC.md for each query.
+    allowed: [n_kv_heads, chunk, slots] bool, the set E_q of SPEC.md for each query; or None when the keys are
+    in token order and end with the chunk's own `chunk` tokens: every query sees every earlier key and its
+    chunk's up to itself (one [chunk, chunk] mask on the last columns instead of one over every column).
     query_cos/sin: [chunk, head_dim]; key_cos/sin: [n_kv_heads, slots, head_dim].
     Returns output [n_heads, chunk, head_dim], score increments [n_kv_heads, slots] (probabilities summed over
     the chunk's queries and the query heads of each KV head) and the last query's probabilities
     [n_kv_heads, slots] (summed over query heads). query_weights [chunk] (float32): weigh each query's
-    probabilities in the score increments (decayed scores); None = all 1.
+    probabilities in the score increments (decayed scores); None = all 1. matmul_dtype (bfloat16 for a read
+    under `--dtype auto`): QK^T and PV multiply in it, its products summed in float32 by the matmul; the
+    logits, softmax, probabilities and score increments stay float32. None: the inputs' dtype throughout.
     """
     n_heads, chunk, head_dim = query.shape
     n_kv_heads, slots = keys.shape[:2]
@@ -53,16 +61,42 @@ def slot_attention(
     # serves them all (a broadcast matmul over the group would copy the keys group times).
     q = rotate(query, query_cos, query_sin).reshape(n_kv_heads, group * chunk, head_dim)
     k = rotate(keys, key_cos, key_sin)
-    logits = torch.bmm(q, k.transpose(1, 2)).float().mul_(scaling)  # [n_kv, group * chunk, slots]
-    logits = logits.view(n_kv_heads, group, chunk, slots).masked_fill_(~allowed.unsqueeze(1), float("-inf"))
+    # A power-of-two scale (head_dim 64's 1/8) scales q exactly as it would scale the logits, in fewer values;
+    # a bf16 matmul takes q scaled before rounding.
+    early = math.frexp(scaling)[0] == 0.5 or matmul_dtype is not None
+    if early:
+        q = q.mul_(scaling)
+    if matmul_dtype is not None:
+        q, k = q.to(matmul_dtype), k.to(matmul_dtype)
+    logits = torch.bmm(q, k.transpose(1, 2)).float()  # [n_kv, group * chunk, slots]
+    if not early:
+        logits = logits.mul_(scaling)
+    logits = logits.view(n_kv_heads, group, chunk, slots)
+    if allowed is None:  # E_q in token order: only the chunk's own columns are masked, causally
+        logits[..., slots - chunk :].add_(later_in_chunk(chunk, logits.dtype, logits.device))
+    else:
+        logits.masked_fill_(~allowed.unsqueeze(1), float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # [n_kv, group, chunk, slots]
-    output = torch.bmm(probs.view(n_kv_heads, group * chunk, slots).to(values.dtype), values)
+    weights = probs.view(n_kv_heads, group * chunk, slots)
+    if matmul_dtype is None:
+        output = torch.bmm(weights.to(values.dtype), values)
+    else:
+        output = torch.bmm(weights.to(matmul_dtype), values.to(matmul_dtype)).to(values.dtype)
     last_probs = probs[:, :, -1].sum(dim=1)
     if query_weights is not None:
         score_increments = torch.einsum("kgcs,c->ks", probs, query_weights)
     else:
-        score_increments = last_probs if chunk == 1 else probs.sum(dim=(1, 2))
+        score_increments = last_probs if chunk == 1 else weights.sum(dim=1)
     return output.view(n_heads, chunk, head_dim), score_increments, last_probs
+
+
+@functools.lru_cache(maxsize=8)
+def later_in_chunk(chunk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[chunk, chunk]: -inf where query i must not see the chunk's token j > i, else 0 (added to
+    `slot_attention`'s last `chunk` columns when `allowed` is None: a masked fill, in one vectorised add).
+    Cached: read only, the same for every layer."""
+    later = torch.ones(chunk, chunk, dtype=torch.bool, device=device).triu_(1)
+    return torch.zeros(chunk, chunk, dtype=dtype, device=device).masked_fill_(later, float("-inf"))
 
 
 NEVER = float("inf")

@@ -13,6 +13,7 @@ from h2o_cli.cache.positions import unrotate
 
 class ChunkPath(Path):
     name = "chunk"
+    in_order = True  # E_q is every entry up to the query (`LayerStore.allowed`): attend in token order
 
     def attend(self, layer, call: Call, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of the call, with score accumulation and eviction (SPEC steps 1-4).
@@ -49,10 +50,27 @@ class ChunkPath(Path):
     def attend_written(self, layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attend the chunk just written (query [n_heads, chunk, head_dim], unrotated) over S, the layer's R
         (`recall_chunk`, which chooses it with these queries; None: R = ∅) and the chunk, add S's probabilities
-        to its scores, evict. Returns [1, chunk, n_heads, head_dim]."""
+        to its scores, evict. Returns [1, chunk, n_heads, head_dim]. In token order (R = ∅, `in_order`), a read
+        of `layer.read_rows` tokens or more multiplies QK^T and PV in `layer.read_matmul` (bf16 under `--dtype
+        auto`; None: the store's dtype); recall and window layers keep the store's dtype (not measured in bf16)."""
         chunk, store, decay = query.shape[1], layer.store, layer.policy.decay_per_query
-        active = store.active
         recalled = layer.recall_chunk(query, chunk)
+        if recalled is None and self.in_order:
+            matmul = layer.read_matmul if chunk >= layer.read_rows else None
+            output, increments, last_probs = self.attend_in_order(layer, query, scaling, matmul)
+        else:
+            output, increments, last_probs = self.attend_slots(layer, query, scaling, None, recalled)
+        # S only (r = 0 is h2o), decayed as h2o's: R's entries are not S's, so nothing decays them.
+        store.accumulate(increments, last_probs, chunk, decay=decay)
+        store.evict(layer.policy)
+        return output.transpose(0, 1).unsqueeze(0)
+
+    def attend_slots(self, layer, query, scaling, matmul, recalled):
+        """`slot_attention` over S's first `active` slots (then R's), each query's E_q a mask over them.
+        Returns the output [n_heads, chunk, head_dim], S's score increments and last probabilities
+        [n_kv_heads, active]."""
+        chunk, store = query.shape[1], layer.store
+        active = store.active
         key_positions, first_query_position = layer.chunk_positions(chunk, recalled)
         keys, values, allowed = (
             store.key_states(active),
@@ -64,24 +82,66 @@ class ChunkPath(Path):
             values = torch.cat([values, recalled.values.to(store.compute_dtype)], dim=1)
             present = recalled.present.unsqueeze(1).expand(-1, chunk, -1)
             allowed = torch.cat([allowed.expand(-1, chunk, -1), present], dim=2)
-        cos_table, sin_table = layer.rope.table(first_query_position + chunk, query.dtype, query.device)
+        output, increments, last_probs = self.slot_attention(
+            layer, query, keys, values, allowed, key_positions, first_query_position, scaling, matmul
+        )
+        return output, increments[:, :active], last_probs[:, :active]
+
+    def attend_in_order(self, layer, query, scaling, matmul):
+        """`attend_slots` with R = ∅ and E_q every entry up to the query (`LayerStore.allowed`), the same
+        attention over S's entries gathered in token order (`LayerStore.in_token_order`): the chunk's own
+        come last, so only their [chunk, chunk] corner is masked; the increments go back to their slots."""
+        chunk, store = query.shape[1], layer.store
+        order = store.in_token_order()  # [n_kv, length]
+        active = store.active
+        keys = in_rows(store.key_states(active), order)
+        values = in_rows(store.value_states(active), order)
+        slot_positions, first_query_position = layer.slot_positions(chunk)
+        # Rolling ranks are dense in token order: 0 .. length-1 in every head (None: read as such).
+        positions = None if layer.positions == "rolling" else slot_positions.gather(1, order)
+        output, increments, last_probs = self.slot_attention(
+            layer, query, keys, values, None, positions, first_query_position, scaling, matmul
+        )
+        back = torch.zeros(2, store.n_kv_heads, active, dtype=increments.dtype, device=increments.device)
+        back[0].scatter_(1, order, increments)
+        back[1].scatter_(1, order, last_probs)
+        return output, back[0], back[1]
+
+    def slot_attention(
+        self, layer, query, keys, values, allowed, key_positions, first_query_position, scaling, matmul
+    ):
+        """`h2o_kernels.slot_attention` of the chunk (query [n_heads, chunk, head_dim]) over `keys`, `values`
+        [n_kv_heads, n, head_dim] at `key_positions` [n_kv_heads, n] (None: 0 .. n-1 in every head), its
+        queries from `first_query_position`."""
+        chunk, (n_kv, n) = query.shape[1], keys.shape[:2]
+        rows_needed = max(first_query_position + chunk, n)
+        cos_table, sin_table = layer.rope.table(rows_needed, query.dtype, query.device)
         query_positions = slice(first_query_position, first_query_position + chunk)
-        output, increments, last_probs = slot_attention(
+        if key_positions is None:
+            key_cos, key_sin = cos_table[:n].expand(n_kv, -1, -1), sin_table[:n].expand(n_kv, -1, -1)
+        else:
+            key_cos, key_sin = rows(cos_table, key_positions), rows(sin_table, key_positions)
+        return slot_attention(
             query,
             keys,
             values,
             allowed,
             cos_table[query_positions],
             sin_table[query_positions],
-            rows(cos_table, key_positions),
-            rows(sin_table, key_positions),
+            key_cos,
+            key_sin,
             scaling,
-            query_weights(decay, chunk, query.device),
+            query_weights(layer.policy.decay_per_query, chunk, query.device),
+            matmul,
         )
-        # S only (r = 0 is h2o), decayed as h2o's: R's entries are not S's, so nothing decays them.
-        store.accumulate(increments[:, :active], last_probs[:, :active], chunk, decay=decay)
-        store.evict(layer.policy)
-        return output.transpose(0, 1).unsqueeze(0)
+
+
+def in_rows(states: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """`states` [n_kv_heads, slots, head_dim] at the slots `order` [n_kv_heads, n]: [n_kv_heads, n, head_dim]
+    (one `index_select` of rows, ~10x cheaper on CPU than `gather` along the slots)."""
+    n_kv, slots, head_dim = states.shape
+    flat = order + torch.arange(n_kv, device=order.device).unsqueeze(1) * slots
+    return states.reshape(n_kv * slots, head_dim).index_select(0, flat.view(-1)).view(n_kv, -1, head_dim)
 
 
 def query_weights(decay: float, chunk: int, device: torch.device) -> torch.Tensor | None:
