@@ -63,15 +63,20 @@ def time_linear(rows: int, inputs: int, outputs: int, copies: int, dtype, device
 
 
 def matmul_times(model, rows: int, repeats: int = 5) -> list[dict]:
-    """`linear_shapes(model)` with `seconds`: the best time of one call of each at `rows` rows, in the
-    weights' dtype and device."""
+    """`linear_shapes(model)` with `seconds`: the best time of one call of each at `rows` rows, on the
+    weights' device, in the dtype a call of that many rows multiplies in (`--dtype auto`'s bf16 for a read,
+    `h2o_cli.models.precision`; else the weights')."""
+    from h2o_cli.models.precision import READ_ROWS
+
     weight = next(model.parameters())
+    read_dtype = getattr(model, "h2o_read_dtype", None)
+    dtype = read_dtype if read_dtype is not None and rows >= READ_ROWS else weight.dtype
     out = []
     for shape in linear_shapes(model):
-        size = shape["in"] * shape["out"] * weight.element_size()
+        size = shape["in"] * shape["out"] * dtype.itemsize
         copies = max(1, min(shape["count"], math.ceil(HOT_BYTES / size)))
-        seconds = time_linear(rows, shape["in"], shape["out"], copies, weight.dtype, weight.device, repeats)
-        out.append({**shape, "seconds": seconds})
+        seconds = time_linear(rows, shape["in"], shape["out"], copies, dtype, weight.device, repeats)
+        out.append({**shape, "seconds": seconds, "dtype": str(dtype).removeprefix("torch.")})
     return out
 
 
@@ -79,7 +84,14 @@ def matmul_floor(shapes: list[dict], rows: int) -> dict:
     """One forward's matmul seconds at `rows` rows, the GFLOPS and the tokens/s ceiling (`rows` / seconds)."""
     seconds = sum(shape["count"] * shape["seconds"] for shape in shapes)
     flops = 2 * rows * sum(shape["count"] * shape["in"] * shape["out"] for shape in shapes)
-    return {"rows": rows, "seconds": seconds, "gflops": flops / seconds / 1e9, "ceiling": rows / seconds}
+    dtype = shapes[0]["dtype"] if shapes else None
+    return {
+        "rows": rows,
+        "seconds": seconds,
+        "gflops": flops / seconds / 1e9,
+        "ceiling": rows / seconds,
+        "dtype": dtype,
+    }
 
 
 def llama_cpp_available() -> bool:
@@ -142,7 +154,8 @@ def markdown(floor: dict, threads: int) -> list[str]:
         f"How far each phase is from the hardware's limits: h2o at budget {floor['budget']} reading "
         f"{floor['context']:,} tokens in chunks of {floor['chunk']}, then decoding {floor['tokens']}; torch "
         f"threads {threads}. Matmul ceiling: the model's linear shapes timed in this run (read: {floor['chunk']} "
-        f"rows, {read['gflops']:,.1f} GFLOPS; decode: one row, {decode['gflops']:,.1f} GFLOPS). Byte ceiling: "
+        f"rows in {read['dtype']}, {read['gflops']:,.1f} GFLOPS; decode: one row in {decode['dtype']}, "
+        f"{decode['gflops']:,.1f} GFLOPS). Byte ceiling: "
         f"{floor['bytes_per_token'] / 1e6:,.1f} MB/token over the copy bandwidth measured in this run, "
         f"{floor['bandwidth'] / 1e9:,.1f} GB/s.",
         "",

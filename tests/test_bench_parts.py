@@ -279,3 +279,16 @@ def test_floor_and_llama_cpp_parts_put_llama_cpps_read_and_decode_beside_ours(
         assert f"| {llama[phase]:,.1f} | {floor[phase] / llama[phase]:.2f} |" in (
             tmp_path / "bench.md"
         ).read_text(encoding="utf-8")
+
+
+def test_the_read_ceiling_is_timed_in_the_dtype_reads_multiply_in():
+    """Under `--dtype auto` a read's linears multiply in bf16 (`PhaseLinear`): its ceiling is timed in bf16,
+    a decode step's (one row) in the weights' fp32; a model without the bf16 copy times both in fp32."""
+    from h2o_cli.bench_floor import matmul_times
+    from h2o_cli.models.precision import READ_ROWS, read_in_bf16
+
+    plain = LlamaForCausalLM(tiny_config()).eval()
+    assert {shape["dtype"] for shape in matmul_times(plain, READ_ROWS, repeats=1)} == {"float32"}
+    model = read_in_bf16(LlamaForCausalLM(tiny_config()).eval())
+    assert {shape["dtype"] for shape in matmul_times(model, READ_ROWS, repeats=1)} == {"bfloat16"}
+    assert {shape["dtype"] for shape in matmul_times(model, 1, repeats=1)} == {"float32"}
