@@ -208,6 +208,12 @@ def test_h2o_memory_counts_the_bf16_copy_the_loader_makes(tie):
     model = read_in_bf16(transformers.LlamaForCausalLM(config).eval())
     shape = ModelShape.from_config(config)
     assert shape.read_copy_bytes() == precision.read_copy_bytes(model)
-    plain, with_copy = memory_table(shape, 32), memory_table(shape, 32, read_copy_bytes=shape.read_copy_bytes())
+    plain, with_copy = (
+        memory_table(shape, 32),
+        memory_table(shape, 32, read_copy_bytes=shape.read_copy_bytes()),
+    )
     assert with_copy["weights_bytes"] - plain["weights_bytes"] == precision.read_copy_bytes(model)
-    assert with_copy["rows"][0]["h2o_total_bytes"] - plain["rows"][0]["h2o_total_bytes"] == shape.read_copy_bytes()
+    assert (
+        with_copy["rows"][0]["h2o_total_bytes"] - plain["rows"][0]["h2o_total_bytes"]
+        == shape.read_copy_bytes()
+    )
