@@ -196,12 +196,12 @@ def _alive(pid: int) -> bool:
 
 
 class SavedArrays:
-    """The arrays of a save by name, as CPU tensors over copy-on-write maps of its files (`archive` the map
+    """The arrays of a save by name, as CPU tensors over copy-on-write maps of its files (`archive_map` the map
     of its `archive.kv`, if any); each array's checksum is checked when it is first read (H2OError naming the
     file when it differs)."""
 
-    def __init__(self, path: Path, entries: dict, maps: dict, archive=None) -> None:
-        self.path, self.entries, self.maps, self.archive = path, entries, maps, archive
+    def __init__(self, path: Path, entries: dict, maps: dict, archive_map=None) -> None:
+        self.path, self.entries, self.maps, self.archive_map = path, entries, maps, archive_map
         self._checked: set[str] = set()
         self._checking: threading.Thread | None = None
         self._damage: H2OError | None = None
@@ -246,8 +246,10 @@ class SavedArrays:
 
         for name, entry in self.entries.items():
             if "offset" in entry and entry["bytes"]:
-                self._check(name, (piece.data for piece in array_pieces(archive_view(self.archive, entry))))
-                self.archive.madvise(mmap.MADV_DONTNEED)
+                self._check(
+                    name, (piece.data for piece in array_pieces(archive_view(self.archive_map, entry)))
+                )
+                self.archive_map.madvise(mmap.MADV_DONTNEED)
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -263,7 +265,7 @@ class SavedArrays:
         if "offset" in entry:
             from h2o_cli.saved_archive import archive_view
 
-            view = archive_view(self.archive, entry)
+            view = archive_view(self.archive_map, entry)
             self._check(name, (piece.data for piece in array_pieces(view)))
             return view
         data = self.maps[name]
