@@ -71,16 +71,16 @@ def write_private(path: str | Path, text: str) -> Path:
     return path
 
 
-def write_all(descriptor: int, data: bytes) -> None:
-    """`os.write` until every byte of `data` is written (a write may take only part of them)."""
-    view = memoryview(data)
+def write_all(descriptor: int, data, offset: int | None = None) -> None:
+    """`os.write` (at the file's position) or `os.pwrite` at `offset` until every byte of `data` (any buffer)
+    is written: a write may take only part of them, and one that takes nothing is a full disk (ENOSPC)."""
+    view = memoryview(data).cast("B")
     while view:
-        written = os.write(descriptor, view)
-        if written <= 0:
-            raise OSError(
-                errno.ENOSPC, os.strerror(errno.ENOSPC)
-            )  # a write that takes nothing will never finish
+        written = os.write(descriptor, view) if offset is None else os.pwrite(descriptor, view, offset)
+        if written <= 0:  # a write that takes nothing will never finish
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         view = view[written:]
+        offset = None if offset is None else offset + written
 
 
 def claim_private(folder: Path, stem: str, suffix: str) -> Path:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from h2o_cli.private import FILE_MODE
+from h2o_cli.private import FILE_MODE, write_all
 
 ARCHIVE = "archive.kv"
 PIECE = 64 << 20  # bytes written or checked at a time
@@ -90,7 +90,7 @@ def write_archive(folder: Path, cache, arrays: dict[str, torch.Tensor], names: s
         for name in sorted(names):
             tensor, summed = arrays[name], Checksum()
             for piece in array_pieces(tensor):
-                _write_at(descriptor, memoryview(piece).cast("B"), piece.ctypes.data - file.base)
+                write_all(descriptor, piece.data, piece.ctypes.data - file.base)
                 summed.update(piece.data)
             entries[name] = {
                 "file": ARCHIVE,
@@ -107,15 +107,6 @@ def write_archive(folder: Path, cache, arrays: dict[str, torch.Tensor], names: s
     finally:
         os.close(descriptor)
     return {"file": ARCHIVE, "bytes": file.size, "layout": file.layout()}, entries
-
-
-def _write_at(descriptor: int, view: memoryview, offset: int) -> None:
-    """`os.pwrite` every byte of `view` at `offset` (a write may take part of them)."""
-    while view:
-        written = os.pwrite(descriptor, view, offset)
-        if written <= 0:
-            raise OSError(28, os.strerror(28))  # ENOSPC: a write that takes nothing never finishes
-        view, offset = view[written:], offset + written
 
 
 def archive_view(data: mmap.mmap, entry: dict) -> torch.Tensor:

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from h2o_cli.errors import ArchiveError
-from h2o_cli.private import h2o_home, private_folder
+from h2o_cli.private import h2o_home, private_folder, write_all
 
 ARCHIVE_FOLDER = "archive"  # under $H2O_HOME
 SUFFIX = ".kv"
@@ -349,11 +349,7 @@ class ArchiveRegion:
         """`os.pwrite` of every byte of `piece` at `offset` (a write may take part of them). Raises
         ArchiveError naming the folder and the fix (a full disk: one line, not a bare OSError)."""
         try:
-            while piece:
-                written = os.pwrite(self.file.descriptor, piece, offset)
-                if written <= 0:  # nothing taken: it would never finish
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                piece, offset = piece[written:], offset + written
+            write_all(self.file.descriptor, piece, offset)
         except OSError as error:
             raise ArchiveError(
                 f"cannot write the recall archive {self.file.path} ({error.strerror or error}); {FIX}"
