@@ -1,6 +1,6 @@
 """Where a read chunk's and a decode step's time goes, fp32 against `--dtype auto` (bf16 reads).
 
-Reads `--context` tokens of the shipped sample into an h2o cache (budget 10 %, chunks of 256, as
+Reads `--context` tokens of the shipped sample into an h2o cache (`--policy`, budget 10 %, chunks of 256, as
 `h2o stream --sample --ppl` does), then profiles `--chunks` more chunks with their perplexity (logits of every
 row, log-softmax, NLL) and `--steps` greedy decode steps, under torch.profiler, for each dtype in turn. Each
 part is split into the model's linear layers (`lm_head` apart), the cache (`H2OLayer.update` + `attend`: RoPE
@@ -40,7 +40,8 @@ def run(model, tokenizer, ids, args) -> None:
     from h2o_cli.config import CacheSettings
     from h2o_cli.streaming import _chunk_nll
 
-    cache = H2OCache(model, CacheSettings(budget="0.1").resolved(context_window(model)))
+    settings = CacheSettings(budget="0.1", policy=args.policy).resolved(context_window(model))
+    cache = H2OCache(model, settings)
     for layer in cache.layers:
         ranged(layer, "update", "cache:update")
         ranged(layer, "attend", "cache:attend")
@@ -83,6 +84,7 @@ def main() -> None:
     )
     parser.add_argument("--context", type=int, default=1024, help="tokens read before profiling")
     parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--policy", default="h2o", help="the cache's policy (budget 10 %% of the window)")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, default=0)

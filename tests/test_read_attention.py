@@ -146,3 +146,75 @@ def test_only_a_read_multiplies_in_bf16():
         start += size
         if size >= 16:  # the scores differ by bf16's rounding: go on from the same store
             auto.store.restore(fp32.store.state())
+
+
+def test_a_recall_read_multiplies_in_bf16_over_s_and_r(monkeypatch):
+    """Under `--dtype auto` a recall layer's read of `read_rows` tokens or more multiplies QK^T and PV over S ∪ R
+    in bf16, as an h2o layer's does over S, and its smaller calls in float32; the logits stay within bf16's
+    rounding of the float32 cache's."""
+    from transformers import LlamaForCausalLM
+
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.streaming import forward_chunk
+
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(tiny_config()).eval()
+    settings = CacheSettings(budget=32, policy="recall", chunk=16)
+    fp32, auto = H2OCache(model, settings), H2OCache(model, settings)
+    for layer in auto.layers:
+        layer.read_matmul, layer.read_rows = torch.bfloat16, 16
+    calls = []  # (call rows, R among the keys, matmul dtype) of the auto cache's attention calls
+    slot_attention_of = ChunkPath.slot_attention
+
+    def spy(self, layer, query, keys, values, allowed, positions, first, scaling, matmul, *rest):
+        if any(layer is ours for ours in auto.layers):
+            calls.append((query.shape[1], keys.shape[1] > layer.store.length, matmul))
+        return slot_attention_of(
+            self, layer, query, keys, values, allowed, positions, first, scaling, matmul, *rest
+        )
+
+    monkeypatch.setattr(ChunkPath, "slot_attention", spy)
+    ids = torch.randint(0, 128, (200,)).tolist()
+    start = 0
+    for size in (16, 16, 16, 16, 1, 1, 32, 16, 3, 1, 16, 16, 32):
+        piece = ids[start : start + size]
+        with torch.no_grad():
+            want, got = forward_chunk(model, fp32, piece), forward_chunk(model, auto, piece)
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
+        start += size
+    assert auto.archive_summary().recalled_per_step > 0
+    recalling = [(rows, matmul) for rows, with_r, matmul in calls if with_r]
+    assert {rows >= 16 for rows, _ in recalling} == {True, False}, "reads and steps both attend R"
+    assert all(matmul == (torch.bfloat16 if rows >= 16 else None) for rows, matmul in recalling)
+
+
+@pytest.mark.parametrize("positions", ["rolling", "original"])
+def test_a_recall_read_in_token_order_is_the_mask_over_s_and_r(monkeypatch, positions):
+    """A recall cache reads R first, then S in token order, masking only the chunk's corner and R's empty
+    slots: the same logits, entries, scores and recalled tokens as E_q as a mask over S ∪ R."""
+    from transformers import LlamaForCausalLM
+
+    from h2o_cli.cache import H2OCache
+    from h2o_cli.streaming import forward_chunk
+
+    torch.manual_seed(4)
+    model = LlamaForCausalLM(tiny_config()).eval()
+    settings = CacheSettings(budget=32, policy="recall", chunk=16, positions=positions)
+    ordered, masked = H2OCache(model, settings), H2OCache(model, settings)
+    ids = torch.randint(0, 128, (240,)).tolist()
+    start = 0
+    for size in (16, 16, 7, 16, 1, 1, 32, 16, 3, 1, 16, 16, 32, 16, 16, 1, 16):
+        piece = ids[start : start + size]
+        with torch.no_grad():
+            want = forward_chunk(model, ordered, piece)
+            monkeypatch.setattr(ChunkPath, "in_order", False)
+            got = forward_chunk(model, masked, piece)
+            monkeypatch.setattr(ChunkPath, "in_order", True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for ours, theirs in zip(ordered.layers, masked.layers, strict=True):
+            assert torch.equal(ours.recall_index, theirs.recall_index), start
+            assert torch.equal(ours.store.token_index, theirs.store.token_index), start
+            torch.testing.assert_close(ours.store.scores, theirs.store.scores, rtol=1e-5, atol=1e-5)
+        start += size
+    summary = ordered.archive_summary()
+    assert summary.recalled_per_step > 0

@@ -184,3 +184,22 @@ def test_rank_key_orders_by_bound_then_age_without_crossing_adjacent_floats():
     page_start = torch.tensor([5, 900, 2, 1, 0, 3])  # page 1 is the youngest, yet its bound is larger
     order = torch.argsort(rank_key(bound, page_start, tokens=901), dim=1, descending=True)[0].tolist()
     assert order == [1, 2, 0, 4, 5, 3]
+
+
+def test_whole_blocks_written_at_once_summarise_as_token_by_token():
+    """Pieces of whole summary blocks (a chunk's: one reduction over a view), then pieces that are not and a
+    piece that wraps the ring (block by block): the same summaries as the tokens written one at a time."""
+    torch.manual_seed(9)
+    keys, values = torch.randn(N_KV, 200, HEAD_DIM), torch.randn(N_KV, 200, HEAD_DIM)
+    by_token, by_piece = (
+        PageArchive(N_KV, HEAD_DIM, 64, PageSettings(8), torch.float32, torch.device("cpu")) for _ in "ab"
+    )
+    for token in range(200):
+        by_token.write(keys[:, token : token + 1], values[:, token : token + 1])
+    start = 0
+    for size in (16, 8, 32, 5, 3, 16, 24, 48, 8, 40):  # 48 at 104: wraps the 64-slot ring
+        by_piece.write(keys[:, start : start + size], values[:, start : start + size])
+        start += size
+    assert start == 200 and by_piece.block_size == 4
+    assert torch.equal(by_token.token_index, by_piece.token_index)
+    assert torch.equal(by_token.summary, by_piece.summary)

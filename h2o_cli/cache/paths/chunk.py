@@ -52,12 +52,12 @@ class ChunkPath(Path):
         (`recall_chunk`, which chooses it with these queries; None: R = ∅) and the chunk, add S's probabilities
         to its scores, evict. Returns [1, chunk, n_heads, head_dim]. In token order (R = ∅, `in_order`), a read
         of `layer.read_rows` tokens or more multiplies QK^T and PV in `layer.read_matmul` (bf16 under `--dtype
-        auto`; None: the store's dtype); recall and window layers keep the store's dtype (not measured in bf16)."""
+        auto`; None: the store's dtype), over S ∪ R too; a window layer's own windows keep the store's dtype."""
         chunk, store, decay = query.shape[1], layer.store, layer.policy.decay_per_query
         recalled = layer.recall_chunk(query, chunk)
-        if recalled is None and self.in_order:
-            matmul = layer.read_matmul if chunk >= layer.read_rows else None
-            output, increments, last_probs = self.attend_in_order(layer, query, scaling, matmul)
+        matmul = layer.read_matmul if chunk >= layer.read_rows else None
+        if self.in_order:
+            output, increments, last_probs = self.attend_in_order(layer, query, scaling, matmul, recalled)
         else:
             output, increments, last_probs = self.attend_slots(layer, query, scaling, None, recalled)
         # S only (r = 0 is h2o), decayed as h2o's: R's entries are not S's, so nothing decays them.
@@ -87,32 +87,55 @@ class ChunkPath(Path):
         )
         return output, increments[:, :active], last_probs[:, :active]
 
-    def attend_in_order(self, layer, query, scaling, matmul):
-        """`attend_slots` with R = ∅ and E_q every entry up to the query (`LayerStore.allowed`), the same
-        attention over S's entries gathered in token order (`LayerStore.in_token_order`): the chunk's own
-        come last, so only their [chunk, chunk] corner is masked; the increments go back to their slots."""
+    def attend_in_order(self, layer, query, scaling, matmul, recalled=None):
+        """`attend_slots` with E_q every entry up to the query (`LayerStore.allowed`), the same attention over
+        R's entries (None: R = ∅), then S's gathered in token order (`LayerStore.in_token_order`): the chunk's
+        own come last, so only their [chunk, chunk] corner is masked, and R's empty slots while it has any;
+        S's increments go back to their slots."""
         chunk, store = query.shape[1], layer.store
         order = store.in_token_order()  # [n_kv, length]
         active = store.active
         keys = in_rows(store.key_states(active), order)
         values = in_rows(store.value_states(active), order)
-        slot_positions, first_query_position = layer.slot_positions(chunk)
-        # Rolling ranks are dense in token order: 0 .. length-1 in every head (None: read as such).
-        positions = None if layer.positions == "rolling" else slot_positions.gather(1, order)
+        leading = None
+        if recalled is None:
+            slot_positions, first_query_position = layer.slot_positions(chunk)
+            # Rolling ranks are dense in token order: 0 .. length-1 in every head (None: read as such).
+            positions = None if layer.positions == "rolling" else slot_positions.gather(1, order)
+        else:  # R is older than the chunk: every query sees its present entries
+            key_positions, first_query_position = layer.chunk_positions(chunk, recalled)
+            in_s = key_positions[:, :active].gather(1, order)
+            positions = torch.cat([key_positions[:, active:], in_s], dim=1)
+            keys = torch.cat([recalled.keys.to(store.compute_dtype), keys], dim=1)
+            values = torch.cat([recalled.values.to(store.compute_dtype), values], dim=1)
+            leading = None if bool(recalled.present.all()) else recalled.present
         output, increments, last_probs = self.slot_attention(
-            layer, query, keys, values, None, positions, first_query_position, scaling, matmul
+            layer, query, keys, values, None, positions, first_query_position, scaling, matmul, leading
         )
+        if recalled is not None:  # R's own increments are not S's scores
+            recall_slots = recalled.present.shape[1]
+            increments, last_probs = increments[:, recall_slots:], last_probs[:, recall_slots:]
         back = torch.zeros(2, store.n_kv_heads, active, dtype=increments.dtype, device=increments.device)
         back[0].scatter_(1, order, increments)
         back[1].scatter_(1, order, last_probs)
         return output, back[0], back[1]
 
     def slot_attention(
-        self, layer, query, keys, values, allowed, key_positions, first_query_position, scaling, matmul
+        self,
+        layer,
+        query,
+        keys,
+        values,
+        allowed,
+        key_positions,
+        first_query_position,
+        scaling,
+        matmul,
+        leading=None,
     ):
         """`h2o_kernels.slot_attention` of the chunk (query [n_heads, chunk, head_dim]) over `keys`, `values`
         [n_kv_heads, n, head_dim] at `key_positions` [n_kv_heads, n] (None: 0 .. n-1 in every head), its
-        queries from `first_query_position`."""
+        queries from `first_query_position`; `leading` as the kernel's."""
         chunk, (n_kv, n) = query.shape[1], keys.shape[:2]
         rows_needed = max(first_query_position + chunk, n)
         cos_table, sin_table = layer.rope.table(rows_needed, query.dtype, query.device)
@@ -133,6 +156,7 @@ class ChunkPath(Path):
             scaling,
             query_weights(layer.policy.decay_per_query, chunk, query.device),
             matmul,
+            leading,
         )
 
 

@@ -210,13 +210,25 @@ class ArchiveStore(SavedStore):
             else:
                 self.region.write(target, first, data)
         self.token_index.index_copy_(0, slots, token_index)
-        # Summaries from the keys as they came (exact, before any rounding): min/max folded in block by block.
-        exact = keys.float()
-        blocks = (slots // self.block_size).view(1, -1, 1).expand_as(exact)
-        self.low.scatter_reduce_(1, blocks, exact, "amin")
-        self.high.scatter_reduce_(1, blocks, exact, "amax")
+        self._summarise_piece(keys.float(), slots)
         self.tokens += count
         self.release()  # the summaries written through the mapping leave the process
+
+    def _summarise_piece(self, exact: torch.Tensor, slots: torch.Tensor) -> None:
+        """Fold the keys just written (float32 `[n_kv_heads, n, head_dim]`, as they came: exact, before any
+        rounding) into their blocks' min/max; whole blocks in a row (a chunk's piece) by one reduction over a
+        view, any other piece block by block. The same values either way (min and max are exact)."""
+        n_kv, count, head_dim = exact.shape
+        first, size = int(slots[0]), self.block_size
+        if first % size == 0 and count % size == 0 and first + count <= self.capacity:
+            blocks = slice(first // size, (first + count) // size)
+            shaped = exact.view(n_kv, count // size, size, head_dim)
+            self.low[:, blocks] = torch.minimum(self.low[:, blocks], shaped.amin(dim=2))
+            self.high[:, blocks] = torch.maximum(self.high[:, blocks], shaped.amax(dim=2))
+            return
+        blocks = (slots // size).view(1, -1, 1).expand_as(exact)
+        self.low.scatter_reduce_(1, blocks, exact, "amin")
+        self.high.scatter_reduce_(1, blocks, exact, "amax")
 
     def _blocks_of(self, pages: torch.Tensor) -> torch.Tensor:
         """The summary blocks of ring `pages` [n] (int64): [n * blocks_per_page], page by page."""
