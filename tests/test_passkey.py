@@ -272,3 +272,21 @@ def test_rows_of_another_wording_or_haystack_are_other_runs(tmp_path):
     tables = summary([out])
     assert "| recall | 1/1 | – |" in tables
     assert "| recall [door, pride] | 1/1 | – |" in tables and "| recall [page] | 0/1 | – |" in tables
+
+
+def test_a_run_reads_the_text_with_the_special_tokens_a_stream_adds():
+    """A tokenizer that starts a text with BOS (a base Gemma's does): a pass-key run reads it first, as
+    `h2o stream FILE --prompt` reads a file (`token_stream`); the text's ids follow, the question ends it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from h2o_cli.prompting import NewChunk
+
+    vocab = {f"w{number}": number for number in range(16)}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    inner.post_processor = processors.TemplateProcessing(single="w2 $A", special_tokens=[("w2", 2)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="w2", eos_token="w1")
+    pieces = passkey.prompt_pieces(tokenizer, "w5 w6 w7", "w9")
+    assert [i for piece in pieces[:-1] for i in piece] == [2, 5, 6, 7]
+    assert isinstance(pieces[-1], NewChunk) and 9 in pieces[-1]

@@ -164,11 +164,12 @@ def answer(
 
 def prompt_pieces(tokenizer, text: str, question: str) -> list[list[int]]:
     """The ids `h2o stream --prompt QUESTION` reads for `text`: `read_then_answer`'s pieces (the frame's head,
-    the text, and the question as a `NewChunk`)."""
+    the text with the special tokens the tokenizer adds around a text, e.g. a base Gemma's BOS, as `token_stream`
+    gives a file's, and the question as a `NewChunk`)."""
     from h2o_cli.prompting import read_then_answer
+    from h2o_cli.textio import token_stream
 
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return list(read_then_answer(tokenizer, [ids], question))
+    return list(read_then_answer(tokenizer, token_stream(tokenizer, iter([text])), question))
 
 
 def cache_span(prompt_tokens: int, questions: tuple[str, ...]) -> int:
