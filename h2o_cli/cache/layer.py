@@ -47,8 +47,8 @@ class H2OLayer(CacheLayerMixin):
     archive = None  # a recall layer's `PageArchive`
     recall_index = None  # a recall layer's R: token indices [n_kv_heads, recall_slots] (-1 = empty)
     # A read of `read_rows` tokens or more multiplies the chunk path's QK^T and PV in `read_matmul` where it
-    # attends in token order (R = ∅; set by `build_layers` from the model's `h2o_read_dtype`, `--dtype auto`'s
-    # bf16); None: the store's dtype.
+    # attends in token order (over R and S; set by `build_layers` from the model's `h2o_read_dtype`, `--dtype
+    # auto`'s bf16); None: the store's dtype.
     read_matmul: torch.dtype | None = None
     read_rows = 0
 
