@@ -50,7 +50,7 @@ class ChunkPath(Path):
     def attend_written(self, layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attend the chunk just written (query [n_heads, chunk, head_dim], unrotated) over S, the layer's R
         (`recall_chunk`, which chooses it with these queries; None: R = ∅) and the chunk, add S's probabilities
-        to its scores, evict. Returns [1, chunk, n_heads, head_dim]. In token order (R = ∅, `in_order`), a read
+        to its scores, evict. Returns [1, chunk, n_heads, head_dim]. In token order (`in_order`), a read
         of `layer.read_rows` tokens or more multiplies QK^T and PV in `layer.read_matmul` (bf16 under `--dtype
         auto`; None: the store's dtype), over S ∪ R too; a window layer's own windows keep the store's dtype."""
         chunk, store, decay = query.shape[1], layer.store, layer.policy.decay_per_query
