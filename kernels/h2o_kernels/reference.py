@@ -81,10 +81,9 @@ def slot_attention(
     if allowed is None:  # E_q in token order: only the chunk's own columns are masked, causally
         logits[..., slots - chunk :].add_(later_in_chunk(chunk, logits.dtype, logits.device))
         if leading is not None:
-            hidden = torch.where(leading, 0.0, float("-inf")).to(logits.dtype)
-            logits[..., : leading.shape[1]].add_(hidden[:, None, None, :])
-    else:  # the masked fill bit for bit (finite logits), ~3x faster than a broadcast masked fill
-        logits.add_(torch.where(allowed, 0.0, float("-inf")).to(logits.dtype).unsqueeze(1))
+            logits[..., : leading.shape[1]].add_(hiding(leading, logits.dtype)[:, None, None, :])
+    else:
+        logits.add_(hiding(allowed, logits.dtype).unsqueeze(1))
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [n_kv, group, chunk, slots]
     weights = probs.view(n_kv_heads, group * chunk, slots)
     if matmul_dtype is None:
@@ -97,6 +96,12 @@ def slot_attention(
     else:
         score_increments = last_probs if chunk == 1 else weights.sum(dim=1)
     return output.view(n_heads, chunk, head_dim), score_increments, last_probs
+
+
+def hiding(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where `seen` (bool), -inf elsewhere, in `dtype`: added to finite logits it is the masked fill bit for
+    bit, ~3x faster than a broadcast `masked_fill_`."""
+    return torch.where(seen, 0.0, float("-inf")).to(dtype)
 
 
 @functools.lru_cache(maxsize=8)
