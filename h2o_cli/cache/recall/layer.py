@@ -358,9 +358,8 @@ class RecallLayer(H2OLayer):
         in that order (empty: 0). Returns the hits summed over KV heads (a 0-d tensor): chosen tokens the
         slots held already.
 
-        A hit's K/V in the slots are the archive's own, so a RAM archive reads every chosen token in one row
-        gather; a file archive moves the hits inside the slots and reads only the others, so it reads just
-        the pages that are new to the slots. Either way the slots end up the same."""
+        A RAM archive reads every chosen token in one row select; a file archive moves the hits inside the
+        slots and reads only the others (the pages new to the slots). Either way the slots end up the same."""
         archive = self.archive
         wanted = archive.token_index.take(chosen)  # [n_kv, r] token indices
         if not full:
@@ -376,13 +375,14 @@ class RecallLayer(H2OLayer):
             hit &= valid
         if archive.region is None:
             archive.read_into(chosen, self.recall_keys, self.recall_values)
-        else:
-            source = order.gather(1, place).unsqueeze(-1).expand(-1, -1, self.recall_keys.shape[-1])
-            keys, values = self.recall_keys.gather(1, source), self.recall_values.gather(1, source)
-            heads, columns = (valid & ~hit).nonzero(as_tuple=True)
-            keys[heads, columns], values[heads, columns] = archive.read(heads, chosen[heads, columns])
-            self.recall_keys.copy_(keys)
-            self.recall_values.copy_(values)
+        else:  # R as [n_kv * r, head_dim] rows: the hits moved, the others read (row selects, not gathers)
+            n_kv, r, head_dim = self.recall_keys.shape
+            rows = order.gather(1, place).add_(torch.arange(0, n_kv * r, r, device=order.device)[:, None])
+            missing = (valid & ~hit).view(-1).nonzero().squeeze(1)  # R's rows to read from the archive
+            read = archive.read(missing // r, chosen.reshape(-1)[missing])
+            for slots, new in zip((self.recall_keys, self.recall_values), read, strict=True):
+                flat = slots.view(-1, head_dim)
+                flat.copy_(flat.index_select(0, rows.view(-1)).index_copy_(0, missing, new))
         if not full:
             empty = ~valid.unsqueeze(-1)
             self.recall_keys.masked_fill_(empty, 0)

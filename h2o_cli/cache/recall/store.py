@@ -314,10 +314,12 @@ class ArchiveStore(SavedStore):
 
     def read(self, heads: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of archive `slots` [n] of KV `heads` [n], in the compute dtype: ([n, head_dim], [n, head_dim])."""
-        keys, values = self.keys[heads, slots], self.values[heads, slots]
+        rows = heads * self.capacity + slots  # of the K/V seen as [n_kv * capacity, head_dim]: one row select
+        keys = self.keys.view(-1, self.head_dim).index_select(0, rows)
+        values = self.values.view(-1, self.head_dim).index_select(0, rows)
         if self.quantized:
-            keys = dequantize(keys, self.key_scales[heads, slots], self.dtype)
-            values = dequantize(values, self.value_scales[heads, slots], self.dtype)
+            keys = dequantize(keys, self.key_scales.view(-1).index_select(0, rows), self.dtype)
+            values = dequantize(values, self.value_scales.view(-1).index_select(0, rows), self.dtype)
         else:
             keys, values = keys.to(self.dtype), values.to(self.dtype)
         self.release()
