@@ -153,8 +153,8 @@ Kernels = Annotated[
     str,
     typer.Option(
         "--kernels",
-        help="Attention code: torch, triton (CUDA kernels, opt-in), native (the CPU decode step as one C function, "
-        "built on first use) or auto (native on a CPU with a C compiler, else torch; $H2O_KERNELS). "
+        help="Attention code: torch, triton (CUDA kernels, opt-in), native (the CPU decode step, and a bf16 read's "
+        "softmax, as C functions built on first use) or auto (native on a CPU with a C compiler, else torch; $H2O_KERNELS). "
         "A failing kernel falls back to torch with one warning.",
         callback=choice("kernels", KERNELS),
         rich_help_panel=SPEED,

@@ -1,5 +1,6 @@
 """The C twins of the CPU decode step (`step.c`: the one-token step over S ∪ R, `h2o`'s the case R = ∅;
-`archive.c`: `recall`'s archive write and page choice; sharing `step_common.h`), built on first use with the
+`archive.c`: `recall`'s archive write and page choice; `read.c`: a bf16 read's softmax, wrapped by
+`native_read.py`; sharing `step_common.h`), built on first use with the
 system's C compiler, and thin typed wrappers that take tensors, addresses and sizes (never a cache object: the
 cache side, h2o_cli/cache/c_step.py, holds the buffers and keeps the counters).
 
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 FOLDER = Path(__file__).parent
-SOURCES = (FOLDER / "step.c", FOLDER / "archive.c")  # compiled together into one library
+SOURCES = (FOLDER / "step.c", FOLDER / "archive.c", FOLDER / "read.c")  # compiled together into one library
 HEADERS = (FOLDER / "step_common.h",)
 # -fno-trapping-math: nothing here reads the floating-point exception flags, and without it GCC leaves the
 # softmax's e**x loops (`exp_nonpositive`, a clamp then bit work) scalar; the arithmetic and its rounding are unchanged.

@@ -9,6 +9,7 @@ recalled set) and the positions of S ∪ R through the layer's hooks (`H2OLayer.
 |---|---|---|
 | `CHUNK` | `chunk.py` | the reference: any call (in sub-chunks that fit the spare slots) |
 | `TRITON` | `triton.py` | the chunk path on the fused Triton kernels (CUDA, a layer that has them) |
+| `C_READ` | `chunk.py` | the chunk path with a bf16 read's softmax as one C call (CPU, `--dtype auto`) |
 | `TORCH_STEP` | `torch_step.py` | one token in far fewer ops (float32/64, the standard RoPE), on one thread |
 | `C_STEP` | `c_step.py` | the torch step as one C call, once S is full (CPU, a `kernel_victim` policy) |
 | `FIXED_STEP` | `fixed.py` | one token in fixed shapes from tensors only: capturable (`--compile`) |
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 import torch
 from h2o_kernels import use_triton
+from h2o_kernels.dispatch import use_native
 
 from h2o_cli.cache.paths.base import Call, Path
 from h2o_cli.cache.paths.c_step import C_STEP
-from h2o_cli.cache.paths.chunk import CHUNK
+from h2o_cli.cache.paths.chunk import C_READ, CHUNK
 from h2o_cli.cache.paths.fixed import FIXED_STEP
 from h2o_cli.cache.paths.torch_step import TORCH_STEP
 from h2o_cli.cache.paths.triton import TRITON
@@ -35,7 +37,8 @@ def choose_path(layer, states: torch.Tensor) -> Path:
     `DecodeMaps.usable` says the rotation allows it: the C step once S is full and the layer has its buffers
     (`_c_buffers`), unless the token is pinned (the C step writes it unmarked), else the torch step. Otherwise the chunk path, on the Triton kernels where they run, the
     layer has them and the call is one token or undecayed (the prefill kernel sums a chunk's probabilities
-    unweighted)."""
+    unweighted), or with the C softmax (`C_READ`) for a bf16 read (`--dtype auto`, at least `read_rows` tokens)
+    where the C step could run (`--kernels auto` or `native`, a C compiler)."""
     if layer.fixed:
         return FIXED_STEP
     chunk, store = states.shape[2], layer.store
@@ -45,7 +48,13 @@ def choose_path(layer, states: torch.Tensor) -> Path:
         return C_STEP if full and layer._c_buffers is not None else TORCH_STEP
     if triton and layer.fused_kernels and (chunk == 1 or layer.policy.decay_per_query == 1.0):
         return TRITON
+    if (
+        layer.read_matmul is torch.bfloat16
+        and chunk >= layer.read_rows
+        and use_native(states.device, layer.settings.kernels)
+    ):
+        return C_READ
     return CHUNK
 
 
-__all__ = ["CHUNK", "C_STEP", "FIXED_STEP", "TORCH_STEP", "TRITON", "Call", "Path", "choose_path"]
+__all__ = ["CHUNK", "C_READ", "C_STEP", "FIXED_STEP", "TORCH_STEP", "TRITON", "Call", "Path", "choose_path"]

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import torch
-from h2o_kernels import slot_attention
+from h2o_kernels import native_read, slot_attention
 from h2o_kernels.reference import rows
 
 from h2o_cli.cache.paths.base import Call, Path
@@ -14,6 +14,7 @@ from h2o_cli.cache.positions import unrotate
 class ChunkPath(Path):
     name = "chunk"
     in_order = True  # E_q is every entry up to the query (`LayerStore.allowed`): attend in token order
+    kernel = staticmethod(slot_attention)  # `h2o_kernels.slot_attention` or a twin with its signature
 
     def attend(self, layer, call: Call, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of the call, with score accumulation and eviction (SPEC steps 1-4).
@@ -144,7 +145,7 @@ class ChunkPath(Path):
             key_cos, key_sin = cos_table[:n].expand(n_kv, -1, -1), sin_table[:n].expand(n_kv, -1, -1)
         else:
             key_cos, key_sin = rows(cos_table, key_positions), rows(sin_table, key_positions)
-        return slot_attention(
+        return self.kernel(
             query,
             keys,
             values,
@@ -177,4 +178,13 @@ def query_weights(decay: float, chunk: int, device: torch.device) -> torch.Tenso
     return decay ** torch.arange(chunk - 1, -1, -1, dtype=torch.float32, device=device)
 
 
+class NativeReadPath(ChunkPath):
+    """The chunk path with a bf16 read's softmax as one C call (`h2o_kernels.native_read`); a call it does
+    not fit (a window layer's masked slots, fewer than `read_rows` rows) goes to the reference."""
+
+    name = "c-read"
+    kernel = staticmethod(native_read.slot_attention)
+
+
 CHUNK = ChunkPath()
+C_READ = NativeReadPath()
