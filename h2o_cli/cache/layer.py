@@ -138,7 +138,8 @@ class H2OLayer(CacheLayerMixin):
                 raise ContextOverflowError(
                     f"{last} tokens exceed the model's context window ({self.max_positions}) with "
                     f"{'original positions' if self.policy.evicts else f'policy {self.policy.name}'}; "
-                    "use --positions rolling with an evicting policy to go further"
+                    "use --positions rolling with an evicting policy to go further (--policy local slides a "
+                    "window of the latest tokens)"
                 )
 
     def steps_possible(self, states: torch.Tensor) -> bool:

@@ -1,11 +1,14 @@
-"""A bf16 read's attention with its softmax as one C call (`read.c`), in the library `native` builds.
+"""A bf16 read's attention with its rotations and its softmax as C calls (`read.c`), in the library `native`
+builds.
 
 `reference.slot_attention` with bf16 matmuls and the keys in token order spends more time between its two
-matmuls than in them: the masks added, the softmax widened to float32, the probabilities copied back to bf16
-for PV, their sums over the queries — five passes over a [chunk, slots] block per query head, each through
-memory. `read.c` does them in one pass per row, on one thread: split between two (Python threads calling it
-with the GIL released) it was no faster inside a read on this project's 2-core CPU, where torch's own threads
-wake or spin around it (docs/benchmarks.md).
+matmuls than in them: the masks added, the softmax widened to float32, the probabilities copied back to bf16 for
+PV, their sums over the queries — five passes over a [chunk, slots] block per query head, each through memory;
+and some fifteen small ops rotate, scale and round q and k before the first matmul, each paying torch's dispatch
+and its thread pool's fork/join. `read.c` rotates straight into bf16 (torch's operations in torch's order: the
+same bits) and does the softmax's passes in one pass per row, on one thread: split between two (Python threads
+calling it with the GIL released) it was no faster inside a read on this project's 2-core CPU, where torch's own
+threads wake or spin around it (docs/benchmarks.md).
 
 The results are the reference's up to float rounding: bf16 probabilities equal to the last bit but for rare
 ties in rounding, float32 sums within a few ulp (tests/test_native_read.py).

@@ -1,7 +1,8 @@
-/* The C twin of a bf16 read's softmax (`h2o_kernels.native_read`): what `reference.slot_attention` does between
- * its two bf16 matmuls when the keys are in token order, in one pass over each row instead of five (the masks
- * added, softmax, the bf16 copy of the probabilities for PV, the score sums over the queries, the last query's
- * probabilities).
+/* The C twins of a bf16 read's steps around its matmuls (`h2o_kernels.native_read`): `rotate_to_bf16`, the
+ * rotation, scale and bf16 rounding of q and k before QK^T; `read_softmax`, what `reference.slot_attention` does
+ * between its two bf16 matmuls when the keys are in token order, in one pass over each row instead of five (the
+ * masks added, softmax, the bf16 copy of the probabilities for PV, the score sums over the queries, the last
+ * query's probabilities).
  *
  * Rows are the chunk's queries, [n_kv, group, chunk] flattened; columns the keys, in token order, the chunk's
  * own `chunk` last. Query c of the chunk sees the columns 0 .. cols - chunk + c, less the first `leading` ones

@@ -9,7 +9,7 @@ recalled set) and the positions of S ∪ R through the layer's hooks (`H2OLayer.
 |---|---|---|
 | `CHUNK` | `chunk.py` | the reference: any call (in sub-chunks that fit the spare slots) |
 | `TRITON` | `triton.py` | the chunk path on the fused Triton kernels (CUDA, a layer that has them) |
-| `C_READ` | `chunk.py` | the chunk path with a bf16 read's softmax as one C call (CPU, `--dtype auto`) |
+| `C_READ` | `chunk.py` | the chunk path with a bf16 read's rotations and softmax as C calls (CPU, `--dtype auto`) |
 | `TORCH_STEP` | `torch_step.py` | one token in far fewer ops (float32/64, the standard RoPE), on one thread |
 | `C_STEP` | `c_step.py` | the torch step as one C call, once S is full (CPU, a `kernel_victim` policy) |
 | `FIXED_STEP` | `fixed.py` | one token in fixed shapes from tensors only: capturable (`--compile`) |
@@ -37,7 +37,7 @@ def choose_path(layer, states: torch.Tensor) -> Path:
     `DecodeMaps.usable` says the rotation allows it: the C step once S is full and the layer has its buffers
     (`_c_buffers`), unless the token is pinned (the C step writes it unmarked), else the torch step. Otherwise the chunk path, on the Triton kernels where they run, the
     layer has them and the call is one token or undecayed (the prefill kernel sums a chunk's probabilities
-    unweighted), or with the C softmax (`C_READ`) for a bf16 read (`--dtype auto`, at least `read_rows` tokens)
+    unweighted), or with the C rotations and softmax (`C_READ`) for a bf16 read (`--dtype auto`, at least `read_rows` tokens)
     where the C step could run (`--kernels auto` or `native`, a C compiler)."""
     if layer.fixed:
         return FIXED_STEP

@@ -179,7 +179,7 @@ def query_weights(decay: float, chunk: int, device: torch.device) -> torch.Tenso
 
 
 class NativeReadPath(ChunkPath):
-    """The chunk path with a bf16 read's softmax as one C call (`h2o_kernels.native_read`); a call it does
+    """The chunk path with a bf16 read's rotations and softmax as C calls (`h2o_kernels.native_read`); a call it does
     not fit (a window layer's masked slots, fewer than `read_rows` rows) goes to the reference."""
 
     name = "c-read"
