@@ -1,5 +1,5 @@
 """The C twins of the CPU decode step (`step.c`: the one-token step over S ∪ R, `h2o`'s the case R = ∅;
-`archive.c`: `recall`'s archive write and page choice; `read.c`: a bf16 read's softmax, wrapped by
+`archive.c`: `recall`'s archive write and page choice; `read.c`: a bf16 read's rotations and softmax, wrapped by
 `native_read.py`; sharing `step_common.h`), built on first use with the
 system's C compiler, and thin typed wrappers that take tensors, addresses and sizes (never a cache object: the
 cache side, h2o_cli/cache/c_step.py, holds the buffers and keeps the counters).
