@@ -198,7 +198,11 @@ def available(explicit: bool = False) -> bool:
         library()
     except Exception as error:  # no compiler, a compile error, an unsafe library, one the loader refuses
         level = logging.WARNING if explicit or isinstance(error, UnsafeLibraryError) else logging.INFO
-        logger.log(level, "C decode step unavailable (%s); using the torch path", failure_text(error))
+        logger.log(
+            level,
+            "C kernels (decode step, read softmax) unavailable (%s); using the torch path",
+            failure_text(error),
+        )
         return False
     return True
 
