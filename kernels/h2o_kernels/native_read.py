@@ -22,7 +22,6 @@ import functools
 import torch
 
 from h2o_kernels import native
-from h2o_kernels.reference import read_logits
 from h2o_kernels.reference import slot_attention as reference_attention
 
 _INT, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -96,21 +95,24 @@ def slot_attention(
     matmul_dtype: torch.dtype | None = None,
     leading: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`reference.slot_attention` of a bf16 read in token order (`allowed` None, `matmul_dtype` bfloat16;
-    any other call goes to the reference), the softmax by `read_softmax`. Same arguments and results."""
-    if allowed is not None or matmul_dtype is not torch.bfloat16 or query.device.type != "cpu":
+    """`reference.slot_attention` of a float32 read in token order with bf16 matmuls (`allowed` None,
+    `matmul_dtype` bfloat16, on the CPU; any other call goes to the reference), q and k by `rotate_to_bf16`,
+    the softmax by `read_softmax`. Same arguments and results."""
+    if (
+        allowed is not None
+        or matmul_dtype is not torch.bfloat16
+        or query.device.type != "cpu"
+        or not query.dtype == keys.dtype == query_cos.dtype == key_cos.dtype == torch.float32
+    ):
         return reference_attention(
             query, keys, values, allowed, query_cos, query_sin, key_cos, key_sin, scaling,
             query_weights, matmul_dtype, leading,
         )  # fmt: skip
     n_heads, chunk, head_dim = query.shape
     n_kv, slots = keys.shape[:2]
-    if query.dtype == keys.dtype == query_cos.dtype == key_cos.dtype == torch.float32:
-        q = rotate_to_bf16(query, query_cos, query_sin, scaling).view(n_kv, -1, head_dim)
-        k = rotate_to_bf16(keys, key_cos, key_sin)
-        logits = torch.bmm(q, k.transpose(1, 2)).view(n_kv, n_heads // n_kv, chunk, slots)
-    else:
-        logits = read_logits(query, keys, query_cos, query_sin, key_cos, key_sin, scaling, matmul_dtype)
-    probs, increments, last = read_softmax(logits.contiguous(), leading, query_weights)
+    q = rotate_to_bf16(query, query_cos, query_sin, scaling).view(n_kv, -1, head_dim)
+    k = rotate_to_bf16(keys, key_cos, key_sin)
+    logits = torch.bmm(q, k.transpose(1, 2)).view(n_kv, n_heads // n_kv, chunk, slots)
+    probs, increments, last = read_softmax(logits, leading, query_weights)
     output = torch.bmm(probs, values.to(matmul_dtype)).to(values.dtype)
     return output.view(n_heads, chunk, head_dim), increments, last

@@ -60,7 +60,23 @@ def slot_attention(
     n_heads, chunk, head_dim = query.shape
     n_kv_heads, slots = keys.shape[:2]
     group = n_heads // n_kv_heads
-    logits = read_logits(query, keys, query_cos, query_sin, key_cos, key_sin, scaling, matmul_dtype)
+    # [n_kv, group * chunk, d]: the query heads that share each KV head stacked, so one bmm per KV head
+    # serves them all (a broadcast matmul over the group would copy the keys group times).
+    q = rotate(query, query_cos, query_sin).reshape(n_kv_heads, group * chunk, head_dim)
+    k = rotate(keys, key_cos, key_sin)
+    # A power-of-two scale (head_dim 64's 1/8) scales q exactly as it would scale the logits, in fewer values;
+    # a bf16 matmul takes q scaled before rounding.
+    early = math.frexp(scaling)[0] == 0.5 or matmul_dtype is not None
+    if early:
+        q = q.mul_(scaling)
+    if matmul_dtype is not None:
+        q, k = q.to(matmul_dtype), k.to(matmul_dtype)
+    logits = torch.bmm(q, k.transpose(1, 2))  # [n_kv, group * chunk, slots]
+    if matmul_dtype is None:
+        logits = logits.float()
+    if not early:
+        logits = logits.mul_(scaling)
+    logits = logits.view(n_kv_heads, group, chunk, slots)
     # The masks add 0 or -inf: exact in any dtype, so a bf16 product is masked before softmax widens it.
     if allowed is None:  # E_q in token order: only the chunk's own columns are masked, causally
         logits[..., slots - chunk :].add_(later_in_chunk(chunk, logits.dtype, logits.device))
@@ -80,40 +96,6 @@ def slot_attention(
     else:
         score_increments = last_probs if chunk == 1 else weights.sum(dim=1)
     return output.view(n_heads, chunk, head_dim), score_increments, last_probs
-
-
-def read_logits(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    query_cos: torch.Tensor,
-    query_sin: torch.Tensor,
-    key_cos: torch.Tensor,
-    key_sin: torch.Tensor,
-    scaling: float,
-    matmul_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """`slot_attention`'s scaled logits [n_kv_heads, group, chunk, slots], unmasked: float32, or
-    `matmul_dtype` when given (the bf16 product of a read). Shapes as `slot_attention`'s."""
-    n_heads, chunk, head_dim = query.shape
-    n_kv_heads, slots = keys.shape[:2]
-    group = n_heads // n_kv_heads
-    # [n_kv, group * chunk, d]: the query heads that share each KV head stacked, so one bmm per KV head
-    # serves them all (a broadcast matmul over the group would copy the keys group times).
-    q = rotate(query, query_cos, query_sin).reshape(n_kv_heads, group * chunk, head_dim)
-    k = rotate(keys, key_cos, key_sin)
-    # A power-of-two scale (head_dim 64's 1/8) scales q exactly as it would scale the logits, in fewer values;
-    # a bf16 matmul takes q scaled before rounding.
-    early = math.frexp(scaling)[0] == 0.5 or matmul_dtype is not None
-    if early:
-        q = q.mul_(scaling)
-    if matmul_dtype is not None:
-        q, k = q.to(matmul_dtype), k.to(matmul_dtype)
-    logits = torch.bmm(q, k.transpose(1, 2))  # [n_kv, group * chunk, slots]
-    if matmul_dtype is None:
-        logits = logits.float()
-    if not early:
-        logits = logits.mul_(scaling)
-    return logits.view(n_kv_heads, group, chunk, slots)
 
 
 def hiding(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
