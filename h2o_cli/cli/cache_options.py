@@ -153,7 +153,7 @@ Kernels = Annotated[
     str,
     typer.Option(
         "--kernels",
-        help="Attention code: torch, triton (CUDA kernels, opt-in), native (the CPU decode step, and a bf16 read's "
+        help="Attention code: torch, triton (CUDA kernels, opt-in), native (the CPU decode step, and a bf16 read's rotations and "
         "softmax, as C functions built on first use) or auto (native on a CPU with a C compiler, else torch; $H2O_KERNELS). "
         "A failing kernel falls back to torch with one warning.",
         callback=choice("kernels", KERNELS),
