@@ -157,6 +157,17 @@ def test_full_keeps_the_end_of_a_context_past_the_window_and_says_so(tiny_window
     assert "1 context(s)" in caplog.text
 
 
+def test_ruler_tasks_are_known_by_the_names_lm_eval_gives_them():
+    """`h2o lm-eval --tasks ruler_vt` must be seen as a RULER task (it then gets the tokenizer and the offline
+    haystacks): the names are the ones the YAML files declare, not the files' own names (`vt.yaml`)."""
+    from h2o_cli.eval.ruler import asked_tasks, ruler_names
+
+    names = ruler_names()
+    assert {"ruler_vt", "ruler_cwe", "niah_single_1", "niah_multivalue", "ruler", "longcxt"} <= names
+    assert "vt" not in names and "cwe" not in names  # lm-eval answers "Tasks not found" to these
+    assert names & set(asked_tasks(["--tasks", "ruler_vt,piqa"])) == {"ruler_vt"}
+
+
 @pytest.mark.model  # the embedded model, end to end through lm-eval's RULER generator
 @pytest.mark.slow  # ~100 s: importing lm-eval's RULER words, generating 500 documents, 2 answers of 128 tokens
 def test_h2o_lm_eval_runs_ruler_offline(smollm, plain_smollm, tmp_path):

@@ -26,12 +26,17 @@ ESSAYS = Path("paul_graham_essays") / "PaulGrahamEssays"  # under the data folde
 
 
 def ruler_names() -> set[str]:
-    """lm-eval's RULER task and group names (its `ruler/*.yaml`), and their tag `longcxt`."""
+    """lm-eval's RULER task, group and tag names: what its `ruler/*.yaml` files declare (`task: ruler_vt`,
+    `group: ruler`, `tag:` with `- longcxt` under it), which is not always the file's name (`vt.yaml`)."""
     import lm_eval.tasks
 
-    return {path.stem for path in (Path(lm_eval.tasks.__file__).parent / "ruler").glob("*.yaml")} | {
-        "longcxt"
-    }
+    names: set[str] = set()
+    for path in (Path(lm_eval.tasks.__file__).parent / "ruler").glob("*.yaml"):
+        text = path.read_text()
+        names |= set(re.findall(r"^(?:task|group):[ \t]*([\w-]+)", text, re.M))
+        for items in re.findall(r"^tag:[ \t]*\n((?:[ \t]+-[^\n]*\n?)+)", text, re.M):
+            names |= set(re.findall(r"-[ \t]*([\w-]+)", items))
+    return names
 
 
 def asked_tasks(args: Sequence[str]) -> list[str]:
