@@ -157,6 +157,47 @@ def test_full_keeps_the_end_of_a_context_past_the_window_and_says_so(tiny_window
     assert "1 context(s)" in caplog.text
 
 
+def test_an_interrupted_run_resumes_from_lm_evals_answer_cache(tiny_window, tmp_path):
+    """`--use_cache DB`: each answer is stored as it comes (not at the end), so a long RULER run stopped after
+    one document answers it again from the store and reads only the others."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import CachingLM
+
+    from h2o_cli.eval.lm_eval_model import H2OLM
+
+    _, model, tokenizer = tiny_window
+    contexts = [words(120, seed=seed) for seed in (3, 4)]
+    requests = [
+        Instance("generate_until", {}, (context, {"until": [], "max_gen_toks": 3}), index)
+        for index, context in enumerate(contexts)
+    ]
+    first = H2OLM(model=(model, tokenizer), budget="16", policy="h2o", chunk=8)
+    read: list[str] = []
+    answer = first.generate_until
+
+    def interrupted(batch, disable_tqdm=False):
+        read.extend(request.args[0] for request in batch)
+        texts = answer(batch[:1], disable_tqdm=True)
+        raise KeyboardInterrupt(texts)  # stopped after the first document's answer
+
+    first.generate_until = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        CachingLM(first, str(tmp_path / "answers")).generate_until(requests)
+    again = H2OLM(model=(model, tokenizer), budget="16", policy="h2o", chunk=8)
+    read_again: list[str] = []
+    answer_again = again.generate_until
+
+    def counted(batch, disable_tqdm=False):
+        read_again.extend(request.args[0] for request in batch)
+        return answer_again(batch, disable_tqdm=True)
+
+    again.generate_until = counted
+    texts = CachingLM(again, str(tmp_path / "answers")).generate_until(requests)
+    assert read == contexts and read_again == contexts[1:]  # the first document's answer was kept
+    fresh = H2OLM(model=(model, tokenizer), budget="16", policy="h2o", chunk=8)
+    assert texts == fresh.generate_until(requests, disable_tqdm=True)
+
+
 def test_ruler_tasks_are_known_by_the_names_lm_eval_gives_them():
     """`h2o lm-eval --tasks ruler_vt` must be seen as a RULER task (it then gets the tokenizer and the offline
     haystacks): the names are the ones the YAML files declare, not the files' own names (`vt.yaml`)."""

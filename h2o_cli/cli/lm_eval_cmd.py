@@ -24,6 +24,7 @@ Examples:
   h2o lm-eval --model hf --model_args pretrained=FOLDER --tasks h2o_copa   (lm-eval's own model)
   h2o lm-eval --model h2o --model_args policy=recall,budget=819 --tasks niah_single_1
       --metadata '{"max_seq_lengths":[16384]}' --limit 20   (RULER at 16K tokens, past the window)
+  ... --use_cache runs/recall_16k   (each answer kept as it comes: the same command again resumes)
   torchrun --nproc_per_node 2 -m h2o_cli lm-eval --model h2o --tasks h2o_copa   (2 processes)
   accelerate launch --multi_gpu -m h2o_cli lm-eval --model h2o --tasks h2o_copa   (one per GPU)
   h2o lm-eval ls tasks
