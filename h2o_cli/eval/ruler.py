@@ -33,7 +33,8 @@ def ruler_names() -> set[str]:
     names: set[str] = set()
     for path in (Path(lm_eval.tasks.__file__).parent / "ruler").glob("*.yaml"):
         text = path.read_text()
-        names |= set(re.findall(r"^(?:task|group):[ \t]*([\w-]+)", text, re.M))
+        # `tag:` holds one name on its line, or a list of `- name` lines below it
+        names |= set(re.findall(r"^(?:task|group|tag):[ \t]*([\w-]+)", text, re.M))
         for items in re.findall(r"^tag:[ \t]*\n((?:[ \t]+-[^\n]*\n?)+)", text, re.M):
             names |= set(re.findall(r"-[ \t]*([\w-]+)", items))
     return names
