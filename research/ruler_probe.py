@@ -1,0 +1,194 @@
+"""Where does the lead head rank the asked needle of a RULER document? The page choice of `recall` on lm-eval's
+own documents, read as `h2o lm-eval` reads them past the window.
+
+Each document of an lm-eval samples file (`--log_samples` output of `h2o lm-eval ... --tasks niah_multikey_2`)
+is read through a fresh cache exactly as `H2OLM.generate_until` reads it (the text, then its last line as a
+question, `NewChunk`), and after the question's read the lead head's page ranking (`LeadRanking.ranked`) is
+looked at: the rank of the best page that holds a token of each needle line the answer needs (the line holding
+the target value), and what the lead's first `--show` pages hold (the needle keys on them). A miss whose needle
+page ranks past the lead's `pages` is the ranking's; one inside it is the answer's (the model copied another
+line it could read). Prints one JSON line per document and variant.
+
+`--variants` asks each document under several lead choices from one read of its text (the cache's state kept
+after the text, put back before each question): `pN` the lead's N best pages (p8 is the default); `beforeN`
+the same, each page ranked just below the page after it too (a hit brings the page before it: the start of
+its line); `afterN` below the page before it (a hit brings the page after it: the rest of its value);
+`aroundN` a page ranked just below either neighbour; `oracleN` the pages holding the asked line first
+(whatever their score), then the lead's order: what the answer would be if the ranking never missed. The answer is greedy, cut as lm-eval cuts it;
+`score` is RULER's (the share of the target values in the answer).
+
+    python -m research.ruler_probe /work/runs/ruler/recall_32k_a/out/*/samples_niah_multikey_2_*.jsonl \
+        --limit 6 --model_args policy=recall,budget=819,threads=1 --variants p8,p16,before16,around24
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import time
+
+import torch
+
+
+def targets_of(sample: dict) -> list[str]:
+    """The values lm-eval scores a sample on (its `target`, a list written as a string by `--log_samples`)."""
+    target = sample["target"]
+    values = ast.literal_eval(target) if isinstance(target, str) and target.startswith("[") else target
+    return [str(value) for value in (values if isinstance(values, list) else [values])]
+
+
+def line_spans(text: str, value: str) -> list[tuple[int, int]]:
+    """Character spans of every line of `text` that holds `value`."""
+    spans = []
+    for found in re.finditer(re.escape(value), text):
+        start = text.rfind("\n", 0, found.start()) + 1
+        end = text.find("\n", found.end())
+        spans.append((start, len(text) if end < 0 else end))
+    return spans
+
+
+def widened(variant: str, needle: tuple[int, int] = (0, 0), size: int = 16):
+    """`order_key` for the lead's page ranking under `variant` (see the module's docs); `needle`: the token
+    span [first, last) of the asked line, which `oracleN` ranks first; `size`: tokens per page."""
+    from h2o_cli.cache.recall.archive import NOTHING
+    from h2o_cli.cache.recall.scores import order_key
+
+    if variant.startswith("p"):
+        return order_key
+    if variant.startswith("oracle"):
+
+        def forced(score, page_start, candidate):
+            holds = (page_start != NOTHING) & (page_start + size > needle[0]) & (page_start < needle[1])
+            return order_key(torch.where(holds, score + 1e6, score), page_start, candidate | holds)
+
+        return forced
+
+    def key(score, page_start, candidate):
+        score = score.clone()
+        shifted = torch.zeros_like(score)
+        if not variant.startswith("after"):
+            shifted[:-1] = score[1:] * 0.999  # the page after's score, just below it
+        if not variant.startswith("before"):
+            shifted[1:] = torch.maximum(shifted[1:], score[:-1] * 0.999)  # the page before's
+        score = torch.maximum(score, shifted)
+        return order_key(score, page_start, (page_start != NOTHING) & (score > 0))
+
+    return key
+
+
+def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
+    from h2o_cli.cache.recall import lead as lead_module
+    from h2o_cli.generation import Sampling, TextStreamer, generate_ids
+    from h2o_cli.prompting import NewChunk
+    from h2o_cli.streaming import prefill
+
+    context, gen_kwargs = (
+        sample["arguments"]["gen_args_0"]["arg_0"],
+        sample["arguments"]["gen_args_0"]["arg_1"],
+    )
+    text_ids, question = lm._split_question(context)
+    text = context[: context.rfind("\n") + 1] if question else context
+    cache = lm._cache(len(text_ids) + len(question), 64)
+    started = time.perf_counter()
+    _, stats = prefill(lm.model, cache, [text_ids], lm.settings.chunk)
+    stats.reraise()
+    read = time.perf_counter() - started
+    state = cache.state()
+    value = targets_of(sample)[0]
+    start, end = line_spans(text, value)[0]
+    needle = (len(lm.tok_encode(text[:start])), len(lm.tok_encode(text[:end])))
+    rows, kept = [], lead_module.order_key
+    for variant in variants:
+        lead_module.order_key = widened(variant, needle, cache.lead.archive.page_size)
+        cache.restore(state)
+        cache.lead.pages = int(re.sub(r"\D", "", variant))
+        logits, stats = prefill(lm.model, cache, [NewChunk(question)], lm.settings.chunk)
+        stats.reraise()
+        row = ranking(lm, cache, text, text_ids, sample, show)
+        streamer, answer = TextStreamer(lm.tokenizer), ""
+        until = gen_kwargs.get("until") or []
+        for token in generate_ids(lm.model, cache, logits, Sampling(max_new_tokens=32), {lm.eot_token_id}):
+            answer += streamer.push(token)
+            if any(stop in answer for stop in until):
+                break
+        for stop in until:
+            answer = answer.split(stop)[0]
+        values = targets_of(sample)
+        score = sum(value.lower() in answer.lower() for value in values) / len(values)
+        rows.append(
+            {"variant": variant, **row, "answer": answer[:60], "score": score, "read_s": round(read, 1)}
+        )
+    lead_module.order_key = kept
+    cache.close()
+    return rows
+
+
+def ranking(lm, cache, text: str, text_ids: list[int], sample: dict, show: int) -> dict:
+    """Where the lead ranks each needle line of `sample` after the question's read, and its first pages."""
+    lead = cache.lead
+    ranked = lead.ranked().tolist()
+    top = lead.archive.carried[lead.head, ranked[0]].clamp_min(1e-30) if ranked else 1.0
+    size = lead.archive.page_size
+    index = lead.archive.token_index.view(lead.archive.pages, size)
+    rank_of_token = {}
+    for rank, page in enumerate(ranked):
+        for token in index[page].tolist():
+            rank_of_token.setdefault(token, rank)
+
+    def tokens_before(char: int) -> int:
+        return len(lm.tok_encode(text[:char]))
+
+    needles = []
+    for value in targets_of(sample):
+        for start, end in line_spans(text, value):
+            first, last = tokens_before(start), tokens_before(end)
+            ranks = [rank_of_token[t] for t in range(first, last) if t in rank_of_token]
+            needles.append(
+                {
+                    "value": value,
+                    "tokens": [first, last],
+                    "depth": round(first / len(text_ids), 3),
+                    "rank": min(ranks) if ranks else None,  # None: no page of the line ranked (not archived)
+                }
+            )
+    shown = []
+    for page in ranked[:show]:
+        ids = [t for t in index[page].tolist() if 0 <= t < len(text_ids)]
+        if ids:
+            shown.append({"first": ids[0], "text": lm.tok_decode([text_ids[t] for t in ids])})
+    return {
+        "doc_id": sample["doc_id"],
+        "lead": [lead.layer, lead.head],
+        "lead_pages": lead.pages,
+        # the lead's carried scores of its 12 best pages, as shares of the best one's
+        "scores": [round(v, 3) for v in (lead.archive.carried[lead.head, ranked[:12]] / top).tolist()],
+        "needles": needles,
+        "first_pages": shown,
+        "lm_eval_answered": sample["resps"][0][0][:40],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("samples", help="an lm-eval --log_samples file of a generate_until task")
+    parser.add_argument("--limit", type=int, default=0, help="the first N documents (0: all)")
+    parser.add_argument("--show", type=int, default=8, help="print what the lead's first N pages hold")
+    parser.add_argument("--model_args", default="policy=recall,budget=819,threads=1")
+    parser.add_argument("--variants", default="p8", help="comma-separated lead choices (see above)")
+    args = parser.parse_args()
+    from h2o_cli.eval.lm_eval_model import H2OLM
+
+    model_args = dict(item.split("=", 1) for item in args.model_args.split(","))
+    lm = H2OLM(**model_args)
+    with open(args.samples) as file:
+        samples = [json.loads(line) for line in file]
+    for sample in samples[: args.limit or None]:
+        with torch.inference_mode():
+            for row in probe(lm, sample, args.show, args.variants.split(",")):
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
