@@ -4,8 +4,8 @@ own documents, read as `h2o lm-eval` reads them past the window.
 Each document of an lm-eval samples file (`--log_samples` output of `h2o lm-eval ... --tasks niah_multikey_2`)
 is read through a fresh cache exactly as `H2OLM.generate_until` reads it (the text, then its last line as a
 question, `NewChunk`), and after the question's read the lead head's page ranking (`LeadRanking.ranked`) is
-looked at: the rank of the best page that holds a token of each needle line the answer needs (the line holding
-the target value), and what the lead's first `--show` pages hold (the needle keys on them). A miss whose needle
+looked at: the rank of the best page that holds a token of each needle the answer needs (the sentence holding
+a target value), and what the lead's first `--show` pages hold (the needle keys on them). A miss whose needle
 page ranks past the lead's `pages` is the ranking's; one inside it is the answer's (the model copied another
 line it could read). Prints one JSON line per document and variant.
 
@@ -40,12 +40,15 @@ def targets_of(sample: dict) -> list[str]:
 
 
 def line_spans(text: str, value: str) -> list[tuple[int, int]]:
-    """Character spans of every line of `text` that holds `value`."""
+    """Character spans of every sentence of `text` that holds `value`: from the line or sentence start before
+    it (a newline, or ". ") to the end of its line or the first ". " after it (RULER's needles are one sentence
+    each, in a line of their own or inside an essay's paragraph)."""
     spans = []
     for found in re.finditer(re.escape(value), text):
-        start = text.rfind("\n", 0, found.start()) + 1
-        end = text.find("\n", found.end())
-        spans.append((start, len(text) if end < 0 else end))
+        start = max(text.rfind("\n", 0, found.start()) + 1, text.rfind(". ", 0, found.start()) + 2)
+        line_end, stop = text.find("\n", found.end()), text.find(". ", found.end())
+        ends = [at for at in (line_end, stop + 1 if stop >= 0 else -1) if at >= 0]
+        spans.append((start, min(ends) if ends else len(text)))
     return spans
 
 
@@ -126,7 +129,7 @@ def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
 
 
 def ranking(lm, cache, text: str, text_ids: list[int], sample: dict, show: int) -> dict:
-    """Where the lead ranks each needle line of `sample` after the question's read, and its first pages."""
+    """Where the lead ranks each needle of `sample` after the question's read, and its first pages."""
     lead = cache.lead
     ranked = lead.ranked().tolist()
     top = lead.archive.carried[lead.head, ranked[0]].clamp_min(1e-30) if ranked else 1.0

@@ -37,11 +37,15 @@ def test_targets_are_read_from_the_logged_string_list(probe):
     assert probe.targets_of({"target": "5"}) == ["5"]
 
 
-def test_the_line_holding_a_value_is_found_whole(probe):
+def test_the_sentence_holding_a_value_is_found_whole(probe):
     text = "intro\nkey a is: 111.\nkey b is: 222.\nkey c is: 111."
     spans = probe.line_spans(text, "111")
     assert [text[start:end] for start, end in spans] == ["key a is: 111.", "key c is: 111."]
     assert probe.line_spans(text, "333") == []
+    essay = "Essays go on. And on. One of the special magic numbers for x-y is: 123. More text. Yes"
+    assert [essay[a:b] for a, b in probe.line_spans(essay, "123")] == [
+        "One of the special magic numbers for x-y is: 123."
+    ]
 
 
 def test_the_plain_variant_is_the_lead_ranking(probe):
