@@ -148,12 +148,17 @@ def ranking(lm, cache, text: str, text_ids: list[int], sample: dict, show: int) 
         for start, end in line_spans(text, value):
             first, last = tokens_before(start), tokens_before(end)
             ranks = [rank_of_token[t] for t in range(first, last) if t in rank_of_token]
+            at = text.index(value, start)
+            value_tokens = (tokens_before(at), tokens_before(at + len(value)) - 1)  # its first and last token
             needles.append(
                 {
                     "value": value,
                     "tokens": [first, last],
                     "depth": round(first / len(text_ids), 3),
                     "rank": min(ranks) if ranks else None,  # None: no page of the line ranked (not archived)
+                    # the ranks of the pages holding the value's first and last token (a page boundary may
+                    # split the value: the answer then needs both pages)
+                    "value_ranks": [rank_of_token.get(t) for t in value_tokens],
                 }
             )
     shown = []
