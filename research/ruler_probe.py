@@ -182,6 +182,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("samples", help="an lm-eval --log_samples file of a generate_until task")
     parser.add_argument("--limit", type=int, default=0, help="the first N documents (0: all)")
+    parser.add_argument("--skip", type=int, default=0, help="start after the first N documents")
     parser.add_argument("--show", type=int, default=8, help="print what the lead's first N pages hold")
     parser.add_argument("--model_args", default="policy=recall,budget=819,threads=1")
     parser.add_argument("--variants", default="p8", help="comma-separated lead choices (see above)")
@@ -192,7 +193,7 @@ def main() -> None:
     lm = H2OLM(**model_args)
     with open(args.samples) as file:
         samples = [json.loads(line) for line in file]
-    for sample in samples[: args.limit or None]:
+    for sample in samples[args.skip :][: args.limit or None]:
         with torch.inference_mode():
             for row in probe(lm, sample, args.show, args.variants.split(",")):
                 print(json.dumps(row), flush=True)
