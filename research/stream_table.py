@@ -2,8 +2,8 @@
 
 Each file is one run, named `BOOK_POLICY_BUDGET.json` (`BUDGET` as given to `--budget`: a fraction of the window,
 or a token count). Rows are policies, columns the fractions; a run whose budget is a token count (`local
-32512`, `full 32768`) is a row of its own. The best perplexity of each column is bold; a missing run is "–".
-Nothing is typed in by hand.
+32512`, `full 32768`) is a row of its own, its one figure in the first column. The best perplexity of each
+column is bold; a missing run is "–". Nothing is typed in by hand.
 
     python -m research.stream_table docs/results/gemma3_stream100k
 """
@@ -47,9 +47,10 @@ def table(runs: dict[tuple[str, str], dict]) -> list[str]:
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     for policy, b in counted:
         run = runs[policy, b]
+        cells = [f"{run['ppl']:.3f} (one run, not a fraction)"] + [""] * (len(fractions) - 1)
         lines.append(
             f"| {policy}, {run['budget_tokens']:,} tokens, over {run['tokens']:,} | "
-            + " | ".join([f"{run['ppl']:.3f}"] * len(fractions))
+            + " | ".join(cells)
             + " |"
         )
     return lines
