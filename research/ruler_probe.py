@@ -2,20 +2,21 @@
 own documents, read as `h2o lm-eval` reads them past the window.
 
 Each document of an lm-eval samples file (`--log_samples` output of `h2o lm-eval ... --tasks niah_multikey_2`)
-is read through a fresh cache exactly as `H2OLM.generate_until` reads it (the text, then its last line as a
-question, `NewChunk`), and after the question's read the lead head's page ranking (`LeadRanking.ranked`) is
-looked at: the rank of the best page that holds a token of each needle the answer needs (the sentence holding
-a target value), and what the lead's first `--show` pages hold (the needle keys on them). A miss whose needle
-page ranks past the lead's `pages` is the ranking's; one inside it is the answer's (the model copied another
-line it could read). Prints one JSON line per document and variant.
+is read through a fresh cache as `H2OLM.generate_until` reads it (the text, then its last line as a question,
+`NewChunk`), and after the question's read the lead head's page ranking (`LeadRanking.ranked`) is looked at:
+for each needle the answer needs (the sentence holding a target value), the rank of its best page and of the
+pages holding the value's first and last token (a page boundary may split a value); what the lead's first
+`--show` pages hold; the lead's carried scores of its best pages. A miss whose needle ranks past the lead's
+`pages` is the ranking's; one inside it is the answer's. Prints one JSON line per document and variant.
 
 `--variants` asks each document under several lead choices from one read of its text (the cache's state kept
-after the text, put back before each question): `pN` the lead's N best pages (p8 is the default); `beforeN`
-the same, each page ranked just below the page after it too (a hit brings the page before it: the start of
-its line); `afterN` below the page before it (a hit brings the page after it: the rest of its value);
-`aroundN` a page ranked just below either neighbour; `oracleN` the pages holding the asked line first
-(whatever their score), then the lead's order: what the answer would be if the ranking never missed. The answer is greedy, cut as lm-eval cuts it;
-`score` is RULER's (the share of the target values in the answer).
+after the text, put back before each question, so an answer may differ from lm-eval's run's): `pN` the lead's
+N best pages (p8 is the default); `beforeN` the same, each page ranked just below the page after it too (a hit
+brings the page before it: the start of its line); `afterN` below the page before it (a hit brings the page
+after it: the rest of its value); `aroundN` a page ranked just below either neighbour; `oracleN` the pages
+holding the asked line first (whatever their score), then the lead's order: what the answer would be if the
+ranking never missed. The answer is greedy, at most 32 tokens, cut at the task's stop strings; `score` is
+RULER's (the share of the target values in the answer).
 
     python -m research.ruler_probe /work/runs/ruler/recall_32k_a/out/*/samples_niah_multikey_2_*.jsonl \
         --limit 6 --model_args policy=recall,budget=819,threads=1 --variants p8,p16,before16,around24
