@@ -70,7 +70,6 @@ def widened(variant: str, needle: tuple[int, int] = (0, 0), size: int = 16):
         return forced
 
     def key(score, page_start, candidate):
-        score = score.clone()
         shifted = torch.zeros_like(score)
         if not variant.startswith("after"):
             shifted[:-1] = score[1:] * 0.999  # the page after's score, just below it
@@ -82,9 +81,32 @@ def widened(variant: str, needle: tuple[int, int] = (0, 0), size: int = 16):
     return key
 
 
+def needles_of(lm, text: str, text_ids: list[int], sample: dict) -> list[dict]:
+    """Each needle the answer needs (every sentence of `text` holding a target value): its value, its token span
+    [first, last), its depth in the text and the indices of the value's first and last token."""
+
+    def tokens_before(char: int) -> int:
+        return len(lm.tok_encode(text[:char]))
+
+    needles = []
+    for value in targets_of(sample):
+        for start, end in line_spans(text, value):
+            first, last = tokens_before(start), tokens_before(end)
+            at = text.index(value, start)
+            needles.append(
+                {
+                    "value": value,
+                    "tokens": [first, last],
+                    "depth": round(first / len(text_ids), 3),
+                    "value_tokens": [tokens_before(at), tokens_before(at + len(value)) - 1],
+                }
+            )
+    return needles
+
+
 def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
     from h2o_cli.cache.recall import lead as lead_module
-    from h2o_cli.generation import Sampling, TextStreamer, generate_ids
+    from h2o_cli.eval.scoring import greedy_continuation
     from h2o_cli.prompting import NewChunk
     from h2o_cli.streaming import prefill
 
@@ -100,9 +122,8 @@ def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
     stats.reraise()
     read = time.perf_counter() - started
     state = cache.state()
-    value = targets_of(sample)[0]
-    start, end = line_spans(text, value)[0]
-    needle = (len(lm.tok_encode(text[:start])), len(lm.tok_encode(text[:end])))
+    needles, values = needles_of(lm, text, text_ids, sample), targets_of(sample)
+    needle = tuple(needles[0]["tokens"])  # the first target's first sentence: what `oracleN` ranks first
     rows, kept = [], lead_module.order_key
     for variant in variants:
         lead_module.order_key = widened(variant, needle, cache.lead.archive.page_size)
@@ -110,16 +131,11 @@ def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
         cache.lead.pages = int(re.sub(r"\D", "", variant))
         logits, stats = prefill(lm.model, cache, [NewChunk(question)], lm.settings.chunk)
         stats.reraise()
-        row = ranking(lm, cache, text, text_ids, sample, show)
-        streamer, answer = TextStreamer(lm.tokenizer), ""
+        row = ranking(lm, cache, text_ids, needles, sample, show)
         until = gen_kwargs.get("until") or []
-        for token in generate_ids(lm.model, cache, logits, Sampling(max_new_tokens=32), {lm.eot_token_id}):
-            answer += streamer.push(token)
-            if any(stop in answer for stop in until):
-                break
-        for stop in until:
-            answer = answer.split(stop)[0]
-        values = targets_of(sample)
+        answer = greedy_continuation(
+            lm.model, lm.tokenizer, cache, logits, 32, [until] if isinstance(until, str) else until
+        )
         score = sum(value.lower() in answer.lower() for value in values) / len(values)
         rows.append(
             {"variant": variant, **row, "answer": answer[:60], "score": score, "read_s": round(read, 1)}
@@ -129,8 +145,8 @@ def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
     return rows
 
 
-def ranking(lm, cache, text: str, text_ids: list[int], sample: dict, show: int) -> dict:
-    """Where the lead ranks each needle of `sample` after the question's read, and its first pages."""
+def ranking(lm, cache, text_ids: list[int], needles: list[dict], sample: dict, show: int) -> dict:
+    """Where the lead ranks each of `needles` (`needles_of`) after the question's read, and its first pages."""
     lead = cache.lead
     ranked = lead.ranked().tolist()
     top = lead.archive.carried[lead.head, ranked[0]].clamp_min(1e-30) if ranked else 1.0
@@ -140,28 +156,19 @@ def ranking(lm, cache, text: str, text_ids: list[int], sample: dict, show: int) 
     for rank, page in enumerate(ranked):
         for token in index[page].tolist():
             rank_of_token.setdefault(token, rank)
-
-    def tokens_before(char: int) -> int:
-        return len(lm.tok_encode(text[:char]))
-
-    needles = []
-    for value in targets_of(sample):
-        for start, end in line_spans(text, value):
-            first, last = tokens_before(start), tokens_before(end)
-            ranks = [rank_of_token[t] for t in range(first, last) if t in rank_of_token]
-            at = text.index(value, start)
-            value_tokens = (tokens_before(at), tokens_before(at + len(value)) - 1)  # its first and last token
-            needles.append(
-                {
-                    "value": value,
-                    "tokens": [first, last],
-                    "depth": round(first / len(text_ids), 3),
-                    "rank": min(ranks) if ranks else None,  # None: no page of the line ranked (not archived)
-                    # the ranks of the pages holding the value's first and last token (a page boundary may
-                    # split the value: the answer then needs both pages)
-                    "value_ranks": [rank_of_token.get(t) for t in value_tokens],
-                }
-            )
+    ranked_needles = []
+    for needle in needles:
+        first, last = needle["tokens"]
+        ranks = [rank_of_token[t] for t in range(first, last) if t in rank_of_token]
+        ranked_needles.append(
+            {
+                **{key: needle[key] for key in ("value", "tokens", "depth")},
+                "rank": min(ranks) if ranks else None,  # None: no page of the sentence ranked (not archived)
+                # the ranks of the pages holding the value's first and last token (a page boundary may split
+                # the value: the answer then needs both pages)
+                "value_ranks": [rank_of_token.get(t) for t in needle["value_tokens"]],
+            }
+        )
     shown = []
     for page in ranked[:show]:
         ids = [t for t in index[page].tolist() if 0 <= t < len(text_ids)]
@@ -173,7 +180,7 @@ def ranking(lm, cache, text: str, text_ids: list[int], sample: dict, show: int) 
         "lead_pages": lead.pages,
         # the lead's carried scores of its 12 best pages, as shares of the best one's
         "scores": [round(v, 3) for v in (lead.archive.carried[lead.head, ranked[:12]] / top).tolist()],
-        "needles": needles,
+        "needles": ranked_needles,
         "first_pages": shown,
         "lm_eval_answered": sample["resps"][0][0][:40],
     }

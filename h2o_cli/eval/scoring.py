@@ -175,6 +175,14 @@ def greedy_answer(
     --prompt` reads one: a `recall` cache chooses with their queries)."""
     logits, stats = prefill(model, cache, [list(context), NewChunk(question)], chunk)
     stats.reraise()
+    return greedy_continuation(model, tokenizer, cache, logits, max_new_tokens, until)
+
+
+def greedy_continuation(
+    model, tokenizer, cache: H2OCache, logits: torch.Tensor, max_new_tokens: int, until: Sequence[str] = ()
+) -> str:
+    """`greedy_answer` after its read: greedy text from `logits` (the cache has read the prompt), cut at the
+    first stop string (or the tokenizer's end token)."""
     streamer = TextStreamer(tokenizer)
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     text = ""
