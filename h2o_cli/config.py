@@ -103,6 +103,7 @@ class CacheSettings:
     recall_layers: str = "all"  # recall: the layers that recall (e.g. 6,17,18,20-23); the others keep S alone
     recall_lead: str = "auto"  # recall: after a question, every head recalls one head's best pages
     lead_pages: int = 8  # recall, --recall-lead: how many of the lead head's best pages every head recalls
+    lead_next: int = 1  # recall, --recall-lead: pages after each of them that come too (a cut line's rest)
     lead_text: bool = True  # recall, --recall-lead: text recalls the lead's best pages too (chat: off)
     page_score: str = "attention"  # recall: pages ranked by the attention they get, or by summary bounds (positional, unrotated)
     archive_max: int | str = (
@@ -156,6 +157,7 @@ class CacheSettings:
             self.recall_layers,
             self.recall_lead,
             self.lead_pages,
+            self.lead_next,
         )
         if self.is_resolved:
             make_policy(self)  # the policy checks its own parameters (budget, split, sinks, ...)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 import typer
@@ -41,14 +42,31 @@ def lead_settings(kernels: str = "torch", lead_text: bool = False, **extra) -> C
 
 
 def expected_tokens(
-    ring: list[int], scores: list[float], resident, before: int, slots: int, pages: int | None, size: int
-):
+    ring: list[int], scores: list[float], resident, before: int, slots: int, pages: int | None, size: int,
+    follow: int = 0, lead_ring: list[int] | None = None,
+):  # fmt: skip
     """Each head's recalled token indices by the contract, in plain Python: ring pages holding a page (its first
-    slot written) with a positive lead score and, for some head, a candidate (an archived token older than
-    `before` not in that head's S), by score (ties: the older page), the best `pages` (None, `--lead-text`'s
-    fill: as many as fill every head's slots, so all of them); each head's candidates of them in that order,
-    oldest first in a page, the first `slots`."""
+    slot written) with a positive score and, for some head, a candidate (an archived token older than `before`
+    not in that head's S), by score (ties: the older page), the best `pages` (None, `--lead-text`'s fill: as
+    many as fill every head's slots, so all of them); each head's candidates of them in that order, oldest
+    first in a page, the first `slots`. A page's score: the larger of its lead score and 0.999^k times the lead
+    score of the page whose first token is k · `size` tokens before its own, k = 1 .. `follow` (float32). Pages
+    are ranked as the lead's ring `lead_ring` holds them (a layer before the lead has archived this step's
+    tokens, the lead not yet), their candidates are the calling layer's `ring`'s."""
     heads = [set(row) - {-1} for row in resident]
+    start = [(lead_ring or ring)[page * size] for page in range(len(ring) // size)]
+    first = {token: page for page, token in enumerate(start) if token != -1}
+    widened = [
+        max(
+            [np.float32(scores[page])]
+            + [
+                np.float32(scores[first[start[page] - back * size]]) * np.float32(0.999**back)
+                for back in range(1, follow + 1)
+                if start[page] - back * size in first
+            ]
+        )
+        for page in range(len(ring) // size)
+    ]
 
     def candidate(slot: int, head: int) -> bool:
         return 0 <= ring[slot] < before and ring[slot] not in heads[head]
@@ -56,15 +74,15 @@ def expected_tokens(
     ranked = [
         page
         for page in range(len(ring) // size)
-        if ring[page * size] != -1
-        and scores[page] > 0
+        if start[page] != -1
+        and widened[page] > 0
         and any(
             candidate(slot, head)
             for slot in range(page * size, page * size + size)
             for head in range(len(heads))
         )
     ]
-    ranked.sort(key=lambda page: (-scores[page], ring[page * size]))
+    ranked.sort(key=lambda page: (-widened[page], start[page]))
     top = ranked if pages is None else ranked[:pages]
     return [
         [
@@ -92,6 +110,7 @@ def answer_with_lead(
             dict(
                 lead=archive is self.archive, ready=self.ready, before=before, slots=slots,
                 ring=archive.token_index.tolist(), scores=self.archive.carried[self.head].tolist(),
+                lead_ring=self.archive.token_index.tolist(),
                 resident=resident.tolist(), chosen=[[t for t in row if t >= 0] for row in tokens.tolist()],
                 c_step=False, fill=fill,
             )
@@ -105,7 +124,7 @@ def answer_with_lead(
         lead = layer.lead
         record = dict(
             lead=layer.archive is lead.archive, ready=lead.ready, before=store.tokens_seen,
-            slots=self.recall, ring=layer.archive.token_index.tolist(),
+            slots=self.recall, ring=layer.archive.token_index.tolist(), lead_ring=lead.archive.token_index.tolist(),
             scores=lead.archive.carried[lead.head].tolist(), resident=resident.tolist(), c_step=True,
             fill=layer.lead_mode is LeadMode.FILL,
         )  # fmt: skip
@@ -126,12 +145,16 @@ def answer_with_lead(
     return calls, cache, answer
 
 
+@pytest.mark.parametrize(("follow", "archive_max"), [(0, 512), (1, 512), (2, 512), (2, 96)])
 @pytest.mark.parametrize("kernels", ["torch", "native"])
-def test_every_head_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch, kernels):
+def test_every_head_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch, kernels, follow, archive_max):
+    """`--lead-pages 3` and `--lead-next` 0 to 2: the best 3 · (1 + N) pages, each page ranked by the larger of
+    its score and its N predecessors' (just below each); 20 recall slots, pages of 4; an archive of 96 tokens
+    has wrapped its ring (a page's predecessor may be the ring's last page)."""
     if kernels == "native" and native.compiler() is None:
         pytest.skip("no C compiler")
     _, model = tiny_pair
-    settings = lead_settings(kernels)
+    settings = replace(lead_settings(kernels, lead_next=follow), archive_max=archive_max)
     calls, cache, answer = answer_with_lead(model, settings, monkeypatch)
     slots = cache.policy.recall_slots
     # The text chooses as ever; the question (read twice) and each answer step ask the lead, in both layers.
@@ -142,7 +165,10 @@ def test_every_head_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch, ke
     for number, call in enumerate(calls):
         if not call["ready"]:
             continue
-        wanted = expected_tokens(call["ring"], call["scores"], call["resident"], call["before"], slots, 3, 4)
+        wanted = expected_tokens(
+            call["ring"], call["scores"], call["resident"], call["before"], slots, 3 * (1 + follow), 4, follow,
+            call["lead_ring"],
+        )  # fmt: skip
         assert call["chosen"] == wanted, number
         recalled += sum(map(len, wanted))
         if not call["lead"]:  # layer 0 reads the lead layer's ranking of the call before
@@ -192,7 +218,7 @@ def test_with_lead_text_every_chunk_of_text_recalls_the_lead_heads_best_pages(ti
         assert call["ready"] and call["before"] == number * settings.chunk
         assert call["scores"] == ranked[number - 1], number  # the lead layer's ranking of the chunk before
         wanted = expected_tokens(
-            call["ring"], call["scores"], call["resident"], call["before"], slots, None, 4
+            call["ring"], call["scores"], call["resident"], call["before"], slots, None, 4, 1
         )
         assert call["chosen"] == wanted, number
         recalled += sum(map(len, wanted))
@@ -223,7 +249,7 @@ def test_with_lead_text_the_steps_that_continue_a_text_fill_from_the_lead_heads_
     assert [call["lead"] for call in steps] == [False, True] * ANSWER and all(c["fill"] for c in steps)
     for number, call in enumerate(steps):
         wanted = expected_tokens(
-            call["ring"], call["scores"], call["resident"], call["before"], slots, None, 4
+            call["ring"], call["scores"], call["resident"], call["before"], slots, None, 4, 1
         )
         assert call["chosen"] == wanted, number
     assert all(len(row) == slots for call in steps for row in call["chosen"])  # every slot filled
@@ -264,6 +290,7 @@ def test_the_c_step_recalls_as_the_torch_step(tiny_pair, monkeypatch):
         ),
         (dict(recall_lead="1.1", page_carry=0.0), "it needs --page-score attention and --page-carry"),
         (dict(recall_lead="1.1", lead_pages=0), "--lead-pages 0 must be at least 1"),
+        (dict(recall_lead="1.1", lead_next=-1), "--lead-next -1 must be at least 0"),
     ],
 )
 def test_bad_lead_settings_are_usage_errors(values, words):

@@ -148,7 +148,7 @@ def lead_ranking(model, layers: list[H2OLayer], policy, shape: ModelShape) -> Le
             f"--recall-lead {policy.recall_lead}: layer {lead[0]} attends over a sliding window and keeps no "
             "archive; name a head of a global layer"
         )
-    ranking = LeadRanking(layers[lead[0]].archive, lead[1], policy.lead_pages, lead[0])
+    ranking = LeadRanking(layers[lead[0]].archive, lead[1], policy.lead_pages, lead[0], policy.lead_next)
     for layer in layers:
         layer.follow(ranking)
     return ranking

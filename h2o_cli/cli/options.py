@@ -151,6 +151,7 @@ CACHE_OPTIONS = {
     "recall_layers": recall.RecallLayers,
     "recall_lead": recall.RecallLead,
     "lead_pages": recall.LeadPages,
+    "lead_next": recall.LeadNext,
     "lead_text": recall.LeadText,
     "page_score": recall.PageScore,
     "archive_max": recall.ArchiveMax,

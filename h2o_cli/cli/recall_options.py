@@ -113,6 +113,16 @@ LeadPages = Annotated[
         rich_help_panel=ADVANCED_RECALL,
     ),
 ]
+LeadNext = Annotated[
+    int,
+    typer.Option(
+        "--lead-next",
+        help="recall, --recall-lead: each of the lead head's best pages brings the N pages after it too (the "
+        "rest of a line or a number a page boundary cut), so every head recalls --lead-pages × (1 + N) pages; "
+        "0: the best pages only.",
+        rich_help_panel=ADVANCED_RECALL,
+    ),
+]
 LeadText = Annotated[
     bool,
     typer.Option(

@@ -40,6 +40,7 @@ class RecallPolicy(HeavyHitterPolicy):
     recall_layers: str = "all"
     recall_lead: str = "auto"
     lead_pages: int = 8
+    lead_next: int = 1
     lead_text: bool = True
 
     def __post_init__(self) -> None:
@@ -58,6 +59,7 @@ class RecallPolicy(HeavyHitterPolicy):
             recall_layers=self.recall_layers,
             recall_lead=self.recall_lead,
             lead_pages=self.lead_pages,
+            lead_next=self.lead_next,
         )
         super().__post_init__()
         if self.resident < 2:

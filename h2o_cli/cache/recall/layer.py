@@ -227,7 +227,7 @@ class RecallLayer(H2OLayer):
         if self.lead_mode is not LeadMode.OWN:
             self._lead_scores(query, call, buffers.scores)
             ranked = self.lead.ranked()
-            pages = len(ranked) if self.lead_mode is LeadMode.FILL else self.lead.pages
+            pages = len(ranked) if self.lead_mode is LeadMode.FILL else self.lead.count
             recalled, hits = buffers.lead_choose(ranked, pages)
         else:
             bounds = buffers.scores.bounds(self._step_page_query(query, call.cos, call.sin))

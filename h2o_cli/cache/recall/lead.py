@@ -16,33 +16,53 @@ from h2o_cli.cache.recall.archive import NOTHING, PageArchive, order_key
 
 class LeadRanking:
     """The lead head's page ranking: KV head `head` of the layer whose archive is `archive` ranks ring pages
-    by its carried attention scores (`PageArchive.carried`), and every recalling head takes its candidates of
-    the best `pages` of them; `layer` is that layer's number.
+    by its carried attention scores (`PageArchive.carried`), each page followed by the `follow` pages after
+    it, and every recalling head takes its candidates of the best `count` = `pages` · (1 + `follow`) of them;
+    `layer` is that layer's number.
 
     A layer below the lead reads the ranking of the lead layer's latest call (the question's first read, or
     the answer step before); `ready` is False from a new question until the lead layer has read it, and a
     layer recalls nothing while it is."""
 
-    def __init__(self, archive: PageArchive, head: int, pages: int, layer: int = 0) -> None:
-        self.archive, self.head, self.pages, self.layer = archive, head, pages, layer
+    def __init__(self, archive: PageArchive, head: int, pages: int, layer: int = 0, follow: int = 0) -> None:
+        self.archive, self.head, self.pages, self.layer, self.follow = archive, head, pages, layer, follow
         self.ready = False
         self._ranked: tuple[tuple[int, int, int], torch.Tensor] | None = None  # (the lead's state, `ranked`)
 
+    @property
+    def count(self) -> int:
+        """Pages every head takes its candidates from after a question: `pages` · (1 + `follow`)."""
+        return self.pages * (1 + self.follow)
+
+    def key(self, used: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The ranking as one int64 for each of the first `used` ring pages (`order_key`: larger first; pages
+        out of it last).
+
+        A page's score is the larger of its carried score and 0.999^k times that of the page k ≤ `follow`
+        pages before it in the text (the ring page before it, holding the tokens just before its own), so a
+        page follows the page before it, and the tokens a page boundary cut from a line come with it. A page
+        is ranked if its first slot is written and that score is positive."""
+        lead = self.archive
+        page_start = lead.token_index.view(lead.pages, lead.page_size)[:used, 0].to(device)
+        own = lead.carried[self.head, :used].to(device)
+        score = own
+        for back in range(1, min(self.follow, used - 1) + 1):
+            earlier = page_start.roll(back)  # ring page j - back: the text's page `back` before j if it joins
+            joined = (earlier != NOTHING) & (earlier + back * lead.page_size == page_start)
+            score = torch.where(joined, torch.maximum(score, own.roll(back) * 0.999**back), score)
+        return order_key(score, page_start, (page_start != NOTHING) & (score > 0))
+
     def ranked(self) -> torch.Tensor:
-        """The lead's ring pages with a written first slot and a positive carried score, best first (the larger
-        score; ties: the older page): [n] int64, empty while the ranking is not `ready`. Sorted once per state
-        of the lead's archive (tokens written, scores carried, epoch), so one sort serves every layer: the C
-        step's `RecallCStep.lead_choose` takes the first of them that hold a candidate, as `choose` does."""
+        """The lead's ring pages `key` ranks, best first (the larger score; ties: the older page): [n] int64,
+        empty while the ranking is not `ready`. Sorted once per state of the lead's archive (tokens written,
+        scores carried, epoch), so one sort serves every layer: the C step's `RecallCStep.lead_choose` takes
+        the first of them that hold a candidate, as `choose` does."""
         lead = self.archive
         if not self.ready:
             return torch.empty(0, dtype=torch.int64)
         state = (lead.epoch, lead.tokens, lead.scored)
         if self._ranked is None or self._ranked[0] != state:
-            used = lead.span // lead.page_size
-            page_start = lead.token_index.view(lead.pages, lead.page_size)[:used, 0]
-            score = lead.carried[self.head, :used]
-            key = order_key(score, page_start, (page_start != NOTHING) & (score > 0))
-            values, pages = torch.sort(key, descending=True)
+            values, pages = torch.sort(self.key(lead.span // lead.page_size), descending=True)
             self._ranked = (state, pages[values > torch.iinfo(torch.int64).min].contiguous())
         return self._ranked[1]
 
@@ -61,16 +81,13 @@ class LeadRanking:
         Returns archive slots [n_kv_heads, slots] and which of them hold a chosen token, as `PageArchive.choose`
         (all invalid while the ranking is not `ready`)."""
         n_kv, size, device = archive.n_kv_heads, archive.page_size, resident.device
-        want = -(-slots // size) if fill else self.pages
+        want = -(-slots // size) if fill else self.count
         chosen = torch.zeros(n_kv, slots, dtype=torch.int64, device=device)
         valid = torch.zeros(n_kv, slots, dtype=torch.bool, device=device)
         used = archive.span // size
         if not self.ready or not used or not slots:
             return chosen, valid
-        lead = self.archive
-        page_start = lead.token_index.view(lead.pages, size)[:used, 0]
-        score = lead.carried[self.head, :used].to(device)
-        key = order_key(score, page_start.to(device), (page_start != NOTHING).to(device) & (score > 0))
+        key = self.key(used, device)
         held = resident.sort(dim=1).values
         offsets = torch.arange(size, device=device)
         # The best pages rarely lack a candidate (the recent window, held by every head): look at a few more

@@ -116,10 +116,12 @@ def check_recall_options(
     recall_layers: str = "all",
     recall_lead: str = "none",
     lead_pages: int = 8,
+    lead_next: int = 0,
 ) -> None:
     """One-line usage errors for `--recall-ratio`, `--page-size`, `--archive-max`, `--archive`,
     `--archive-bits`, `--page-score`, `--block-size`, `--shortlist`, `--page-carry`, `--chunk-weight`,
-    `--choice-tokens`, `--step-shortlist`, `--recall-place`, `--recall-layers`, `--recall-lead`, `--lead-pages`
+    `--choice-tokens`, `--step-shortlist`, `--recall-place`, `--recall-layers`, `--recall-lead`, `--lead-pages`,
+    `--lead-next`
     (whatever the policy; the layers and the lead head against the model when the cache is built). A cap in bytes is checked
     against a page when the cache is built."""
     if not 0 <= recall_ratio <= 1:  # also NaN
@@ -164,6 +166,8 @@ def check_recall_options(
             )
     if lead_pages < 1:
         raise UsageError(f"--lead-pages {lead_pages} must be at least 1 (pages of the lead head's ranking)")
+    if lead_next < 0:
+        raise UsageError(f"--lead-next {lead_next} must be at least 0 (pages after each of the lead's pages)")
 
 
 def summary_block(page_size: int, block_size: int | None) -> int:
