@@ -11,15 +11,15 @@ pages holding the value's first and last token (a page boundary may split a valu
 
 `--variants` asks each document under several lead choices from one read of its text (the cache's state kept
 after the text, put back before each question, so an answer may differ from lm-eval's run's): `pN` the lead's
-N best pages (p8 is the default); `beforeN` the same, each page ranked just below the page after it too (a hit
-brings the page before it: the start of its line); `afterN` below the page before it (a hit brings the page
-after it: the rest of its value); `aroundN` a page ranked just below either neighbour; `oracleN` the pages
-holding the asked line first (whatever their score), then the lead's order: what the answer would be if the
-ranking never missed. The answer is greedy, at most 32 tokens, cut at the task's stop strings; `score` is
+N best pages alone (`--lead-pages N --lead-next 0`); `nextN` the N best with the page after each
+(`--lead-pages N --lead-next 1`; next8 is the default); `beforeN` N pages, each ranked just below the page
+after it too (a hit brings the page before it: the start of its line); `aroundN` a page ranked just below
+either neighbour; `oracleN` the pages holding the asked line first (whatever their score), then the lead's
+order: what the answer would be if the ranking never missed. The answer is greedy, at most 32 tokens, cut at the task's stop strings; `score` is
 RULER's (the share of the target values in the answer).
 
     python -m research.ruler_probe /work/runs/ruler/recall_32k_a/out/*/samples_niah_multikey_2_*.jsonl \
-        --limit 6 --model_args policy=recall,budget=819,threads=1 --variants p8,p16,before16,around24
+        --limit 6 --model_args policy=recall,budget=819,threads=1 --variants p8,next8,before16,around24
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def widened(variant: str, needle: tuple[int, int] = (0, 0), size: int = 16):
     from h2o_cli.cache.recall.archive import NOTHING
     from h2o_cli.cache.recall.scores import order_key
 
-    if variant.startswith("p"):
+    if variant.startswith(("p", "next")):
         return order_key
     if variant.startswith("oracle"):
 
@@ -71,9 +71,8 @@ def widened(variant: str, needle: tuple[int, int] = (0, 0), size: int = 16):
 
     def key(score, page_start, candidate):
         shifted = torch.zeros_like(score)
-        if not variant.startswith("after"):
-            shifted[:-1] = score[1:] * 0.999  # the page after's score, just below it
-        if not variant.startswith("before"):
+        shifted[:-1] = score[1:] * 0.999  # the page after's score, just below it
+        if variant.startswith("around"):
             shifted[1:] = torch.maximum(shifted[1:], score[:-1] * 0.999)  # the page before's
         score = torch.maximum(score, shifted)
         return order_key(score, page_start, (page_start != NOTHING) & (score > 0))
@@ -128,7 +127,7 @@ def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
     for variant in variants:
         lead_module.order_key = widened(variant, needle, cache.lead.archive.page_size)
         cache.restore(state)
-        cache.lead.pages = int(re.sub(r"\D", "", variant))
+        cache.lead.pages, cache.lead.follow = int(re.sub(r"\D", "", variant)), int(variant.startswith("next"))
         logits, stats = prefill(lm.model, cache, [NewChunk(question)], lm.settings.chunk)
         stats.reraise()
         row = ranking(lm, cache, text_ids, needles, sample, show)
@@ -177,7 +176,7 @@ def ranking(lm, cache, text_ids: list[int], needles: list[dict], sample: dict, s
     return {
         "doc_id": sample["doc_id"],
         "lead": [lead.layer, lead.head],
-        "lead_pages": lead.pages,
+        "lead_pages": lead.count,
         # the lead's carried scores of its 12 best pages, as shares of the best one's
         "scores": [round(v, 3) for v in (lead.archive.carried[lead.head, ranked[:12]] / top).tolist()],
         "needles": ranked_needles,
@@ -193,7 +192,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=0, help="start after the first N documents")
     parser.add_argument("--show", type=int, default=8, help="print what the lead's first N pages hold")
     parser.add_argument("--model_args", default="policy=recall,budget=819,threads=1")
-    parser.add_argument("--variants", default="p8", help="comma-separated lead choices (see above)")
+    parser.add_argument("--variants", default="next8", help="comma-separated lead choices (see above)")
     args = parser.parse_args()
     from h2o_cli.eval.lm_eval_model import H2OLM
 

