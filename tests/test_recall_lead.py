@@ -409,3 +409,20 @@ def test_text_is_read_under_the_lead_by_default_except_in_chat():
     assert CacheSettings(budget=0.1).lead_text is True
     assert defaults.pop("chat") is False
     assert {"stream", "eval"} <= set(defaults) and all(default is True for default in defaults.values())
+
+
+def test_a_save_loaded_twice_is_ranked_afresh(tiny_pair, monkeypatch):
+    """The lead's ranking is sorted once per state of its archive (epoch, tokens, scores carried): a save loaded
+    again into the same cache is a new state, so a ranking asked under other settings is not the first load's."""
+    _, model = tiny_pair
+    _, cache, _ = answer_with_lead(model, lead_settings(lead_next=0), monkeypatch)
+    arrays = {name: tensor.clone() for name, tensor in cache.saved_arrays().items()}
+    counters = cache.saved_counters()
+    lead, rankings = cache.lead, []
+    for follow in (0, 3):
+        cache.load_saved(arrays, counters)
+        lead.follow = follow
+        rankings.append(lead.ranked().tolist())
+        lead._ranked = lead._key = None  # the same state, sorted from scratch
+        assert lead.ranked().tolist() == rankings[-1], follow
+    assert rankings[0] != rankings[1]

@@ -28,6 +28,7 @@ class LeadRanking:
         self.archive, self.head, self.pages, self.layer, self.follow = archive, head, pages, layer, follow
         self.ready = False
         self._ranked: tuple[tuple[int, int, int], torch.Tensor] | None = None  # (the lead's state, `ranked`)
+        self._key: tuple[tuple, torch.Tensor] | None = None  # ((the lead's state, used, device), `key`)
 
     @property
     def count(self) -> int:
@@ -41,8 +42,12 @@ class LeadRanking:
         A page's score is the larger of its carried score and 0.999^k times that of the page k ≤ `follow`
         pages before it in the text (the ring page before it, holding the tokens just before its own), so a
         page follows the page before it, and the tokens a page boundary cut from a line come with it. A page
-        is ranked if its first slot is written and that score is positive."""
+        is ranked if its first slot is written and that score is positive. Computed once per state of the
+        lead's archive, so the layers that read one ranking share it."""
         lead = self.archive
+        state = (lead.epoch, lead.tokens, lead.scored, used, str(device))
+        if self._key is not None and self._key[0] == state:
+            return self._key[1]
         page_start = lead.token_index.view(lead.pages, lead.page_size)[:used, 0].to(device)
         own = lead.carried[self.head, :used].to(device)
         score = own
@@ -50,7 +55,9 @@ class LeadRanking:
             earlier = page_start.roll(back)  # ring page j - back: the text's page `back` before j if it joins
             joined = (earlier != NOTHING) & (earlier + back * lead.page_size == page_start)
             score = torch.where(joined, torch.maximum(score, own.roll(back) * 0.999**back), score)
-        return order_key(score, page_start, (page_start != NOTHING) & (score > 0))
+        key = order_key(score, page_start, (page_start != NOTHING) & (score > 0))
+        self._key = (state, key)
+        return key
 
     def ranked(self) -> torch.Tensor:
         """The lead's ring pages `key` ranks, best first (the larger score; ties: the older page): [n] int64,
