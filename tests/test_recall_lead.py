@@ -322,10 +322,19 @@ def test_auto_is_the_models_calibrated_lead_where_pages_carry_attention(tiny_pai
     cache = H2OCache(model, settings)
     assert (cache.lead.layer, cache.lead.head) == (1, 0) and cache.lead.archive is cache.layers[1].archive
     assert all(layer.lead is cache.lead for layer in cache.layers)
-    assert cache.archive_summary().recall_lead == "1.0" and cache.archive_summary().lead_text is True
+    summary = cache.archive_summary()
+    assert (summary.recall_lead, summary.lead_pages, summary.lead_next, summary.lead_text) == (
+        "1.0",
+        8,
+        1,
+        True,
+    )
+    pages = H2OCache(model, replace(settings, lead_pages=3, lead_next=2)).archive_summary()
+    assert (pages.lead_pages, pages.lead_next) == (3, 2)
     assert H2OCache(model, replace(settings, lead_text=False)).archive_summary().lead_text is False
     with_none = replace(settings, lead_text=True, recall_lead="none")  # no lead: nothing leads the text
     assert H2OCache(model, with_none).archive_summary().lead_text is False
+    assert H2OCache(model, with_none).archive_summary().lead_next == 0  # nothing follows what no lead ranks
     for other in (
         dict(page_score="unrotated"),
         dict(page_carry=0.0),
