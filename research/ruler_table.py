@@ -9,6 +9,11 @@ document scored twice in a cell (a run repeated) counts once, its latest score. 
 lm-eval's RULER metric at the document's own length (the other lengths' keys hold -1). The interval is
 Wilson's when every score is 0 or 1, else a percentile bootstrap over documents (10,000 resamples, seed 0):
 the multi-value tasks score the share of values found.
+
+`--paired A,B` adds, per task, how many documents both cells scored and in how many A scored above B and
+below it. `--keep DIR` writes each cell's samples files to DIR/NAME/ without the documents' text (lm-eval
+logs each 32K-token document twice, ~6 MB a cell): what the table reads, small enough to keep in the tree,
+and read back by this script like an output folder.
 """
 
 from __future__ import annotations
@@ -47,6 +52,42 @@ def interval(values: list[float], resamples: int = 10_000, seed: int = 0) -> tup
     return float(np.quantile(draws, 0.025)), float(np.quantile(draws, 0.975))
 
 
+def paired(cells: dict[str, dict[str, dict[int, float]]], first: str, second: str) -> str:
+    """One line per task both cells hold: the documents both scored, in how many `first` scored above
+    `second` and below it, and both means over those documents."""
+    lines = []
+    for task in sorted(set(cells[first]) & set(cells[second])):
+        a, b = cells[first][task], cells[second][task]
+        both = sorted(set(a) & set(b))
+        if not both:
+            continue
+        up = sum(a[doc] > b[doc] for doc in both)
+        down = sum(a[doc] < b[doc] for doc in both)
+        means = [sum(cell[doc] for doc in both) / len(both) for cell in (a, b)]
+        lines.append(
+            f"{task}: {first} {means[0]:.3f} vs {second} {means[1]:.3f} on the same {len(both)} documents; "
+            f"{up} up, {down} down, {len(both) - up - down} equal"
+        )
+    return "\n".join(lines)
+
+
+def keep(folders: list[Path], target: Path) -> int:
+    """Copy the samples files under `folders` to `target`, each row without its document's text (`doc`'s
+    `input`, `arguments`); returns the files written."""
+    target.mkdir(parents=True, exist_ok=True)
+    written = 0
+    for path in (path for folder in folders for path in folder.rglob("samples_*.jsonl")):
+        rows = []
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            row.pop("arguments", None)
+            row["doc"] = {key: value for key, value in row["doc"].items() if key != "input"}
+            rows.append(json.dumps(row))
+        (target / path.name).write_text("\n".join(rows) + "\n")
+        written += 1
+    return written
+
+
 def table(cells: dict[str, dict[str, dict[int, float]]], baseline: str | None) -> str:
     """A markdown table: a row per task, a column per cell (mean, interval, n), and `/ baseline` ratios."""
     tasks = sorted({task for cell in cells.values() for task in cell})
@@ -77,12 +118,19 @@ def main() -> None:
         "cells", nargs="+", help="NAME=FOLDER[,FOLDER...]: lm-eval output folders of one cell"
     )
     parser.add_argument("--baseline", help="the cell the ratio columns divide by (e.g. full@4K)")
+    parser.add_argument("--paired", action="append", default=[], help="A,B: documents A scored above/below B")
+    parser.add_argument("--keep", type=Path, help="write each cell's samples, text left out, to DIR/NAME/")
     args = parser.parse_args()
     cells = {}
     for spec in args.cells:
         name, _, folders = spec.partition("=")
-        cells[name] = scores([Path(folder) for folder in folders.split(",")])
+        paths = [Path(folder) for folder in folders.split(",")]
+        cells[name] = scores(paths)
+        if args.keep:
+            keep(paths, args.keep / re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_"))
     print(table(cells, args.baseline))
+    for pair in args.paired:
+        print(paired(cells, *pair.split(",")))
 
 
 if __name__ == "__main__":
