@@ -425,3 +425,18 @@ def test_sample_streams_from_anywhere_like_the_file_itself(loaded_stream, monkey
     code, out, err = h2o_in_process(monkeypatch, capsys, "stream", str(copy), *args)
     assert code in (0, None), err
     assert sample["tokens"] == 200 and sample["ppl"] == json.loads(out)["ppl"]
+
+
+def test_an_error_line_keeps_its_brackets(monkeypatch, capsys):
+    """An error is text, not rich markup: the extra a missing alias needs ("h2o-cli[fake]") reaches the user."""
+    from h2o_cli.models import presets
+
+    preset = presets.ModelPreset(
+        "fake-1m", "fake/fake-1m", "gemma3_text", 0.001, gguf_file="fake.gguf",
+        gguf_assembler="no_such_chunk_package_h2o", extra="fake",
+    )  # fmt: skip
+    monkeypatch.setitem(presets.PRESETS, "fake-1m", preset)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, out, err = h2o_in_process(monkeypatch, capsys, "stream", EXCERPT, "--ppl", "--model", "fake-1m")
+    assert code == 1 and out == ""
+    assert "pip install 'h2o-cli[fake]'" in one_error_line(err)

@@ -66,9 +66,12 @@ def root(
 
 
 def _fail(message: str, code: int) -> None:
+    from rich.markup import escape
+
     from h2o_cli.cli.common import stderr
 
-    stderr.print(f"[bold red]h2o: error:[/] {message}", markup=True, highlight=False, soft_wrap=True)
+    # The message is text, not markup: "pip install 'h2o-cli[gemma]'" keeps its "[gemma]".
+    stderr.print(f"[bold red]h2o: error:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
     sys.exit(code)
 
 
