@@ -162,6 +162,12 @@ def test_the_summary_counts_correct_runs_per_length_policy_and_budget(tmp_path):
         {"length": 1536, "policy_spec": "h2o", "budget": 0.2, "correct": True},
         {"length": 1536, "policy_spec": "full", "budget": 1.0, "correct": True},
         {"length": 4096, "policy_spec": "recall", "budget": 0.1, "correct": True},
+        {
+            "length": 2048,
+            "policy_spec": "full",
+            "budget": 1.0,
+            "correct": False,
+        },  # a length of full runs only
     ]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:3]))
     (tmp_path / "b.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[3:]))
@@ -169,6 +175,8 @@ def test_the_summary_counts_correct_runs_per_length_policy_and_budget(tmp_path):
     assert "| policy | 10% of text | 20% of text | full cache |" in tables
     assert "| h2o | 1/2 | 1/1 | – |" in tables and "| full | – | – | 1/1 |" in tables
     assert "**4,096-token prompts** (runs per cell: 1)" in tables and "| recall | 1/1 | – |" in tables
+    only_full = tables.split("**2,048-token prompts**")[1].split("**4,096")[0]
+    assert "| policy | full cache |\n|---|---|\n| full | 0/1 |" in only_full  # no empty budget column
     result = CliRunner().invoke(
         app, ["passkey", "--summary", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
     )

@@ -239,13 +239,14 @@ def summary(paths: list[Path]) -> str:
         specs = list(dict.fromkeys(row["policy_spec"] for row in rows if row["length"] == length))
         budgets = sorted({row["budget"] for row in rows if row["length"] == length and row["budget"] < 1})
         runs = {len(v) for (n, _, _), v in cells.items() if n == length}
+        head = ["policy", *(f"{b:.0%} of text" for b in budgets), "full cache"]
         lines += [f"\n**{length:,}-token prompts** (runs per cell: {', '.join(map(str, sorted(runs)))})\n",
-                  "| policy | " + " | ".join(f"{b:.0%} of text" for b in budgets) + " | full cache |",
-                  "|---|" + "---|" * (len(budgets) + 1)]  # fmt: skip
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
         for spec in specs:
             shares = {b: share(cells.get((length, spec, b))) for b in [*budgets, 1.0]}
             if (length, spec, 1.0) in cells:
-                lines.append(f"| {spec} | " + " | ".join("–" for _ in budgets) + f" | {shares[1.0]} |")
+                row = [spec, *("–" for _ in budgets), shares[1.0]]
             else:
-                lines.append(f"| {spec} | " + " | ".join(shares[b] for b in budgets) + " | – |")
+                row = [spec, *(shares[b] for b in budgets), "–"]
+            lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
