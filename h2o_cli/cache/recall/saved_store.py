@@ -49,9 +49,8 @@ class SavedStore:
         the save's (`ArchiveFile.adopt`) is in place already. What a step kept of the old
         state is void (`epoch`), and a mapped file's pages leave the process (`release`)."""
         self.tokens, self._floor = counters["tokens"], counters["floor"]
-        self.epoch = (
-            max(self.epoch, counters["epoch"]) + 1
-        )  # never an epoch this archive had: a save loaded twice
+        # Never an epoch this archive had, so a save loaded twice is a new state for what keys on it.
+        self.epoch = max(self.epoch, counters["epoch"]) + 1
         adopted = self.region is not None and self.region.file.adopted
         if self.region is not None:  # the slots about to be written through the mapping, on disk first
             self.region.resume(self.tokens, self.capacity)
