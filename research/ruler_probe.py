@@ -103,6 +103,16 @@ def needles_of(lm, text: str, text_ids: list[int], sample: dict) -> list[dict]:
     return needles
 
 
+def under(cache, state, variant: str, needle: tuple[int, int]) -> None:
+    """Put the cache back to `state` (kept after the text) and make its lead rank as `variant` says (the module's
+    docs; `needle`: the token span `oracleN` ranks first). The caller puts `lead.order_key` back after."""
+    from h2o_cli.cache.recall import lead as lead_module
+
+    lead_module.order_key = widened(variant, needle, cache.lead.archive.page_size)
+    cache.restore(state)
+    cache.lead.pages, cache.lead.follow = int(re.sub(r"\D", "", variant)), int(variant.startswith("next"))
+
+
 def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
     from h2o_cli.cache.recall import lead as lead_module
     from h2o_cli.eval.scoring import greedy_continuation
@@ -125,12 +135,11 @@ def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
     needle = tuple(needles[0]["tokens"])  # the first target's first sentence: what `oracleN` ranks first
     rows, kept = [], lead_module.order_key
     for variant in variants:
-        lead_module.order_key = widened(variant, needle, cache.lead.archive.page_size)
-        cache.restore(state)
-        cache.lead.pages, cache.lead.follow = int(re.sub(r"\D", "", variant)), int(variant.startswith("next"))
+        under(cache, state, variant, needle)
         logits, stats = prefill(lm.model, cache, [NewChunk(question)], lm.settings.chunk)
         stats.reraise()
-        row = ranking(lm, cache, text_ids, needles, sample, show)
+        row = {"doc_id": sample["doc_id"], **ranking(lm, cache, text_ids, needles, show)}
+        row["lm_eval_answered"] = sample["resps"][0][0][:40]
         until = gen_kwargs.get("until") or []
         answer = greedy_continuation(
             lm.model, lm.tokenizer, cache, logits, 32, [until] if isinstance(until, str) else until
@@ -144,8 +153,10 @@ def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
     return rows
 
 
-def ranking(lm, cache, text_ids: list[int], needles: list[dict], sample: dict, show: int) -> dict:
-    """Where the lead ranks each of `needles` (`needles_of`) after the question's read, and its first pages."""
+def ranking(lm, cache, text_ids: list[int], needles: list[dict], show: int) -> dict:
+    """Where the lead ranks each of `needles` (`needles_of`: value, token span, depth, the value's first and last
+    token) after the question's read, and what its first `show` pages hold (`text_ids`: the ids read, by stream
+    index)."""
     lead = cache.lead
     ranked = lead.ranked().tolist()
     top = lead.archive.carried[lead.head, ranked[0]].clamp_min(1e-30) if ranked else 1.0
@@ -174,14 +185,12 @@ def ranking(lm, cache, text_ids: list[int], needles: list[dict], sample: dict, s
         if ids:
             shown.append({"first": ids[0], "text": lm.tok_decode([text_ids[t] for t in ids])})
     return {
-        "doc_id": sample["doc_id"],
         "lead": [lead.layer, lead.head],
         "lead_pages": lead.count,
         # the lead's carried scores of its 12 best pages, as shares of the best one's
         "scores": [round(v, 3) for v in (lead.archive.carried[lead.head, ranked[:12]] / top).tolist()],
         "needles": ranked_needles,
         "first_pages": shown,
-        "lm_eval_answered": sample["resps"][0][0][:40],
     }
 
 
