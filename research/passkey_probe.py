@@ -41,12 +41,16 @@ def probe(lm, text: str, key: str, depth: int, wording: str, show: int, variants
     stats.reraise()
     read = time.perf_counter() - started
     state = cache.state()
-    sentence, digits = needle_tokens(lm.tokenizer, text, key, len(pieces[0]), wording)
+    # the text's ids are one piece (`token_stream` of one block); what comes before it (the frame's head, a BOS)
+    # shifts the needle's stream indices
+    text_ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    head = sum(map(len, pieces[: next(i for i, piece in enumerate(pieces) if list(piece) == text_ids)]))
+    sentence, digits = needle_tokens(lm.tokenizer, text, key, head, wording)
     needles = [
         {
             "value": key,
             "tokens": [sentence[0], sentence[-1] + 1],
-            "depth": round(sentence[0] / len(read_ids), 3),
+            "depth": round((sentence[0] - head) / len(text_ids), 3),
             "value_tokens": [digits[0], digits[-1]],
         }
     ]
