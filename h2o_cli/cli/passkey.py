@@ -125,7 +125,7 @@ def passkey(
         typer.Option(
             "--wording",
             help="How the needle is said and asked: passkey (the wording recall's defaults were chosen on), "
-            "page or door (never used to choose a default).",
+            "page, door, phone, locker or secret (never used to choose a default).",
         ),
     ] = "passkey",
     haystack: Haystack = None,

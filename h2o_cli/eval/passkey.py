@@ -57,6 +57,18 @@ WORDINGS = {
         "\nThe door of the old archive opens with the code {key}.\n",
         "Which code opens the door of the old archive? Answer with the number only.",
     ),
+    "phone": Wording(
+        "\nHer telephone number, she told me, was {key}.\n",
+        "What was her telephone number? Answer with the number only.",
+    ),
+    "locker": Wording(
+        "\nThe key to the station locker was marked with the number {key}.\n",
+        "Which number was marked on the key to the station locker? Answer with the number only.",
+    ),
+    "secret": Wording(
+        "\nImportant: the secret number is {key}. Write down {key}.\n",
+        "What is the secret number? Answer with the number only.",
+    ),
 }
 
 
