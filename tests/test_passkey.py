@@ -271,14 +271,17 @@ def test_rows_of_another_wording_or_haystack_are_other_runs(tmp_path):
         base,
         {**base, "wording": "door", "haystack": "pride"},
         {**base, "wording": "page", "correct": False},
+        {**base, "answer_tokens": 24, "correct": False},
     ]
     out = tmp_path / "grid.jsonl"
     out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     cell = (400, 0, 10, "recall", 0.1)
     assert written(out) == {cell}
     assert written(out, "door", "pride") == {cell} and written(out, "door") == set()
+    assert written(out, answer_tokens=24) == {cell} and written(out, answer_tokens=16) == set()
+    assert written(out, answer_tokens=12) == {cell}  # the old row: the default limit of one needle
     tables = summary([out])
-    assert "| recall | 1/1 | – |" in tables
+    assert "| recall | 1/1 | – |" in tables and "| recall [answers of 24 tokens] | 0/1 | – |" in tables
     assert "| recall [door, pride] | 1/1 | – |" in tables and "| recall [page] | 0/1 | – |" in tables
 
 
@@ -298,3 +301,45 @@ def test_a_run_reads_the_text_with_the_special_tokens_a_stream_adds():
     pieces = passkey.prompt_pieces(tokenizer, "w5 w6 w7", "w9")
     assert [i for piece in pieces[:-1] for i in piece] == [2, 5, 6, 7]
     assert isinstance(pieces[-1], NewChunk) and 9 in pieces[-1]
+
+
+def test_an_answer_takes_at_most_its_limit_and_each_limit_is_its_own_grid(tiny_reader, monkeypatch, tmp_path):
+    """`--answer-tokens N`: every answer is at most N tokens (forked or run by run alike), rows record the
+    limit, a grid resumes only the rows of its own limit, and the tables name a limit that is not the default."""
+    import h2o_cli.models
+
+    model, tokenizer = tiny_reader
+    monkeypatch.setattr(h2o_cli.models, "load_model", lambda *args, **kwargs: (model, tokenizer))
+    (tmp_path / "book.txt").write_text(ESSAY)
+    command = ["passkey", "--lengths", "400", "--depth-list", "10,90", "--seeds", "1", "--budgets", "0.1",
+               "--policies", "recall", "--chunk", "16", "--haystack", str(tmp_path / "book.txt")]  # fmt: skip
+
+    def run(*args: str) -> list[dict]:
+        result = CliRunner().invoke(app, [*command, *args])
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    def rows(name: str) -> list[dict]:
+        return [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+
+    def tokens(answer: str) -> int:
+        return len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+
+    run("--out", str(tmp_path / "grid.jsonl"))
+    default = rows("grid.jsonl")
+    assert [row["answer_tokens"] for row in default] == [12, 12]
+    assert max(tokens(row["answer"]) for row in default) > 3  # the random model talks past 3 tokens
+    printed = run("--answer-tokens", "3", "--out", str(tmp_path / "grid.jsonl"))
+    short = rows("grid.jsonl")[2:]
+    assert [(row["depth"], row["answer_tokens"]) for row in short] == [(10, 3), (90, 3)]
+    assert all(tokens(row["answer"]) <= 3 for row in short)
+    assert "| recall [book, answers of 3 tokens] | " in printed and "| recall [book] | " in printed
+    run("--answer-tokens", "3", "--out", str(tmp_path / "grid.jsonl"))  # resumes: nothing left to run
+    assert len(rows("grid.jsonl")) == 4
+    run("--answer-tokens", "3", "--fork", "--out", str(tmp_path / "forked.jsonl"))
+    assert [row["answer"] for row in rows("forked.jsonl")] == [row["answer"] for row in short]
+
+
+def test_an_answer_limit_below_one_is_a_usage_error():
+    result = CliRunner().invoke(app, ["passkey", "--answer-tokens", "0", "--out", "x.jsonl"])
+    assert result.exit_code == 2 and "--answer-tokens" in result.output

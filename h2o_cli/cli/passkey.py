@@ -128,6 +128,16 @@ def passkey(
             "page, door, phone, locker or secret (never used to choose a default).",
         ),
     ] = "passkey",
+    answer_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--answer-tokens",
+            min=1,
+            help="Most tokens an answer may take [default: 12; 16 each with --needles 2]: a wording the model "
+            "answers as 'The answer to this question is: N' needs more than 12 for a 5-digit key.",
+            show_default=False,
+        ),
+    ] = None,
     haystack: Haystack = None,
     data_dir: options.DataDir = None,
     model: options.Model = options.DEFAULTS["model"],
@@ -162,6 +172,7 @@ def passkey(
         threads=threads,
         wording=wording,
         haystack=haystack_name(haystack),
+        answer_tokens=answer_tokens,
     )
     essays = read_haystack(haystack, data_dir)
     loaded, tokenizer = load(model, device, dtype, False, threads)

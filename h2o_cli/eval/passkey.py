@@ -154,7 +154,13 @@ def needle_tokens(
 
 
 def answer(
-    model, tokenizer, settings, text: str, questions: tuple[str, ...] = (QUESTION,), heads=None
+    model,
+    tokenizer,
+    settings,
+    text: str,
+    questions: tuple[str, ...] = (QUESTION,),
+    heads=None,
+    most: int | None = None,
 ) -> tuple[str, int, float]:
     """What `h2o stream --prompt QUESTION` answers after `text`: (answer, prompt tokens, seconds). With more
     than one question, each next one is asked as `h2o chat` asks a new turn, on the same cache (the answers
@@ -165,12 +171,12 @@ def answer(
 
     started = time.perf_counter()
     pieces = prompt_pieces(tokenizer, text, questions[0])
-    cache = H2OCache(model, settings, span=cache_span(sum(map(len, pieces)), questions))
+    cache = H2OCache(model, settings, span=cache_span(sum(map(len, pieces)), questions, most))
     if heads is not None:
         heads.attach(cache)
     logits, stats = prefill(model, cache, pieces, settings.chunk)
     stats.reraise()
-    said, tokens = ask(model, tokenizer, cache, logits, text, questions, settings.chunk)
+    said, tokens = ask(model, tokenizer, cache, logits, text, questions, settings.chunk, most)
     return said, stats.tokens + tokens, time.perf_counter() - started
 
 
@@ -184,25 +190,39 @@ def prompt_pieces(tokenizer, text: str, question: str) -> list[list[int]]:
     return list(read_then_answer(tokenizer, token_stream(tokenizer, iter([text])), question))
 
 
-def cache_span(prompt_tokens: int, questions: tuple[str, ...]) -> int:
-    """The most tokens a run's cache is given: its prompt, then per question an answer and a turn's frame."""
-    return prompt_tokens + len(questions) * (most_new(questions) + 64)
+def cache_span(prompt_tokens: int, questions: tuple[str, ...], most: int | None = None) -> int:
+    """The most tokens a run's cache is given: its prompt, then per question an answer (`most_new`) and a
+    turn's frame."""
+    return prompt_tokens + len(questions) * (most_new(questions, most) + 64)
 
 
-def most_new(questions: tuple[str, ...]) -> int:
-    """The most tokens an answer may take: `MAX_NEW_TOKENS` for one question, `TWO_MAX_NEW_TOKENS` each for two."""
+def most_new(questions: tuple[str, ...], most: int | None = None) -> int:
+    """The most tokens an answer may take: `most` if given, else `MAX_NEW_TOKENS` for one question and
+    `TWO_MAX_NEW_TOKENS` each for two."""
+    if most is not None:
+        return most
     return MAX_NEW_TOKENS if len(questions) == 1 else TWO_MAX_NEW_TOKENS
 
 
-def ask(model, tokenizer, cache, logits, text: str, questions: tuple[str, ...], chunk: int):
+def ask(
+    model,
+    tokenizer,
+    cache,
+    logits,
+    text: str,
+    questions: tuple[str, ...],
+    chunk: int,
+    most: int | None = None,
+):
     """Answer `questions[0]` from `logits` (the cache has read `text` and it), then each next question as a new
-    chat turn. Returns (the answers joined by " | ", the tokens of the later turns read)."""
+    chat turn, each answer at most `most_new(questions, most)` tokens. Returns (the answers joined by " | ",
+    the tokens of the later turns read)."""
     from h2o_cli.chat.framing import answer_suffix, turn_text
     from h2o_cli.generation import Sampling, TextStreamer, generate_ids
     from h2o_cli.prompting import NewChunk
     from h2o_cli.streaming import prefill
 
-    most = most_new(questions)
+    most = most_new(questions, most)
     stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     history, answers, tokens = [{"role": "user", "content": text + "\n\n" + questions[0]}], [], 0
     for number, question in enumerate(questions):
@@ -228,14 +248,20 @@ def correct(key: str, said: str) -> bool:
 
 
 def answer_in_chat(
-    spec: str, budget_tokens: int, chunk: int, text: str, threads: int, question: str = QUESTION
+    spec: str,
+    budget_tokens: int,
+    chunk: int,
+    text: str,
+    threads: int,
+    question: str = QUESTION,
+    most: int = MAX_NEW_TOKENS,
 ) -> tuple[str, int, float]:
     """The same question through `h2o chat` (one-shot: the text and the question as one piped message)."""
     name, extra = parse_run_spec(spec)
     flags = [f"--{field.replace('_', '-')}={value}" for field, value in extra.items()]
     command = [sys.executable, "-c", "from h2o_cli.cli.app import main; main()", "chat", "--no-panel", "--json",
                "--policy", name, "--budget", str(budget_tokens), "--chunk", str(chunk), "--threads", str(threads),
-               "--max-new-tokens", str(MAX_NEW_TOKENS), *flags]  # fmt: skip
+               "--max-new-tokens", str(most), *flags]  # fmt: skip
     started = time.perf_counter()
     done = subprocess.run(command, input=text + "\n\n" + question, capture_output=True, text=True)
     if done.returncode != 0:

@@ -14,11 +14,16 @@ from h2o_cli.eval import passkey
 
 
 def answers_forked(
-    model, tokenizer, settings, texts: list[tuple[int, str]], question: str = passkey.QUESTION
+    model,
+    tokenizer,
+    settings,
+    texts: list[tuple[int, str]],
+    question: str = passkey.QUESTION,
+    most: int | None = None,
 ):
     """For each (depth, text) of one haystack (the same essays, the needle at each depth), in depth order:
-    (depth, answer, prompt tokens, seconds) as `passkey.answer` gives them for `question`, but the text before
-    the needles is read once.
+    (depth, answer, prompt tokens, seconds) as `passkey.answer` gives them for `question` (answers of at most
+    `most` tokens, as there), but the text before the needles is read once.
 
     One cache reads the deepest depth's prompt. At the last chunk boundary that a shallower prompt shares with
     it, the process forks (`os.fork`: the child holds an exact copy of the cache, model and all); the child reads
@@ -41,14 +46,16 @@ def answers_forked(
         """A run's own reading (the rest of its text, then the question) and its answer."""
         logits, stats = prefill(model, cache, [read, asked], settings.chunk)
         stats.reraise()
-        return passkey.ask(model, tokenizer, cache, logits, text, questions, settings.chunk)[0]
+        return passkey.ask(model, tokenizer, cache, logits, text, questions, settings.chunk, most)[0]
 
     threads = torch.get_num_threads()
     if threads != 1:  # a forked child's first parallel region would wait forever on the parent's thread pool
         raise ValueError(f"forked runs need one thread (torch.set_num_threads(1)), not {threads}")
     prompts = {depth: prompt(text) for depth, text in texts}
     trunk = prompts[max(prompts)][0]
-    span = passkey.cache_span(max(len(read) + len(asked) for read, asked in prompts.values()), questions)
+    span = passkey.cache_span(
+        max(len(read) + len(asked) for read, asked in prompts.values()), questions, most
+    )
     started = time.perf_counter()
     cache = H2OCache(model, replace(settings, archive="ram"), span=span)
     done, reading = 0, time.perf_counter() - started  # trunk tokens read, and the seconds that took
@@ -57,7 +64,7 @@ def answers_forked(
         same = next((i for i, (a, b) in enumerate(zip(read, trunk, strict=False)) if a != b), len(read))
         shared = same // settings.chunk * settings.chunk  # whole chunks that both read alike
         if shared < done:  # (the same depth twice) nothing shared left: read it alone
-            yield depth, *passkey.answer(model, tokenizer, settings, text, questions)
+            yield depth, *passkey.answer(model, tokenizer, settings, text, questions, most=most)
             continue
         if shared > done:
             began = time.perf_counter()

@@ -28,7 +28,8 @@ class Grid:
     `top` (int) and `attach(cache)` that lets only some KV heads recall (rows say `recall@headsK`; the torch
     step), as research/recall_heads.py builds. `wording`: how the needle is said and asked (`passkey.WORDINGS`);
     `haystack`: the name rows record for the text the haystacks are cut from (rows of another wording or
-    haystack in the same file are other runs)."""
+    haystack in the same file are other runs). `answer_tokens`: the most tokens an answer may take (None:
+    `passkey.most_new`'s, 12 for one needle and 16 each for two; rows of another limit are other runs)."""
 
     lengths: tuple[int, ...] = (1536,)
     depths: tuple[int, ...] = (5, 15, 25, 35, 45, 55, 65, 75, 85, 95)
@@ -44,6 +45,7 @@ class Grid:
     heads: object | None = None
     wording: str = "passkey"
     haystack: str = "essays"
+    answer_tokens: int | None = None
 
     def __post_init__(self) -> None:
         passkey.wording_of(self.wording)
@@ -54,6 +56,8 @@ class Grid:
             )
         if self.needles != 1 and self.wording != "passkey":
             raise UsageError("--needles 2 hides a pass key and a vault code; it has no --wording")
+        if self.answer_tokens is not None and self.answer_tokens < 1:
+            raise UsageError(f"--answer-tokens {self.answer_tokens}: give 1 or more")
         if self.needles not in (1, 2):
             raise UsageError(f"--needles {self.needles}: 1 or 2")
         if self.via not in ("stream", "chat"):
@@ -93,9 +97,12 @@ class Run(NamedTuple):
     tokens: int  # the budget in tokens
 
 
-def written(out: Path, wording: str = "passkey", haystack: str = "essays") -> set[tuple]:
-    """(length, seed, depth, policy_spec, budget) of each run `out` already holds with this wording and
-    haystack (rows written before either was recorded are the `passkey` wording on the essays)."""
+def written(
+    out: Path, wording: str = "passkey", haystack: str = "essays", answer_tokens: int | None = None
+) -> set[tuple]:
+    """(length, seed, depth, policy_spec, budget) of each run `out` already holds with this wording, haystack
+    and answer limit (rows written before any was recorded are the `passkey` wording on the essays, with the
+    default limit of their needles)."""
     if not out.exists():
         return set()
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
@@ -103,7 +110,19 @@ def written(out: Path, wording: str = "passkey", haystack: str = "essays") -> se
         (row["length"], row["seed"], row["depth"], row["policy_spec"], row["budget"])
         for row in rows
         if (row.get("wording", "passkey"), row.get("haystack", "essays")) == (wording, haystack)
+        and limit_of(row) == limit(row.get("needles", 1), answer_tokens)
     }
+
+
+def limit(needles: int, answer_tokens: int | None) -> int:
+    """The most tokens an answer of a grid with `needles` needles may take (`passkey.most_new`)."""
+    asked = (passkey.QUESTION,) if needles == 1 else passkey.TWO_QUESTIONS
+    return passkey.most_new(asked, answer_tokens)
+
+
+def limit_of(row: dict) -> int:
+    """A row's answer limit (rows written before it was recorded had their needles' default)."""
+    return row.get("answer_tokens", limit(row.get("needles", 1), None))
 
 
 def plan(grid: Grid, tokenizer, essays: str, window: int, done: set[tuple] = frozenset()) -> list[Run]:
@@ -135,7 +154,7 @@ def plan(grid: Grid, tokenizer, essays: str, window: int, done: set[tuple] = fro
                         tokens = (
                             max(2, round(budget * text_tokens))
                             if evicts
-                            else length + asked * (passkey.TWO_MAX_NEW_TOKENS + 64)
+                            else length + asked * (max(limit(grid.needles, grid.answer_tokens), 16) + 64)
                         )
                         todo.append(
                             Run(length, seed, depth, key, text, text_tokens, given, spec, budget, tokens)
@@ -152,7 +171,7 @@ def row_of(grid: Grid, run: Run, said: str, read: int, seconds: float, device: s
         "answer": said, "correct": passkey.correct(run.key, said),
         "needles": grid.needles, "seconds": round(seconds, 3),
         "device": device, "chunk": grid.chunk, "via": grid.via, "wording": grid.wording,
-        "haystack": grid.haystack,
+        "haystack": grid.haystack, "answer_tokens": limit(grid.needles, grid.answer_tokens),
     }  # fmt: skip
 
 
@@ -167,7 +186,8 @@ def run_grid(
 
     question = passkey.wording_of(grid.wording).question
     asked = (question,) if grid.needles == 1 else passkey.TWO_QUESTIONS
-    todo = plan(grid, tokenizer, essays, context_window(model), written(out, grid.wording, grid.haystack))
+    done = written(out, grid.wording, grid.haystack, grid.answer_tokens)
+    todo = plan(grid, tokenizer, essays, context_window(model), done)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     with out.open("a") as lines:
@@ -189,7 +209,12 @@ def run_grid(
                 settings = CacheSettings.from_spec(group[0].given, budget=group[0].tokens, chunk=grid.chunk)
                 try:
                     for depth, said, read, seconds in answers_forked(
-                        model, tokenizer, settings, [(run.depth, run.text) for run in group], question
+                        model,
+                        tokenizer,
+                        settings,
+                        [(run.depth, run.text) for run in group],
+                        question,
+                        grid.answer_tokens,
                     ):
                         record(left.pop(depth), said, read, seconds)
                 except Exception as error:  # the shared reading failed: every run left is recorded so
@@ -203,11 +228,19 @@ def run_grid(
             try:
                 if grid.via == "chat":
                     said, read, seconds = passkey.answer_in_chat(
-                        run.spec, run.tokens, grid.chunk, run.text, grid.threads, question
+                        run.spec,
+                        run.tokens,
+                        grid.chunk,
+                        run.text,
+                        grid.threads,
+                        question,
+                        limit(1, grid.answer_tokens),
                     )
                 else:
                     chosen = grid.heads if run.spec != run.given else None
-                    said, read, seconds = passkey.answer(model, tokenizer, settings, run.text, asked, chosen)
+                    said, read, seconds = passkey.answer(
+                        model, tokenizer, settings, run.text, asked, chosen, grid.answer_tokens
+                    )
             except Exception as error:  # a cell that cannot run is recorded, not fatal
                 said, read, seconds = f"ERROR: {error}", 0, 0.0
             record(run, said, read, seconds)
@@ -219,9 +252,12 @@ def share(hits: list[bool] | None) -> str:
 
 
 def labelled(row: dict) -> str:
-    """A row's policy spec, with its wording and haystack when they are not the grid's own (`passkey`, essays)."""
+    """A row's policy spec, with its wording, haystack and answer limit when they are not the grid's own
+    (`passkey`, essays, its needles' default)."""
     wording, haystack = row.get("wording", "passkey"), row.get("haystack", "essays")
     extra = [part for part, own in ((wording, "passkey"), (haystack, "essays")) if part != own]
+    if limit_of(row) != limit(row.get("needles", 1), None):
+        extra.append(f"answers of {limit_of(row)} tokens")
     return f"{row['policy_spec']} [{', '.join(extra)}]" if extra else row["policy_spec"]
 
 
