@@ -72,9 +72,28 @@ class Grid:
             raise UsageError("recall heads need --via stream (the choice is wrapped in this process)")
         for spec in self.policies:
             try:
-                parse_run_spec(spec)
+                name, extra = parse_run_spec(spec)
             except ValueError as error:
                 raise UsageError(f"--policies: {error}") from error
+            self._check_fork_reach(name, extra)
+
+    def _check_fork_reach(self, name: str, extra: dict[str, str]) -> None:
+        """`--fork` keeps recall's archive in RAM (a fork copies it), whose default reach is `RAM_ARCHIVE_MAX`
+        tokens: a longer prompt would lose its needle silently, so it is refused before any reading."""
+        from h2o_cli.cache.recall.limits import RAM_ARCHIVE_MAX
+        from h2o_cli.policies import policy_class
+
+        longest = max(self.lengths, default=0)
+        if (
+            self.fork
+            and policy_class(name).recalls
+            and "archive_max" not in extra
+            and longest > RAM_ARCHIVE_MAX
+        ):
+            raise UsageError(
+                f"--fork keeps recall's archive in RAM, which reaches back {RAM_ARCHIVE_MAX:,} tokens: a "
+                f"{longest:,}-token prompt needs the archive on disk; run it without --fork"
+            )
 
 
 def even_depths(count: int) -> tuple[int, ...]:
