@@ -175,6 +175,8 @@ def test_every_head_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch, ke
             assert call["scores"] == calls[number - 1]["scores"], number
         # The question ends the chunk of the text's last tokens (`chunks_of`); then a step per answer token.
         first = TEXT // settings.chunk * settings.chunk if number < 4 else TEXT + QUESTION + number // 2 - 2
+        if call["c_step"] and number < 4:  # C's candidates: older than the chunk's end and not in S, which
+            first = TEXT + QUESTION  # holds the whole chunk: the same tokens
         assert call["before"] == first, number
     assert recalled > 0
     # The C step's answer steps choose in C (S is full), the torch step's in torch.
@@ -184,13 +186,17 @@ def test_every_head_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch, ke
     assert all(layer.archive.tokens == cache.tokens_seen for layer in cache.layers)
 
 
-def test_with_lead_text_every_chunk_of_text_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch):
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_with_lead_text_every_chunk_of_text_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch, kernels):
     """`--lead-text`: a chunk of text in every layer but the lead's recalls the candidates of the lead's best
     pages, as many pages as fill every head's recall slots, by the ranking of the lead layer's latest call
     (layer 0: the chunk before's; before the lead has read one, nothing); the lead layer chooses its own (that
-    is its ranking); a question is answered as ever."""
+    is its ranking); a question is answered as ever. With the C step, each such chunk chooses in C (whose
+    candidates are the tokens older than the chunk's end that S lacks: S holds the whole chunk)."""
     from h2o_cli.cache.recall.layer import RecallLayer
 
+    if kernels == "native" and native.compiler() is None:
+        pytest.skip("no C compiler")
     _, model = tiny_pair
     ranked, attend = (
         [],
@@ -204,7 +210,7 @@ def test_with_lead_text_every_chunk_of_text_recalls_the_lead_heads_best_pages(ti
         return output
 
     monkeypatch.setattr(RecallLayer, "recall_chunk", noted)
-    settings = lead_settings(lead_text=True)  # 20 recall slots, pages of 4
+    settings = lead_settings(kernels, lead_text=True)  # 20 recall slots, pages of 4
     calls, cache, answer = answer_with_lead(model, settings, monkeypatch)
     slots, chunks = (
         cache.policy.recall_slots,
@@ -214,8 +220,9 @@ def test_with_lead_text_every_chunk_of_text_recalls_the_lead_heads_best_pages(ti
     assert len(text) == chunks and not any(call["lead"] for call in text)  # layer 0 only
     assert not text[0]["ready"] and text[0]["chosen"] == [[], []]
     recalled = most = 0
+    assert all(call["c_step"] == (kernels == "native") for call in text)
     for number, call in enumerate(text[1:], start=1):
-        assert call["ready"] and call["before"] == number * settings.chunk
+        assert call["ready"] and call["before"] == (number + call["c_step"]) * settings.chunk
         assert call["scores"] == ranked[number - 1], number  # the lead layer's ranking of the chunk before
         wanted = expected_tokens(
             call["ring"], call["scores"], call["resident"], call["before"], slots, None, 4, 1

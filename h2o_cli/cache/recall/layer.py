@@ -146,7 +146,8 @@ class RecallLayer(H2OLayer):
         """Pass 1 of the chunk just written (query [n_heads, chunk, head_dim], unrotated): a question ending
         the chunk (`asks`) chooses with its own queries alone; a chunk of text with at most `choice_tokens` of
         its tokens' (evenly spaced, its last among them); a question scores every archived page. Under a lead,
-        the lead's pages instead (this layer scores none unless it is the lead's)."""
+        the lead's pages instead (this layer scores none unless it is the lead's): `LeadRanking.choose` and
+        `_read_back`, or in one C call (`RecallCStep.lead_choose`) where the C step can run this layer."""
         store, archive, lead = self.store, self.archive, self.lead
         n_kv, first = store.n_kv_heads, store.tokens_seen - chunk
         slots, hits = self.recall_index.shape[1], 0
@@ -156,9 +157,18 @@ class RecallLayer(H2OLayer):
         # With `--lead-text` a chunk of text takes the lead's pages too (until R is full), in the other layers.
         text = lead is not None and self.policy.lead_text and chunk > 1 and not answering
         resident = store.token_index[:, : store.active]
+        if text:  # the steps that continue the text take the lead's pages, as an answer's do, until R is full
+            self.lead_mode = LeadMode.FILL
         if slots and (answering or text) and lead.archive is not archive:
-            chosen, valid = lead.choose(archive, resident, first, slots, fill=text)
-            hits = self._read_back(chosen, valid)
+            buffers = self._c_buffers
+            if (
+                buffers is not None
+            ):  # in C: the same tokens (the chunk's own are in S, so none is a candidate)
+                ranked = lead.ranked()
+                hits = buffers.lead_choose(ranked, len(ranked) if text else lead.count)[1]
+            else:
+                chosen, valid = lead.choose(archive, resident, first, slots, fill=text)
+                hits = self._read_back(chosen, valid)
         elif slots:
             weighed, picks, asked = choosing_tokens(chunk, self.asks, self.policy.choice_tokens, query.device)
             grouped = self._page_query(query.index_select(1, picks), chunk).reshape(
@@ -170,8 +180,6 @@ class RecallLayer(H2OLayer):
             if answering:  # and every head of it takes the lead's pages
                 chosen, valid = lead.choose(archive, resident, first, slots)
             hits = self._read_back(chosen, valid)
-        if text:  # the steps that continue the text take the lead's pages, as an answer's do, until R is full
-            self.lead_mode = LeadMode.FILL
         self.counts.add((self.recall_index >= 0).sum(), hits)
         return Recalled(self.recall_keys, self.recall_values, self.recall_index >= 0)
 
