@@ -36,8 +36,8 @@ C_CHOOSE = RecallCStep.lead_choose
 def lead_settings(kernels: str = "torch", lead_text: bool = False, **extra) -> CacheSettings:
     """The lead after a question only, unless `lead_text` (the default of `CacheSettings`, off in chat)."""
     return CacheSettings(
-        budget=40, policy="recall", chunk=16, page_size=4, archive_max=512, recall_lead=LEAD, lead_pages=3,
-        kernels=kernels, lead_text=lead_text, **extra,
+        budget=40, policy="recall", chunk=16, page_size=4, archive_max=512, recall_lead=LEAD,
+        kernels=kernels, lead_text=lead_text, **{"lead_pages": 3, **extra},
     )  # fmt: skip
 
 
@@ -186,8 +186,11 @@ def test_every_head_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch, ke
     assert all(layer.archive.tokens == cache.tokens_seen for layer in cache.layers)
 
 
+@pytest.mark.parametrize("pages", [{}, {"lead_pages": 1, "lead_next": 0}])  # the fill, not the page count
 @pytest.mark.parametrize("kernels", ["torch", "native"])
-def test_with_lead_text_every_chunk_of_text_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch, kernels):
+def test_with_lead_text_every_chunk_of_text_recalls_the_lead_heads_best_pages(
+    tiny_pair, monkeypatch, kernels, pages
+):
     """`--lead-text`: a chunk of text in every layer but the lead's recalls the candidates of the lead's best
     pages, as many pages as fill every head's recall slots, by the ranking of the lead layer's latest call
     (layer 0: the chunk before's; before the lead has read one, nothing); the lead layer chooses its own (that
@@ -210,7 +213,7 @@ def test_with_lead_text_every_chunk_of_text_recalls_the_lead_heads_best_pages(ti
         return output
 
     monkeypatch.setattr(RecallLayer, "recall_chunk", noted)
-    settings = lead_settings(kernels, lead_text=True)  # 20 recall slots, pages of 4
+    settings = lead_settings(kernels, lead_text=True, **pages)  # 20 recall slots, pages of 4
     calls, cache, answer = answer_with_lead(model, settings, monkeypatch)
     slots, chunks = (
         cache.policy.recall_slots,
@@ -225,7 +228,7 @@ def test_with_lead_text_every_chunk_of_text_recalls_the_lead_heads_best_pages(ti
         assert call["ready"] and call["before"] == (number + call["c_step"]) * settings.chunk
         assert call["scores"] == ranked[number - 1], number  # the lead layer's ranking of the chunk before
         wanted = expected_tokens(
-            call["ring"], call["scores"], call["resident"], call["before"], slots, None, 4, 1
+            call["ring"], call["scores"], call["resident"], call["before"], slots, None, 4, settings.lead_next
         )
         assert call["chosen"] == wanted, number
         recalled += sum(map(len, wanted))
