@@ -1,7 +1,8 @@
 /* The `recall` archive's C twins: one token's write (`archive_token`), a one-token step's pass 1 from the page
  * bounds on (`archive_choose`), and an answer step's pass 1 under a lead head (`archive_lead_choose`).
  *
- * `archive_token` is `PageArchive.write` of one token (h2o_cli/cache/recall/store.py), bit for bit.
+ * `archive_token` is `PageArchive.write` of one token (h2o_cli/cache/recall/store.py), bit for bit, and
+ * `archive_tokens` of a chunk's tokens, one after the other.
  * `archive_choose` is `PageArchive.choose_one` from the page bounds on and the read-back into the recall slots
  * (`RecallLayer._read_back`): the candidates (archived tokens not in S), the pages that hold one ranked by
  * bound then age, the first `recall` candidates in reading order put into the recall slots, and the hits. A hit's
@@ -39,13 +40,13 @@ static inline int64_t order_key(float bound, int64_t page_start) {
 
 /* `PageArchive.write` of one token: archive one token's K/V (unrotated) at ring slot `token % capacity`; a token
  * that starts a page first empties its ring page (token indices -1; the summaries of its blocks high -inf, low
- * +inf); the per-channel max and min of the token's block take the key (`torch.maximum`/`minimum`: a NaN wins). */
-void archive_token(
+ * +inf); the per-channel max and min of the token's block take the key (`torch.maximum`/`minimum`: a NaN wins).
+ * Head g's key and value are at `new_key + g * stride` and `new_value + g * stride`. */
+static void archive_one(
     int64_t n_kv, int64_t head_dim, int64_t capacity, int64_t page_size, int64_t block_size, int64_t token,
-    const float *restrict new_key, const float *restrict new_value,           /* [n_kv, head_dim] */
-    int64_t *restrict archive_index,                                          /* [capacity] */
-    float *restrict archive_keys, float *restrict archive_values,             /* [n_kv, capacity, head_dim] */
-    float *restrict summary)                  /* [n_kv, capacity / block_size, 2 * head_dim]: [high, low] */
+    const float *restrict new_key, const float *restrict new_value, int64_t stride,
+    int64_t *restrict archive_index, float *restrict archive_keys, float *restrict archive_values,
+    float *restrict summary)
 {
     const int64_t slot = token % capacity, page = slot / page_size, blocks = capacity / block_size;
     const int64_t block = slot / block_size, per_page = page_size / block_size;
@@ -62,9 +63,9 @@ void archive_token(
         }
     }
     for (int64_t g = 0; g < n_kv; g++) {
-        const float *restrict k = new_key + g * head_dim;
+        const float *restrict k = new_key + g * stride;
         __builtin_memcpy(archive_keys + (g * capacity + slot) * head_dim, k, head_dim * sizeof(float));
-        __builtin_memcpy(archive_values + (g * capacity + slot) * head_dim, new_value + g * head_dim,
+        __builtin_memcpy(archive_values + (g * capacity + slot) * head_dim, new_value + g * stride,
                          head_dim * sizeof(float));
         float *restrict high = summary + (g * blocks + block) * 2 * head_dim, *restrict low = high + head_dim;
         for (int64_t i = 0; i < head_dim; i++) {
@@ -73,6 +74,34 @@ void archive_token(
         }
     }
     archive_index[slot] = token;
+}
+
+/* One token's K/V, [n_kv, head_dim] each: `archive_one`. */
+void archive_token(
+    int64_t n_kv, int64_t head_dim, int64_t capacity, int64_t page_size, int64_t block_size, int64_t token,
+    const float *restrict new_key, const float *restrict new_value,           /* [n_kv, head_dim] */
+    int64_t *restrict archive_index,                                          /* [capacity] */
+    float *restrict archive_keys, float *restrict archive_values,             /* [n_kv, capacity, head_dim] */
+    float *restrict summary)                  /* [n_kv, capacity / block_size, 2 * head_dim]: [high, low] */
+{
+    archive_one(n_kv, head_dim, capacity, page_size, block_size, token, new_key, new_value, head_dim,
+                archive_index, archive_keys, archive_values, summary);
+}
+
+/* `count` tokens from `first` on, in order (a chunk's `PageArchive.write`, token by token: the same ring, K/V
+ * and summaries as the torch write's pieces, since min and max are exact): keys and values [n_kv, count,
+ * head_dim]. */
+void archive_tokens(
+    int64_t n_kv, int64_t head_dim, int64_t count, int64_t capacity, int64_t page_size, int64_t block_size,
+    int64_t first,
+    const float *restrict new_keys, const float *restrict new_values,         /* [n_kv, count, head_dim] */
+    int64_t *restrict archive_index, float *restrict archive_keys, float *restrict archive_values,
+    float *restrict summary)
+{
+    for (int64_t t = 0; t < count; t++)
+        archive_one(n_kv, head_dim, capacity, page_size, block_size, first + t, new_keys + t * head_dim,
+                    new_values + t * head_dim, count * head_dim, archive_index, archive_keys, archive_values,
+                    summary);
 }
 
 /* Mark (`to` = 1) or unmark (0) one head's archived ring slots that hold its resident tokens or the step's own

@@ -46,10 +46,11 @@ _INT, _PTR, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # step.c's `cache_step`: sizes, the call's inputs, the store's 8 buffers, the step's scalars, R's, the outputs,
 # the pinned entries.
 STEP_ARGTYPES = [_INT] * 5 + [_PTR] * 12 + [_INT] * 4 + [_FLOAT] + [_INT] + [_PTR] * 5 + [_INT] + [_PTR] * 4
-# archive.c: `archive_choose`, `archive_lead_choose` and `archive_token`.
+# archive.c: `archive_choose`, `archive_lead_choose`, `archive_token` and `archive_tokens`.
 CHOOSE_ARGTYPES = [_INT] * 4 + [_PTR] * 2 + [_INT] * 4 + [_PTR] * 4 + [_INT] + [_PTR] * 11
 LEAD_ARGTYPES = [_INT] * 4 + [_PTR] * 2 + [_INT] * 4 + [_PTR] * 4 + [_INT] * 3 + [_PTR] * 12
 ARCHIVE_ARGTYPES = [_INT] * 6 + [_PTR] * 6
+TOKENS_ARGTYPES = [_INT] * 7 + [_PTR] * 6
 SCORES_ARGTYPES = [_INT] * 7 + [ctypes.c_float] * 2 + [_INT] + [_PTR] * 14
 NO_RECALL = (0, None, None, None, None, None)  # `step`'s recall arguments for R = ∅
 
@@ -167,6 +168,8 @@ def library() -> ctypes.CDLL:
     lib.archive_lead_choose.restype = _INT
     lib.archive_token.argtypes = ARCHIVE_ARGTYPES
     lib.archive_token.restype = None
+    lib.archive_tokens.argtypes = TOKENS_ARGTYPES
+    lib.archive_tokens.restype = None
     lib.archive_step_scores.argtypes = SCORES_ARGTYPES
     lib.archive_step_scores.restype = None
     lib.archive_held_bytes.argtypes = []
@@ -276,6 +279,27 @@ def archive_token(
     library().archive_token(
         n_kv, head_dim, capacity, page_size, block_size, token, key.data_ptr(), value.data_ptr(), *archive,
         summary,
+    )  # fmt: skip
+
+
+def archive_tokens(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    capacity: int,
+    page_size: int,
+    block_size: int,
+    first: int,
+    archive: tuple[int, ...],
+    summary: int,
+) -> None:
+    """`PageArchive.write` of a chunk (archive.c's `archive_tokens`): keys, values [n_kv_heads, n, head_dim]
+    unrotated float32, the tokens `first` .. `first + n - 1`, written one after the other as `archive_token`
+    writes each; `archive` and `summary` as `archive_token`'s."""
+    n_kv, count, head_dim = keys.shape
+    keys, values = keys.contiguous(), values.contiguous()
+    library().archive_tokens(
+        n_kv, head_dim, count, capacity, page_size, block_size, first, keys.data_ptr(), values.data_ptr(),
+        *archive, summary,
     )  # fmt: skip
 
 

@@ -67,6 +67,19 @@ class RecallCStep(CStep):
         archive.tokens += 1
         archive.release()  # a file archive's pages written through the mapping leave the process
 
+    def archive_chunk(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`PageArchive.write` of a chunk: keys, values [n_kv_heads, n, head_dim] unrotated (float32 here), in
+        one C call that writes them token by token as `archive_token` does."""
+        archive = self.archive
+        count = keys.shape[1]
+        archive.prepare_write(count)
+        native.archive_tokens(
+            keys.float(), values.float(), archive.capacity, archive.page_size, archive.block_size, archive.tokens,
+            self.archive_pointers, self.summary_pointer,
+        )  # fmt: skip
+        archive.tokens += count
+        archive.release()
+
     def choose(self, bound: torch.Tensor) -> tuple[int, int]:
         """Pass 1 of a one-token step from the page bounds on: `PageArchive.choose_one` and the read into the
         recall slots, for the token the step is about to write (`store.tokens_seen`, already archived).

@@ -124,11 +124,15 @@ class RecallLayer(H2OLayer):
 
     def archive_call(self, call: Call) -> None:
         """Archive the call's unrotated K/V (write-through, before any eviction): in fixed shapes on the fixed
-        step, by one C call on a step where the C step can run, else `PageArchive.write`."""
+        step, by one C call where the C step can run the layer (a step's token, or a chunk's tokens one after
+        the other), else `PageArchive.write`."""
         if call.path.fixed:
             self.archive.write_fixed(call.keys, call.values, call.token)
-        elif call.path.one_token and self._c_buffers is not None:
-            self._c_buffers.archive_token(call.keys, call.values)
+        elif self._c_buffers is not None:
+            if call.path.one_token:
+                self._c_buffers.archive_token(call.keys, call.values)
+            else:
+                self._c_buffers.archive_chunk(call.keys, call.values)
         else:
             self.archive.write(call.keys, call.values)
 
