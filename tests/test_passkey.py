@@ -196,7 +196,10 @@ def test_the_summary_counts_correct_runs_per_length_policy_and_budget(tmp_path):
         (["--wording", "poem", "--out", "x.jsonl"], "--wording 'poem' is unknown"),
         (["--budgets", "3277", "--out", "x.jsonl"], "give fractions of the text's tokens"),
         (["--wording", "door", "--needles", "2", "--out", "x.jsonl"], "--needles 2 hides a pass key"),
-        (["--fork", "--lengths", "1048576", "--policies", "recall", "--out", "x.jsonl"], "--fork keeps recall's"),
+        (
+            ["--fork", "--lengths", "1048576", "--policies", "recall", "--out", "x.jsonl"],
+            "--fork keeps recall's",
+        ),
     ],
 )
 def test_the_command_refuses_bad_input_before_loading_a_model(args, message, monkeypatch):

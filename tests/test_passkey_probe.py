@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import REPO, tiny_config, word_tokenizer
 
 
