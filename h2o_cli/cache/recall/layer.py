@@ -165,9 +165,8 @@ class RecallLayer(H2OLayer):
             self.lead_mode = LeadMode.FILL
         if slots and (answering or text) and lead.archive is not archive:
             buffers = self._c_buffers
-            if (
-                buffers is not None
-            ):  # in C: the same tokens (the chunk's own are in S, so none is a candidate)
+            # In C where it can run: the same tokens (the chunk's own are all in S, so none is a candidate).
+            if buffers is not None:
                 ranked = lead.ranked()
                 hits = buffers.lead_choose(ranked, len(ranked) if text else lead.count)[1]
             else:
