@@ -31,7 +31,7 @@ import statistics
 import time
 
 import torch
-from h2o_kernels import native
+from h2o_kernels import native, native_archive
 
 from h2o_cli.cache.recall.archive import PageArchive, PageSettings
 from h2o_cli.cache.recall.c_step import StepScores
@@ -50,7 +50,7 @@ def median_ms(run, repeat: int) -> float:
 
 
 def c_choose(archive: PageArchive, recall: int = 410, resident: int = 410):
-    """A callable running `native.archive_choose` on `archive` (every page scored at random), with `resident`
+    """A callable running `native_archive.archive_choose` on `archive` (every page scored at random), with `resident`
     tokens in S (the newest) and `recall` slots, as the C step calls it (h2o_cli.cache.recall.c_step)."""
     tokens, pages, capacity = archive.tokens, archive.span // 16, archive.capacity
     index = torch.arange(tokens - resident, tokens).expand(N_KV, -1).contiguous()
@@ -68,7 +68,7 @@ def c_choose(archive: PageArchive, recall: int = 410, resident: int = 410):
     held = (index, valid, *slots, *scratch, counts, bound)  # kept alive with the callable
 
     def run() -> None:
-        native.archive_choose(
+        native_archive.archive_choose(
             bound, HEAD_DIM, (index.data_ptr(), valid.data_ptr()), resident, resident, tokens - 1, capacity, 16,
             tuple(t.data_ptr() for t in (archive.token_index, archive.keys, archive.values)), recall,
             tuple(t.data_ptr() for t in slots), tuple(t.data_ptr() for t in scratch), counts, totals,

@@ -355,7 +355,7 @@ from h2o_cli.cache.c_step import CStep
 from h2o_cli.cache.recall.archive import PageArchive, PageSettings
 from h2o_cli.cache.recall.c_step import StepScores
 from h2o_cli.cache.store import LayerStore
-from h2o_kernels import native
+from h2o_kernels import native, native_archive
 
 def refused(make):
     try:
@@ -374,7 +374,7 @@ ranked = torch.zeros(4, dtype=torch.int32)
 print(refused(lambda: CStep(store)))
 print(refused(lambda: CStep(wide)))
 print(refused(lambda: StepScores(half)))
-print(refused(lambda: native.archive_lead_choose(8, (0, 0), 16, 0, 0, 64, 4, 1, (0, 0, 0), ranked, 1, 0,
+print(refused(lambda: native_archive.archive_lead_choose(8, (0, 0), 16, 0, 0, 64, 4, 1, (0, 0, 0), ranked, 1, 0,
                                                  (0, 0, 0), (0,) * 7, torch.zeros(2, dtype=torch.int64), None)))
 """
 

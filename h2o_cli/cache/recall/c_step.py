@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from h2o_kernels import native
+from h2o_kernels import native, native_archive
 
 from h2o_cli.cache.c_step import CStep, checked
 
@@ -59,7 +59,7 @@ class RecallCStep(CStep):
         """`PageArchive.write` of one token: key, value [n_kv_heads, 1, head_dim] unrotated."""
         archive = self.archive
         archive.prepare_write(1)  # a file archive's disk reserved before C writes through the mapping
-        native.archive_token(
+        native_archive.archive_token(
             key, value, archive.capacity, archive.page_size, archive.block_size, archive.tokens,
             self.archive_pointers,
             self.summary_pointer,
@@ -73,7 +73,7 @@ class RecallCStep(CStep):
         archive = self.archive
         count = keys.shape[1]
         archive.prepare_write(count)
-        native.archive_tokens(
+        native_archive.archive_tokens(
             keys.float(), values.float(), archive.capacity, archive.page_size, archive.block_size, archive.tokens,
             self.archive_pointers, self.summary_pointer,
         )  # fmt: skip
@@ -86,7 +86,7 @@ class RecallCStep(CStep):
         bound: [n_kv_heads, used pages] float32 (`PageArchive.step_bounds`). Returns (tokens recalled, hits),
         summed over KV heads; `counts` holds each head's, `most` the most of one head."""
         store, archive = self.store, self.archive
-        hits = native.archive_choose(
+        hits = native_archive.archive_choose(
             bound, store.head_dim, self.store_index_pointers, store.slots, store.active, store.tokens_seen,
             archive.capacity, archive.page_size, self.archive_pointers, self.recall, self.recall_pointers,
             self.choose_scratch, self.counts, self.totals,
@@ -103,7 +103,7 @@ class RecallCStep(CStep):
             self.taken = torch.empty(pages, dtype=torch.int64)
         blocked, previous, _, chosen, moved, per_page = self.choose_scratch
         marked = per_page + archive.pages * self.per_page.itemsize  # its second row
-        hits = native.archive_lead_choose(
+        hits = native_archive.archive_lead_choose(
             store.head_dim, self.store_index_pointers, store.slots, store.active, store.tokens_seen,
             archive.capacity, archive.page_size, archive.span // archive.page_size, self.archive_pointers,
             ranked, pages, self.recall, self.recall_pointers,
@@ -197,7 +197,7 @@ class StepScores:
         used = archive.span // size
         bound = torch.empty(n_kv, used, dtype=torch.float32)
         pointers = self._held[2]
-        native.archive_step_scores(
+        native_archive.archive_step_scores(
             query, archive.capacity, size, used, shortlist, archive.carry, head_dim**-0.5, archive.tokens,
             self.archive_pointers, self.carried_pointers, pointers[:4], pointers[4:], bound,
         )  # fmt: skip

@@ -17,6 +17,7 @@ from h2o_cli.cache.positions import placed_order, rolling_positions, rotate, unr
 from h2o_cli.cache.recall.archive import PageArchive, PageSettings
 from h2o_cli.cache.recall.c_step import RecallCStep
 from h2o_cli.cache.recall.lead import LeadRanking
+from h2o_cli.cache.recall.scores import choosing_tokens
 from h2o_cli.cache.recall.step import RecallCounts, recall_is_full, rolling_step_positions
 from h2o_cli.cache.report import LayerSlots
 from h2o_cli.errors import UsageError
@@ -28,21 +29,6 @@ class LeadMode(enum.Enum):
     OWN = "own"  # its own choice: no lead, or text read without `--lead-text`
     PAGES = "pages"  # from a question to the next chunk of text: the lead's best `lead_pages` pages
     FILL = "fill"  # from a chunk of text (`--lead-text`) to the next: the lead's pages until R is full
-
-
-def choosing_tokens(
-    chunk: int, asks: int, limit: int, device: torch.device
-) -> tuple[int, torch.Tensor, bool]:
-    """Which of a chunk's `chunk` tokens choose what it recalls, and how many tokens their choice weighs: a
-    question of `asks` >= 2 tokens ending the chunk (`H2OCache.asking`), all of its tokens, weighing `asks`;
-    else at most `limit` (0: every one) of the chunk's tokens, evenly spaced and its last among them (every
-    ceil(chunk / limit)-th, counted back from the last), weighing `chunk`. Returns (weight, the tokens' offsets
-    in the chunk [picked], ascending, whether they are a question's)."""
-    if 1 < asks <= chunk:
-        return asks, torch.arange(chunk - asks, chunk, device=device), True
-    if not limit or chunk <= limit:
-        return chunk, torch.arange(chunk, device=device), False
-    return chunk, torch.arange(chunk - 1, -1, -chunk // limit, device=device).flip(0), False
 
 
 class RecallLayer(H2OLayer):

@@ -326,3 +326,18 @@ class PageScoring(ArchiveStore):
                     )
         self._held_keys = (picked, keys, self.tokens)
         return keys
+
+
+def choosing_tokens(
+    chunk: int, asks: int, limit: int, device: torch.device
+) -> tuple[int, torch.Tensor, bool]:
+    """Which of a chunk's `chunk` tokens choose what it recalls, and how many tokens their choice weighs: a
+    question of `asks` >= 2 tokens ending the chunk (`H2OCache.asking`), all of its tokens, weighing `asks`;
+    else at most `limit` (0: every one) of the chunk's tokens, evenly spaced and its last among them (every
+    ceil(chunk / limit)-th, counted back from the last), weighing `chunk`. Returns (weight, the tokens' offsets
+    in the chunk [picked], ascending, whether they are a question's)."""
+    if 1 < asks <= chunk:
+        return asks, torch.arange(chunk - asks, chunk, device=device), True
+    if not limit or chunk <= limit:
+        return chunk, torch.arange(chunk, device=device), False
+    return chunk, torch.arange(chunk - 1, -1, -chunk // limit, device=device).flip(0), False
