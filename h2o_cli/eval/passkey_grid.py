@@ -150,6 +150,8 @@ def plan(grid: Grid, tokenizer, essays: str, window: int, done: set[tuple] = fro
 
     asked = 1 if grid.needles == 1 else len(passkey.TWO_QUESTIONS)
     top = getattr(grid.heads, "top", None)
+    # `full` is given the prompt, then per question an answer (at least two needles' limit) and a turn's frame
+    answer_room = max(limit(grid.needles, grid.answer_tokens), passkey.TWO_MAX_NEW_TOKENS) + 64
     todo = []
     for length in grid.lengths:
         for seed in range(grid.seed_from, grid.seed_from + grid.seeds):
@@ -171,9 +173,7 @@ def plan(grid: Grid, tokenizer, essays: str, window: int, done: set[tuple] = fro
                         if (length, seed, depth, spec, budget) in done:
                             continue
                         tokens = (
-                            max(2, round(budget * text_tokens))
-                            if evicts
-                            else length + asked * (max(limit(grid.needles, grid.answer_tokens), 16) + 64)
+                            max(2, round(budget * text_tokens)) if evicts else length + asked * answer_room
                         )
                         todo.append(
                             Run(length, seed, depth, key, text, text_tokens, given, spec, budget, tokens)
