@@ -173,6 +173,15 @@ def test_c_recall_step_on_a_file_archive_equals_the_torch_step(tmp_path, options
 
 
 @needs_compiler
+def test_a_chunk_longer_than_a_file_archive_keeps_its_last_tokens_as_the_torch_write(tmp_path):
+    """A prefill of more tokens than a file archive holds, written by C through the mapping token by token:
+    the ring keeps the chunk's last `capacity` tokens (each overwrites its slot), as the torch write's pieces
+    leave it."""
+    _, c_layer, _ = run_both(30, chunks=(80, 5), c_file=tmp_path / "archive.bin", archive_max=48, page_size=8)
+    assert c_layer.archive.capacity < 80 and c_layer.archive.region is not None
+
+
+@needs_compiler
 @pytest.mark.parametrize("positions", ["rolling", "original"])
 def test_c_recall_step_with_partly_empty_recall_slots(positions):
     """A prefill of one token: S fills (and the C step starts) while the archive holds fewer candidates than

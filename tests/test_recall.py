@@ -62,6 +62,28 @@ def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
     assert layer.recalled > 0 and store.length == layer.policy.resident
 
 
+def test_a_full_recall_set_is_read_with_s_in_rank_order():
+    """Where every head's R is full and positions roll, the chunk path reads S ∪ R gathered in rank order
+    (`merged_order`): every entry once, in token order, R's columns among S's; with an empty recall slot, or
+    token-index positions, it reads R first at its positions (None here)."""
+    torch.manual_seed(2)
+    settings = naive_settings("rolling", 0.5, archive_max=96)
+    layer, inv_freq = make_recall_layer(settings)
+    feed_against_naive(layer, settings, inv_freq, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6], N_HEADS)
+    store, recall = layer.store, layer.recall_index.shape[1]
+    assert bool((layer.recall_index >= 0).all())
+    order = layer.merged_order(6)
+    assert order.shape == (N_KV, store.length + recall)
+    columns = torch.cat([store.token_index[:, : store.active], layer.recall_index], dim=1)
+    assert bool((columns.gather(1, order).diff(dim=1) > 0).all())
+    assert bool((order >= store.active).sum(dim=1).eq(recall).all())
+    layer.positions = "original"
+    assert layer.merged_order(6) is None
+    layer.positions = "rolling"
+    layer.recall_index[1, 0] = -1
+    assert layer.merged_order(6) is None
+
+
 @pytest.mark.parametrize(
     "ratio, heavy", [(0.5, 0.5), (0.125, 0.5), (0.5, 1.0)], ids=["half", "small-r", "no-recent"]
 )

@@ -5,7 +5,8 @@ The model's attention calls `layer.update(k, v, kwargs=...)` and then the regist
 `update` chooses the call's path once (`h2o_cli.cache.paths.choose_path`: chunk, Triton, torch step, C step or
 fixed step) and leaves the call's K/V with it; `attend` hands the call to that path. The path bodies are the
 same for every layer; a layer supplies its recalled set R through the hooks below (`recall_chunk`,
-`chunk_positions`, `step_entries`, `c_recall`, `fixed_entries`): here R = ∅, `RecallLayer` overrides them.
+`chunk_positions`, `merged_order`, `step_entries`, `c_recall`, `fixed_entries`): here R = ∅, `RecallLayer`
+overrides them.
 """
 
 from __future__ import annotations
@@ -279,6 +280,12 @@ class H2OLayer(CacheLayerMixin):
         query's position."""
         positions, first = self.slot_positions(chunk)
         return positions[:, : self.store.active].clamp_min(0), first
+
+    def merged_order(self, chunk: int) -> torch.Tensor | None:
+        """Where R fills every head and positions roll: the columns of [S's first `active` slots, R's slots] in
+        E's rank order, [n_kv_heads, length + r] (S's holes cut), so that read in that order the entries sit
+        at positions 0 .. n-1 in every head; None where they would not (here: R = ∅)."""
+        return None
 
     def step_entries(self, query: torch.Tensor, call: Call) -> tuple[torch.Tensor, int, Recalled | None]:
         """For a torch step after its write (S packed in `active` slots): the key positions [n_kv_heads,

@@ -89,37 +89,44 @@ class ChunkPath(Path):
         return output, increments[:, :active], last_probs[:, :active]
 
     def attend_in_order(self, layer, query, scaling, matmul, recalled=None):
-        """`attend_slots` with E_q every entry up to the query (`LayerStore.allowed`), the same attention over
-        R's entries (None: R = ∅), then S's gathered in token order (`LayerStore.in_token_order`): the chunk's
-        own come last, so only their [chunk, chunk] corner is masked, and R's empty slots while it has any;
-        S's increments go back to their slots."""
+        """`attend_slots` with E_q every entry up to the query (`LayerStore.allowed`): S's entries gathered in
+        token order (`LayerStore.in_token_order`), the chunk's own last, so only their [chunk, chunk] corner
+        is masked; S's increments go back to their slots. With R: where every head's R is full and positions
+        roll, S ∪ R gathered in rank order (`merged_order`), every entry at its rank as without R; else R's
+        entries first at their positions, its empty slots masked. R's own increments are not S's scores."""
         chunk, store = query.shape[1], layer.store
-        order = store.in_token_order()  # [n_kv, length]
         active = store.active
-        keys = in_rows(store.key_states(active), order)
-        values = in_rows(store.value_states(active), order)
-        leading = None
+        keys, values = store.key_states(active), store.value_states(active)
+        leading, positions, ahead = None, None, 0  # `ahead`: R's columns before the gathered ones
+        merged = None if recalled is None else layer.merged_order(chunk)
+        if merged is not None:  # S ∪ R in rank order: positions 0 .. n-1, as S's alone
+            keys = torch.cat([keys, recalled.keys.to(store.compute_dtype)], dim=1)
+            values = torch.cat([values, recalled.values.to(store.compute_dtype)], dim=1)
+        order = store.in_token_order() if merged is None else merged  # [n_kv, n]
+        keys, values = in_rows(keys, order), in_rows(values, order)
         if recalled is None:
             slot_positions, first_query_position = layer.slot_positions(chunk)
             # Rolling ranks are dense in token order: 0 .. length-1 in every head (None: read as such).
             positions = None if layer.positions == "rolling" else slot_positions.gather(1, order)
-        else:  # R is older than the chunk: every query sees its present entries
+        elif merged is not None:
+            first_query_position = order.shape[1] - chunk
+        else:  # R before S, at their positions
             key_positions, first_query_position = layer.chunk_positions(chunk, recalled)
             in_s = key_positions[:, :active].gather(1, order)
             positions = torch.cat([key_positions[:, active:], in_s], dim=1)
             keys = torch.cat([recalled.keys.to(store.compute_dtype), keys], dim=1)
             values = torch.cat([recalled.values.to(store.compute_dtype), values], dim=1)
             leading = None if bool(recalled.present.all()) else recalled.present
+            ahead = recalled.present.shape[1]
         output, increments, last_probs = self.slot_attention(
             layer, query, keys, values, None, positions, first_query_position, scaling, matmul, leading
         )
-        if recalled is not None:  # R's own increments are not S's scores
-            recall_slots = recalled.present.shape[1]
-            increments, last_probs = increments[:, recall_slots:], last_probs[:, recall_slots:]
-        back = torch.zeros(2, store.n_kv_heads, active, dtype=increments.dtype, device=increments.device)
-        back[0].scatter_(1, order, increments)
-        back[1].scatter_(1, order, last_probs)
-        return output, back[0], back[1]
+        # Back to the columns they were gathered from (R's, from `active` on, dropped).
+        width = active if merged is None else active + recalled.present.shape[1]
+        back = torch.zeros(2, store.n_kv_heads, width, dtype=increments.dtype, device=increments.device)
+        back[0].scatter_(1, order, increments[:, ahead:])
+        back[1].scatter_(1, order, last_probs[:, ahead:])
+        return output, back[0, :, :active], back[1, :, :active]
 
     def slot_attention(
         self,

@@ -8,6 +8,7 @@ import enum
 import functools
 
 import torch
+from h2o_kernels.reference import OLDEST_LAST
 
 from h2o_cli.cache.c_step import KeyPlacement
 from h2o_cli.cache.layer import H2OLayer
@@ -182,6 +183,19 @@ class RecallLayer(H2OLayer):
             return token_index.clamp_min(0), first
         key_positions, entries = rolling_positions(self._placed(token_index, first), token_index >= 0)
         return key_positions, entries - chunk
+
+    def merged_order(self, chunk: int) -> torch.Tensor | None:
+        """The columns of [S's first `active` slots, R] sorted by what `chunk_positions` ranks them by, when
+        every recall slot holds a token and positions roll: every head then has length + r entries, so the
+        ranks are 0 .. n-1 and the chunk's tokens, the newest, come last. None otherwise."""
+        store, recall_index = self.store, self.recall_index
+        if self.positions != "rolling" or not bool((recall_index >= 0).all()):
+            return None
+        token_index = torch.cat([store.token_index[:, : store.active], recall_index], dim=1)
+        key = self._placed(token_index, store.tokens_seen - chunk)
+        if store.active > store.length:  # S's holes: ranked last, then cut
+            key[:, : store.active].masked_fill_(~store.valid[:, : store.active], OLDEST_LAST)
+        return torch.sort(key, dim=1).indices[:, : store.length + recall_index.shape[1]]
 
     def step_entries(self, query: torch.Tensor, call: Call) -> tuple[torch.Tensor, int, Recalled]:
         """Pass 1 of a torch step (after its write; S packed): `PageArchive.choose_one`, or the lead's pages
