@@ -8,16 +8,15 @@ import enum
 import functools
 
 import torch
-from h2o_kernels.reference import OLDEST_LAST
 
-from h2o_cli.cache.c_step import KeyPlacement
 from h2o_cli.cache.layer import H2OLayer
 from h2o_cli.cache.paths import Call
 from h2o_cli.cache.paths.base import Recalled
-from h2o_cli.cache.positions import placed_order, rolling_positions, rotate, unrotate
+from h2o_cli.cache.positions import rolling_positions, rotate, unrotate
 from h2o_cli.cache.recall.archive import PageArchive, PageSettings
 from h2o_cli.cache.recall.c_step import RecallCStep
 from h2o_cli.cache.recall.lead import LeadRanking
+from h2o_cli.cache.recall.placement import RecallPlacement
 from h2o_cli.cache.recall.scores import choosing_tokens
 from h2o_cli.cache.recall.step import RecallCounts, recall_is_full, rolling_step_positions
 from h2o_cli.cache.report import LayerSlots
@@ -32,7 +31,7 @@ class LeadMode(enum.Enum):
     FILL = "fill"  # from a chunk of text (`--lead-text`) to the next: the lead's pages until R is full
 
 
-class RecallLayer(H2OLayer):
+class RecallLayer(RecallPlacement, H2OLayer):
     """A layer of the `recall` policy (docs/spec.md): `H2OLayer`'s store holds S, managed as `h2o`; every
     token is also written to a `PageArchive`, and each step refills `recall_slots` slots per KV head from it.
 
@@ -128,11 +127,6 @@ class RecallLayer(H2OLayer):
         choice are bit for bit the chunk path's."""
         return unrotate(key_states[0], cos, sin)
 
-    @property
-    def placement(self) -> KeyPlacement:
-        rolling_contiguous = self._contiguous and self.positions == "rolling"
-        return KeyPlacement.CONTIGUOUS if rolling_contiguous else super().placement
-
     def recall_chunk(self, query: torch.Tensor, chunk: int) -> Recalled:
         """Pass 1 of the chunk just written (query [n_heads, chunk, head_dim], unrotated): a question ending
         the chunk (`asks`) chooses with its own queries alone; a chunk of text with at most `choice_tokens` of
@@ -172,30 +166,6 @@ class RecallLayer(H2OLayer):
             hits = self._read_back(chosen, valid)
         self.counts.add((self.recall_index >= 0).sum(), hits)
         return Recalled(self.recall_keys, self.recall_values, self.recall_index >= 0)
-
-    def chunk_positions(self, chunk: int, recalled: Recalled | None) -> tuple[torch.Tensor, int]:
-        """E_q = S ∪ R ∪ {chunk tokens <= q}: rolling ranks by token index (every head's queries at one
-        position) or token indices, S's `active` slots then R's."""
-        store = self.store
-        first = store.tokens_seen - chunk
-        token_index = torch.cat([store.token_index[:, : store.active], self.recall_index], dim=1)
-        if self.positions != "rolling":
-            return token_index.clamp_min(0), first
-        key_positions, entries = rolling_positions(self._placed(token_index, first), token_index >= 0)
-        return key_positions, entries - chunk
-
-    def merged_order(self, chunk: int) -> torch.Tensor | None:
-        """The columns of [S's first `active` slots, R] sorted by what `chunk_positions` ranks them by, when
-        every recall slot holds a token and positions roll: every head then has length + r entries, so the
-        ranks are 0 .. n-1 and the chunk's tokens, the newest, come last. None otherwise."""
-        store, recall_index = self.store, self.recall_index
-        if self.positions != "rolling" or not bool((recall_index >= 0).all()):
-            return None
-        token_index = torch.cat([store.token_index[:, : store.active], recall_index], dim=1)
-        key = self._placed(token_index, store.tokens_seen - chunk)
-        if store.active > store.length:  # S's holes: ranked last, then cut
-            key[:, : store.active].masked_fill_(~store.valid[:, : store.active], OLDEST_LAST)
-        return torch.sort(key, dim=1).indices[:, : store.length + recall_index.shape[1]]
 
     def step_entries(self, query: torch.Tensor, call: Call) -> tuple[torch.Tensor, int, Recalled]:
         """Pass 1 of a torch step (after its write; S packed): `PageArchive.choose_one`, or the lead's pages
@@ -327,25 +297,6 @@ class RecallLayer(H2OLayer):
             page_query = self._step_page_query(query, call.cos, call.sin)
             (scores.bounds if scores is not None else self.archive.step_bounds)(page_query)
             self.lead.ready = True
-
-    @property
-    def _contiguous(self) -> bool:
-        """Whether rolling positions place R as one block before the recent window (`--recall-place`)."""
-        return self.policy.recall_place == "contiguous" and self.recall_index.shape[1] > 0
-
-    def _recent_from(self, first: int | torch.Tensor) -> int | torch.Tensor:
-        """The oldest token of the block R is placed before, for a call whose first token is `first`: a step's
-        recent window (its `recent_slots` newest tokens, at least its own), and for a chunk the same window's
-        older tokens and the whole chunk. The C step's split (`limit`, at most |S| - 1) is the same block."""
-        return first - max(self.policy.recent_slots, 1) + 1
-
-    def _placed(self, token_index: torch.Tensor, first: int | torch.Tensor) -> torch.Tensor:
-        """What `rolling_positions` ranks E_q by for a call whose first token is `first`: the token indices
-        [n_kv_heads, |S| + r] (R's `r` columns last), or under `--recall-place contiguous` `placed_order`'s key
-        with R before `_recent_from(first)`."""
-        if not self._contiguous:
-            return token_index
-        return placed_order(token_index, self.recall_index.shape[1], self._recent_from(first))
 
     def _step_page_query(self, query: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """A one-token step's page-scoring queries [n_kv, group, head_dim]: the model's rotated query unrotated
