@@ -125,7 +125,7 @@ def passkey(
         typer.Option(
             "--wording",
             help="How the needle is said and asked: passkey (the wording recall's defaults were chosen on), "
-            "page, door, phone, locker or secret (never used to choose a default).",
+            "page, door, phone, locker, secret or ticket (never used to choose a default).",
         ),
     ] = "passkey",
     answer_tokens: Annotated[

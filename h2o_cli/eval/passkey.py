@@ -69,6 +69,10 @@ WORDINGS = {
         "\nImportant: the secret number is {key}. Write down {key}.\n",
         "What is the secret number? Answer with the number only.",
     ),
+    "ticket": Wording(
+        "\nThe winning lottery ticket number is {key}.\n",
+        "What is the winning lottery ticket number? Answer with the number only.",
+    ),
 }
 
 
