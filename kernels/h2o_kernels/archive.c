@@ -1,8 +1,8 @@
-/* The `recall` archive's C twins: one token's write (`archive_token`), a one-token step's pass 1 from the page
+/* The `recall` archive's C twins: a call's write (`archive_tokens`), a one-token step's pass 1 from the page
  * bounds on (`archive_choose`), and an answer step's pass 1 under a lead head (`archive_lead_choose`).
  *
- * `archive_token` is `PageArchive.write` of one token (h2o_cli/cache/recall/store.py), bit for bit, and
- * `archive_tokens` of a chunk's tokens, one after the other.
+ * `archive_tokens` is `PageArchive.write` (h2o_cli/cache/recall/store.py) of a step's token or a chunk's tokens,
+ * one after the other, bit for bit.
  * `archive_choose` is `PageArchive.choose_one` from the page bounds on and the read-back into the recall slots
  * (`RecallLayer._read_back`): the candidates (archived tokens not in S), the pages that hold one ranked by
  * bound then age, the first `recall` candidates in reading order put into the recall slots, and the hits. A hit's
@@ -76,21 +76,9 @@ static void archive_one(
     archive_index[slot] = token;
 }
 
-/* One token's K/V, [n_kv, head_dim] each: `archive_one`. */
-void archive_token(
-    int64_t n_kv, int64_t head_dim, int64_t capacity, int64_t page_size, int64_t block_size, int64_t token,
-    const float *restrict new_key, const float *restrict new_value,           /* [n_kv, head_dim] */
-    int64_t *restrict archive_index,                                          /* [capacity] */
-    float *restrict archive_keys, float *restrict archive_values,             /* [n_kv, capacity, head_dim] */
-    float *restrict summary)                  /* [n_kv, capacity / block_size, 2 * head_dim]: [high, low] */
-{
-    archive_one(n_kv, head_dim, capacity, page_size, block_size, token, new_key, new_value, head_dim,
-                archive_index, archive_keys, archive_values, summary);
-}
-
-/* `count` tokens from `first` on, in order (a chunk's `PageArchive.write`, token by token: the same ring, K/V
- * and summaries as the torch write's pieces, since min and max are exact): keys and values [n_kv, count,
- * head_dim]. */
+/* `count` tokens from `first` on, in order (a step's one token, or a chunk's `PageArchive.write` token by token:
+ * the same ring, K/V and summaries as the torch write's pieces, since min and max are exact): keys and values
+ * [n_kv, count, head_dim]. */
 void archive_tokens(
     int64_t n_kv, int64_t head_dim, int64_t count, int64_t capacity, int64_t page_size, int64_t block_size,
     int64_t first,

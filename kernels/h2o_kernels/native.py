@@ -46,10 +46,9 @@ _INT, _PTR, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # step.c's `cache_step`: sizes, the call's inputs, the store's 8 buffers, the step's scalars, R's, the outputs,
 # the pinned entries.
 STEP_ARGTYPES = [_INT] * 5 + [_PTR] * 12 + [_INT] * 4 + [_FLOAT] + [_INT] + [_PTR] * 5 + [_INT] + [_PTR] * 4
-# archive.c: `archive_choose`, `archive_lead_choose`, `archive_token` and `archive_tokens`.
+# archive.c: `archive_choose`, `archive_lead_choose` and `archive_tokens`.
 CHOOSE_ARGTYPES = [_INT] * 4 + [_PTR] * 2 + [_INT] * 4 + [_PTR] * 4 + [_INT] + [_PTR] * 11
 LEAD_ARGTYPES = [_INT] * 4 + [_PTR] * 2 + [_INT] * 4 + [_PTR] * 4 + [_INT] * 3 + [_PTR] * 12
-ARCHIVE_ARGTYPES = [_INT] * 6 + [_PTR] * 6
 TOKENS_ARGTYPES = [_INT] * 7 + [_PTR] * 6
 SCORES_ARGTYPES = [_INT] * 7 + [ctypes.c_float] * 2 + [_INT] + [_PTR] * 14
 NO_RECALL = (0, None, None, None, None, None)  # `step`'s recall arguments for R = ∅
@@ -166,8 +165,6 @@ def library() -> ctypes.CDLL:
     lib.archive_choose.restype = _INT
     lib.archive_lead_choose.argtypes = LEAD_ARGTYPES
     lib.archive_lead_choose.restype = _INT
-    lib.archive_token.argtypes = ARCHIVE_ARGTYPES
-    lib.archive_token.restype = None
     lib.archive_tokens.argtypes = TOKENS_ARGTYPES
     lib.archive_tokens.restype = None
     lib.archive_step_scores.argtypes = SCORES_ARGTYPES

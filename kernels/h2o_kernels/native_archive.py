@@ -1,4 +1,4 @@
-"""Typed wrappers of archive.c (`recall`'s archive write and page choice: `archive_token`, `archive_tokens`,
+"""Typed wrappers of archive.c (`recall`'s archive write and page choice: `archive_tokens`,
 `archive_choose`, `archive_lead_choose`, `archive_step_scores`) over the library `native` builds and loads. They
 take tensors, addresses and sizes, never a cache object (h2o_cli/cache/recall/c_step.py holds the buffers)."""
 
@@ -7,28 +7,6 @@ from __future__ import annotations
 import torch
 
 from h2o_kernels.native import library
-
-
-def archive_token(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    capacity: int,
-    page_size: int,
-    block_size: int,
-    token: int,
-    archive: tuple[int, ...],
-    summary: int,
-) -> None:
-    """`PageArchive.write` of one token (archive.c's `archive_token`): key, value [n_kv_heads, 1, head_dim]
-    unrotated float32; archive: the addresses of the archive's token index [capacity] (int64), keys and values
-    [n_kv_heads, capacity, head_dim] (float32); summary: the address of its block summaries
-    [n_kv_heads, capacity / block_size, 2 * head_dim] (float32); `token`: the token's index."""
-    n_kv, _, head_dim = key.shape
-    key, value = key.contiguous(), value.contiguous()
-    library().archive_token(
-        n_kv, head_dim, capacity, page_size, block_size, token, key.data_ptr(), value.data_ptr(), *archive,
-        summary,
-    )  # fmt: skip
 
 
 def archive_tokens(
@@ -41,9 +19,11 @@ def archive_tokens(
     archive: tuple[int, ...],
     summary: int,
 ) -> None:
-    """`PageArchive.write` of a chunk (archive.c's `archive_tokens`): keys, values [n_kv_heads, n, head_dim]
-    unrotated float32, the tokens `first` .. `first + n - 1`, written one after the other as `archive_token`
-    writes each; `archive` and `summary` as `archive_token`'s."""
+    """`PageArchive.write` of a step's token or a chunk's (archive.c's `archive_tokens`): keys, values
+    [n_kv_heads, n, head_dim] unrotated float32, the tokens `first` .. `first + n - 1`, written one after the
+    other; archive: the addresses of the archive's token index [capacity] (int64), keys and values
+    [n_kv_heads, capacity, head_dim] (float32); summary: the address of its block summaries
+    [n_kv_heads, capacity / block_size, 2 * head_dim] (float32)."""
     n_kv, count, head_dim = keys.shape
     keys, values = keys.contiguous(), values.contiguous()
     library().archive_tokens(
@@ -72,7 +52,7 @@ def archive_choose(
     `PageArchive.choose_one` and the read into the recall slots, for the token the step is about to write
     (`new_token`, already archived). bound: [n_kv_heads, used pages] float32 (`best_page_bound`); store: the
     addresses of the store's token_index (int64) and valid (bool) [n_kv_heads, slots], entries below
-    `active`; archive: as `archive_token`'s; recall_slots: the addresses of the `recall` slots' keys, values
+    `active`; archive: as `archive_tokens`'s; recall_slots: the addresses of the `recall` slots' keys, values
     [n_kv_heads, recall, head_dim] (float32) and token indices [n_kv_heads, recall] (int64); scratch: the
     addresses of [capacity] uint8 (0 everywhere between calls), [capacity] int64 (-1 everywhere between
     calls), [pages, 2] int64, [max(recall, 1)] int64, [2, max(recall, 1), head_dim] float32 and [2, pages]

@@ -55,21 +55,10 @@ class RecallCStep(CStep):
                    self.moved, self.per_page, self.counts, self.order, self.taken)  # fmt: skip
         return sum(tensor.nbytes for tensor in buffers) + self.scores.nbytes()
 
-    def archive_token(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """`PageArchive.write` of one token: key, value [n_kv_heads, 1, head_dim] unrotated."""
-        archive = self.archive
-        archive.prepare_write(1)  # a file archive's disk reserved before C writes through the mapping
-        native_archive.archive_token(
-            key, value, archive.capacity, archive.page_size, archive.block_size, archive.tokens,
-            self.archive_pointers,
-            self.summary_pointer,
-        )  # fmt: skip
-        archive.tokens += 1
-        archive.release()  # a file archive's pages written through the mapping leave the process
-
-    def archive_chunk(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """`PageArchive.write` of a chunk: keys, values [n_kv_heads, n, head_dim] unrotated (float32 here), in
-        one C call that writes them token by token as `archive_token` does."""
+    def archive_tokens(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`PageArchive.write` of a step's token or a chunk's: keys, values [n_kv_heads, n, head_dim] unrotated
+        (float32 here), in one C call that writes them token by token (a file archive's disk reserved first,
+        and the pages written through the mapping released after)."""
         archive = self.archive
         count = keys.shape[1]
         archive.prepare_write(count)

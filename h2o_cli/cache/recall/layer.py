@@ -115,10 +115,7 @@ class RecallLayer(RecallPlacement, H2OLayer):
         if call.path.fixed:
             self.archive.write_fixed(call.keys, call.values, call.token)
         elif self._c_buffers is not None:
-            if call.path.one_token:
-                self._c_buffers.archive_token(call.keys, call.values)
-            else:
-                self._c_buffers.archive_chunk(call.keys, call.values)
+            self._c_buffers.archive_tokens(call.keys, call.values)
         else:
             self.archive.write(call.keys, call.values)
 

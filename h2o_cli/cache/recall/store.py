@@ -20,7 +20,7 @@ tokens drop (the ring wraps) is said in one line (`limits.tell_outgrown`).
 
 One rule, one body: `_write_piece` is the write; `_write_token` (a decode step's write) and `write_fixed` (the
 fixed step's) are its one-token forms, pinned to it bit for bit by
-tests/test_recall.py::test_one_token_writes_are_the_piece_write (archive.c's `archive_token` is the C twin).
+tests/test_recall.py::test_one_token_writes_are_the_piece_write (archive.c's `archive_tokens` is the C twin).
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ class ArchiveStore(SavedStore):
 
     def _write_token(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """`_write_piece` of one token (a decode step's fast form, in half the ops): the same writes, its slot
-        and page as Python ints (held to it by tests/test_recall.py; archive.c's `archive_token` is its C twin)."""
+        and page as Python ints (held to it by tests/test_recall.py; archive.c's `archive_tokens` is its C twin)."""
         token = self.tokens
         self.prepare_write(1)
         slot = token % self.capacity
