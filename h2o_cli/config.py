@@ -110,7 +110,7 @@ class CacheSettings:
         DEFAULT_ARCHIVE_MAX  # recall: tokens (1048576 on disk) or bytes ("64MiB") the archive reaches back
     )
     archive: str = (
-        "auto"  # recall: where archived K/V live: auto (ram up to 1 GiB, else disk), ram, disk, or a path
+        "auto"  # recall: where archived K/V live: auto (ram up to 2 GiB, else disk), ram, disk, or a path
     )
     archive_bits: int | None = (
         None  # recall: archived K/V as --kv-bits: None (model dtype), 16, 8 (int8 + scales)

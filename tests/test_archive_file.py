@@ -197,8 +197,8 @@ def test_stream_with_a_file_archive_as_a_user_runs_it(tmp_path):
 @pytest.mark.parametrize(
     ("setting", "stored", "device", "want"),
     [
-        ("auto", 2**30, "cpu", "ram"),
-        ("auto", 2**30 + 1, "cpu", "disk"),
+        ("auto", 2**30, "cpu", "ram"),  # below the limit on any machine of 8 GiB or more
+        ("auto", 2**40, "cpu", "disk"),
         ("auto", 2**40, "cuda", "ram"),
         ("ram", 2**40, "cpu", "ram"),
         ("disk", 1, "cpu", "disk"),
@@ -250,3 +250,24 @@ def test_a_terminated_stream_removes_its_archive_file(tmp_path, number):
     _, err = run.communicate(timeout=60)
     assert run.returncode == 128 + number, err.decode()
     assert not os.listdir(tmp_path)
+
+
+def test_auto_keeps_at_most_an_eighth_of_the_machines_memory_in_ram(monkeypatch):
+    """`--archive auto` on the CPU: RAM up to `AUTO_RAM_BYTES` of K/V, or an eighth of the physical memory
+    where that is less; a platform that cannot say its memory takes the limit alone."""
+    page = 4096
+    for memory, limit in ((64 * 2**30, limits.AUTO_RAM_BYTES), (8 * 2**30, 2**30)):
+        monkeypatch.setattr(
+            os, "sysconf", lambda name, memory=memory: page if name == "SC_PAGE_SIZE" else memory // page
+        )
+        assert limits.auto_ram_bytes() == limit
+        assert limits.archive_storage("auto", limit, "cpu") == "ram"
+        assert limits.archive_storage("auto", limit + 1, "cpu") == "disk"
+        assert limits.archive_storage("auto", limit + 1, "cuda") == "ram"
+        assert limits.archive_storage("disk", 1, "cpu") == "disk"
+
+    def unknown(name):
+        raise ValueError(name)
+
+    monkeypatch.setattr(os, "sysconf", unknown)
+    assert limits.auto_ram_bytes() == limits.AUTO_RAM_BYTES

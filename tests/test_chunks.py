@@ -42,3 +42,24 @@ def test_stream_sizes_the_cache_for_what_it_can_read():
     assert _span(None, 5000, None, sampling) == 5000
     assert _span(3000, 5000, None, sampling) == 3000
     assert _span(3000, None, "Who?", sampling) == 3000 + 4 + 256 + 12
+
+
+def test_a_recall_stream_counts_a_files_tokens_to_size_its_archive(tmp_path):
+    """`_text_tokens`: the ids the stream will read (`tokenizer(text)` of the whole file, special tokens too),
+    the file left at its start; a file that is not UTF-8 counts as its bytes, so the stream still reads its
+    valid part and says why it stopped."""
+    from conftest import word_tokenizer
+
+    from h2o_cli.cli.stream import _text_tokens
+
+    tokenizer = word_tokenizer(16)
+    text = " ".join(f"w{number % 16}" for number in range(30000))
+    path = tmp_path / "text.txt"
+    path.write_text(text)
+    with open(path, "rb") as source:
+        source.read(7)
+        assert _text_tokens(source, tokenizer) == len(tokenizer(text)["input_ids"])
+        assert source.tell() == 0
+    path.write_bytes(b"w3 w4 \xff w5")
+    with open(path, "rb") as source:
+        assert _text_tokens(source, tokenizer) == 10 and source.tell() == 0  # its bytes

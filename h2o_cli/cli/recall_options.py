@@ -166,7 +166,7 @@ Archive = Annotated[
     str,
     typer.Option(
         "--archive",
-        help="recall: where archived K/V live: auto (RAM when the whole archive fits in 1 GiB, else disk; on a GPU "
+        help="recall: where archived K/V live: auto (RAM when its K/V fit in 2 GiB, or an eighth of RAM, else disk; on a GPU "
         "its memory), ram, disk (a file in $H2O_HOME/archive/, memory-mapped and not kept resident; CPU only), "
         "or a file or folder PATH. The file is removed at exit.",
         rich_help_panel=MEMORY,

@@ -17,6 +17,10 @@ from h2o_cli.config import CacheSettings
 from h2o_cli.errors import InputError, UsageError
 from h2o_cli.saved_read import QUESTION_ROOM
 
+COUNT_BYTES = (
+    16 * 2**20
+)  # a recall stream of a file up to this size counts its tokens first, to size the archive
+
 EXAMPLES = """
 Examples:
 
@@ -161,9 +165,14 @@ def stream(
         if total_bytes == 0:
             raise InputError(f"{source} is empty; give a text with at least two tokens")
     lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant, device_map)
-    spans = {"archive_span": _span(max_tokens, total_bytes, prompt, sampling)}
+    text_bound = (
+        total_bytes  # the most tokens the text holds: one a byte, or counted (sizes recall's archive)
+    )
+    if settings.policy == "recall" and total_bytes is not None and total_bytes <= COUNT_BYTES:
+        text_bound = _text_tokens(source_file, tokenizer)
+    spans = {"archive_span": _span(max_tokens, text_bound, prompt, sampling)}
     if save is not None:  # room for the questions asked later, whatever this run's --prompt
-        spans["archive_span"] = _span(max_tokens, total_bytes, None, sampling)
+        spans["archive_span"] = _span(max_tokens, text_bound, None, sampling)
         spans["archive_span"] = spans["archive_span"] and spans["archive_span"] + QUESTION_ROOM
     cache = H2OCache(lm, settings.resolved(context_window(lm)), **spans)
     chunk = settings.chunk
@@ -182,11 +191,26 @@ def stream(
         raise InputError(report["error"])
 
 
-def _span(max_tokens: int | None, total_bytes: int | None, prompt: str | None, sampling) -> int | None:
+def _text_tokens(source_file, tokenizer) -> int:
+    """The tokens of a file the stream then reads (`token_stream`'s ids, so the same count), the file left at
+    its start; a file that is not UTF-8 counts as its bytes (the stream reads its valid part, then says why)."""
+    from h2o_cli.textio import text_blocks, token_stream
+
+    source_file.seek(0)
+    try:
+        return sum(map(len, token_stream(tokenizer, text_blocks(source_file))))
+    except InputError:
+        return source_file.seek(0, 2)
+    finally:
+        source_file.seek(0)
+
+
+def _span(max_tokens: int | None, text_bound: int | None, prompt: str | None, sampling) -> int | None:
     """The most tokens the cache can meet when that is known before reading (None: stdin without
-    --max-tokens): the text's tokens (at most --max-tokens, at most one per byte of the file), the question
-    (at most one per byte) with its frame, and the answer. A recall archive is then no larger than the text."""
-    text = min(bound for bound in (max_tokens, total_bytes, float("inf")) if bound is not None)
+    --max-tokens): the text's tokens (at most --max-tokens, at most `text_bound`: the file's bytes, or its
+    counted tokens), the question (at most one per byte) with its frame, and the answer. A recall archive is
+    then no larger than the text."""
+    text = min(bound for bound in (max_tokens, text_bound, float("inf")) if bound is not None)
     if text == float("inf"):
         return None
     asked = len(prompt.encode()) + 256 + sampling.max_new_tokens if prompt else 0

@@ -19,7 +19,9 @@ RAM_ARCHIVE_MAX = 131072  # tokens: the default reach of an archive kept in RAM 
 GROW_TOKENS = 16384  # a file archive reserves its disk space this many ring slots ahead of its writes
 DISK_SPARE = 2**30  # bytes of the disk a file archive leaves free when it sizes its reach to the disk
 DEFAULT_BLOCK = 4  # tokens per key summary when --block-size is not given (and 4 divides the page)
-AUTO_RAM_BYTES = 2**30  # `--archive auto`: a CPU archive larger than this (every layer's K/V) goes to a file
+AUTO_RAM_BYTES = (
+    2 * 2**30
+)  # `--archive auto`: a CPU archive's K/V above this (or an eighth of RAM) go to a file
 PAGE_SCORES = ("positional", "unrotated", "attention")
 RECALL_PLACES = ("index", "contiguous")  # where rolling positions rank R among S (docs/spec.md, recall)
 
@@ -179,11 +181,22 @@ def summary_block(page_size: int, block_size: int | None) -> int:
 
 def archive_storage(setting: str, stored_bytes: int, device_type: str) -> str:
     """Where the archive's K/V live for `--archive setting`: `auto` is `ram` on an accelerator (its memory) and
-    on the CPU when all of it (`stored_bytes`, every layer's K/V at its capacity) fits in `AUTO_RAM_BYTES`, else
-    `disk`; any other setting is itself (ram, disk or a path)."""
+    on the CPU when all of it (`stored_bytes`, every layer's K/V at its capacity) fits in `auto_ram_bytes()`,
+    else `disk`; any other setting is itself (ram, disk or a path)."""
     if setting != "auto":
         return setting
-    return "ram" if device_type != "cpu" or stored_bytes <= AUTO_RAM_BYTES else "disk"
+    return "ram" if device_type != "cpu" or stored_bytes <= auto_ram_bytes() else "disk"
+
+
+def auto_ram_bytes() -> int:
+    """The most archived K/V `--archive auto` keeps in RAM on the CPU: `AUTO_RAM_BYTES`, or an eighth of the
+    machine's physical memory where that is less (the page summaries add a quarter of it). Why 2 GiB:
+    docs/recall.md, where the archive lives."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # a platform without these names: the limit alone
+        return AUTO_RAM_BYTES
+    return min(AUTO_RAM_BYTES, memory // 8) if memory > 0 else AUTO_RAM_BYTES
 
 
 def archive_capacity(archive_max: int | str, page_size: int, span: int | None, page_bytes: int | None) -> int:
