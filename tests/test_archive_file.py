@@ -271,3 +271,61 @@ def test_auto_keeps_at_most_an_eighth_of_the_machines_memory_in_ram(monkeypatch)
 
     monkeypatch.setattr(os, "sysconf", unknown)
     assert limits.auto_ram_bytes() == limits.AUTO_RAM_BYTES
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The kernel's flags of the mapping holding `address` (/proc/self/smaps `VmFlags`)."""
+    current = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and not first.endswith(":"):
+                start, end = (int(part, 16) for part in first.split("-"))
+                current = start <= address < end
+            elif current and first == "VmFlags:":
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_an_archive_file_is_mapped_for_random_reads(tmp_path):
+    """The page choice reads scattered 4 KiB pages of the mapping: `MADV_RANDOM` (VmFlags `rr`) keeps a fault
+    past the page cache from reading the readahead window around its page, on the file's own mapping and on a
+    saved file's adopted over it."""
+    from h2o_cli.cache.recall.archive_file import ArchiveFile
+
+    file = ArchiveFile(tmp_path / "archive.kv", 1 << 20)
+    assert "rr" in _vm_flags(file.base)
+    saved = tmp_path / "saved.kv"
+    saved.write_bytes(bytes(1 << 20))
+    descriptor = os.open(saved, os.O_RDONLY)
+    try:
+        assert file.adopt(descriptor)
+        assert "rr" in _vm_flags(file.base)
+    finally:
+        os.close(descriptor)
+    file.close()
+
+
+def test_an_archive_file_goes_with_its_cache_without_a_garbage_collection(tiny_pair, monkeypatch, tmp_path):
+    """A run of many caches (an eval's examples, a grid's runs) must not keep each one's file until Python's
+    cycle collector runs: the last reference to a cache removes its file (a 32K RULER document's is 1.8 GB)."""
+    import gc
+
+    import torch
+
+    from h2o_cli.cache import H2OCache
+
+    _, model = tiny_pair
+    monkeypatch.setenv("H2O_HOME", str(tmp_path))
+    gc.disable()
+    try:
+        cache = H2OCache(model, CacheSettings(budget=24, policy="recall", chunk=8, archive="disk"), span=200)
+        with torch.no_grad():
+            model(torch.randint(0, 100, (1, 64)), past_key_values=cache, use_cache=True)
+        path = cache.archive_file.path
+        assert path.exists()
+        del cache
+        assert not path.exists()
+    finally:
+        gc.enable()

@@ -7,14 +7,13 @@ whole reach when the cache is built but sparse: its space is reserved as the tok
 `posix_fallocate` a stretch of ring slots ahead of the writes), so a reach of a million tokens costs the disk
 what the text has filled, and a full disk is a one-line error before any write, not a crash in the middle of a
 stream (where the file system cannot reserve, the free space is checked instead, since the C step's writes
-through the mapping into a full disk would end the process with SIGBUS);
-each layer's K/V and summaries lie in their own region of it, aligned to the OS page size. The archive writes through the
-file (`os.pwrite`: into the page cache, not the process; a disk found full then is one line) and reads the
-chosen tokens as tensors over the mapping; after every read it calls `release()`:
-`madvise(MADV_DONTNEED)` takes the region's pages out of the process (a shared file mapping keeps their data in
-the file and the page cache), so the peak RSS, which counts mapped pages left resident, does not grow with the
-archive. The file is removed when the cache is closed or collected, or at the
-latest when the interpreter exits (normal end, exception, Ctrl-C; SIGTERM and SIGHUP for the `h2o` command),
+through the mapping into a full disk would end the process with SIGBUS); each layer's K/V and summaries lie
+in their own region, aligned to the OS page size. The archive writes through the file (`os.pwrite`, or the C
+step through the mapping) and reads the chosen tokens as tensors over the mapping (read at random: no
+readahead); after every read `release()`'s `madvise(MADV_DONTNEED)` takes the region's pages out of the
+process (the page cache keeps them), so the peak RSS does not grow with the archive. The file is removed
+when its cache is closed or collected, or at the latest when the interpreter exits (normal end, exception,
+Ctrl-C; SIGTERM and SIGHUP for the `h2o` command),
 unless it is kept (`--keep-archive`). A run killed outright (SIGKILL) leaves its file: the next archive made in
 the same folder removes the files whose process is gone.
 
@@ -76,9 +75,7 @@ def aligned(nbytes: int) -> int:
 
 class ArchiveFile:
     """A file of `size` bytes mapped shared into the process; `region(nbytes)` hands out consecutive regions.
-
-    The file is created new (an existing one is an error) with mode 0600: it holds the text's keys and values.
-    """
+    The file is created new (an existing one is an error) with mode 0600: it holds the text's keys and values."""
 
     def __init__(self, path: Path, size: int, keep: bool = False) -> None:
         self.path, self.size, self.keep = Path(path), size, keep
@@ -110,6 +107,7 @@ class ArchiveFile:
         try:
             os.ftruncate(descriptor, size)  # sparse: each region reserves its space as its tokens come
             self.map = mmap.mmap(descriptor, size, flags=mmap.MAP_SHARED)
+            self._read_at_random()
         except (OSError, ArchiveError) as error:
             os.close(descriptor)
             self._finalizer()
@@ -146,8 +144,15 @@ class ArchiveFile:
             return False
         if not _map_fixed(self.base, self.size, mmap.MAP_PRIVATE | MAP_NORESERVE, descriptor):
             return False
+        self._read_at_random()
         self.adopted = True
         return True
+
+    def _read_at_random(self) -> None:
+        """`MADV_RANDOM`: a fault past the page cache reads its own page, not the readahead around it (the
+        page choice reads thousands of scattered 4 KiB pages a chunk; docs/recall.md, the archive's memory)."""
+        with contextlib.suppress(AttributeError, OSError):  # a system without the hint reads as before
+            self.map.madvise(mmap.MADV_RANDOM)
 
     def settle(self) -> None:
         """Move an adopted file's contents (the save's, and what was written since) into this cache's own file
@@ -169,6 +174,7 @@ class ArchiveFile:
             raise
         if not _map_fixed(self.base, self.size, mmap.MAP_SHARED, self.descriptor):
             raise ArchiveError(f"cannot map the recall archive {self.path} again; {FIX}")
+        self._read_at_random()
         for region in self.regions:
             region.release()
 
@@ -243,14 +249,8 @@ def _map_fixed(address: int, size: int, sharing: int, descriptor: int) -> bool:
     mapped there), read-write, `sharing` (MAP_SHARED or MAP_PRIVATE). False where the system refuses."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
+    integer = ctypes.c_int
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, integer, integer, integer, ctypes.c_long]
     placed = libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, sharing | MAP_FIXED, descriptor, 0)
     return placed == address
 
@@ -259,13 +259,24 @@ class ArchiveRegion:
     """Bytes `start .. end` of an `ArchiveFile`: tensors laid out in it, and `release()` of its pages."""
 
     def __init__(self, file: ArchiveFile, start: int, end: int) -> None:
-        self.file, self.start, self.end = file, start, end
+        # No cycle with the file's list of regions: the file goes with its cache, not at a later collection.
+        self._file, self.start, self.end = weakref.ref(file), start, end
         self._next = start
         self._tensors: list[torch.Tensor] = []  # what `take` laid out, each [n, rows, ...]
         self.reserved = 0  # the ring slots whose rows are reserved on disk so far (`reserve`)
         self.capacity = 1  # the ring's slots (told by `reserve` and `resume`)
         self.resumed_at = 0  # tokens held when the file was adopted: later ones are in private pages
         self._gaps: tuple[int, list[tuple[int, int]]] = (-1, [])  # (reserved, what `release` drops then)
+
+    @property
+    def file(self) -> ArchiveFile:
+        """The file the region lies in (alive while its cache is)."""
+        file = self._file()
+        if file is None:
+            raise ArchiveError(
+                "the recall archive was closed with its cache; this cache can no longer be used"
+            )
+        return file
 
     def resume(self, tokens: int, capacity: int) -> None:
         """The region holds a ring of `capacity` slots with `tokens` written (a saved read put back): in an
