@@ -136,6 +136,7 @@ def test_memory_cli_works_offline_for_llama_7b(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty hub cache: the built-in config must answer
     from typer.testing import CliRunner
 
+    from h2o_cli.cache.recall.limits import archive_storage, auto_ram_bytes
     from h2o_cli.cli.app import app
 
     result = CliRunner().invoke(
@@ -151,6 +152,12 @@ def test_memory_cli_works_offline_for_llama_7b(monkeypatch, tmp_path):
     per_token = 32 * (2 * 32 * 128 * 2 + 8 + 2 * 32 * 128 * 4 / 4)
     assert table["recall_archive_bytes_per_token"] == per_token
     assert table["recall_archive_bytes"] == per_token * 1_048_576
+    # `--archive auto` keeps a text's archive in RAM while its K/V fit the limit: whole pages of 16 tokens
+    kv_per_token = 32 * 2 * 32 * 128 * 2
+    held = table["recall_archive_ram_up_to_tokens"]
+    assert held % 16 == 0 and held * kv_per_token <= auto_ram_bytes() < (held + 16) * kv_per_token
+    assert archive_storage("auto", held * kv_per_token, "cpu") == "ram"
+    assert archive_storage("auto", (held + 16) * kv_per_token, "cpu") == "disk"
     quarter = CliRunner().invoke(
         app, ["memory", "--model", "llama-7b", "--budget", "0.2", "--dtype", "float16", "--json",
               "--recall-layers", "0-3,20,28-30"],

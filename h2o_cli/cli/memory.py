@@ -52,11 +52,12 @@ def memory(
     from h2o_cli.cache.recall.limits import (
         archive_capacity,
         archive_storage,
+        auto_ram_bytes,
         recall_layer_list,
         step_pages,
         summary_block,
     )
-    from h2o_cli.memory import ModelShape, archive_bytes, archive_split, memory_table
+    from h2o_cli.memory import ModelShape, archive_bytes, memory_table, token_kv_bytes
     from h2o_cli.models import config_for, pick_device, pick_dtype
     from h2o_cli.models.device import pick_read_dtype
 
@@ -72,7 +73,8 @@ def memory(
     archived = replace(shape, n_layers=len(recalling))  # the archive: the recalling layers' only
     page_bytes = archive_bytes(archived, page, block, dtype_bytes, bits)
     archive = archive_capacity(settings.archive_max, page, None, page_bytes)  # whole pages, as the cache
-    stored = archive_split(archived, archive, block, dtype_bytes, bits, "disk")[1]  # the K/V (and scales)
+    token_kv = archived.n_layers * archived.n_kv_heads * token_kv_bytes(archived, bits, dtype_bytes)
+    stored = archive * token_kv  # the K/V (and scales) of every recalling layer, as the cache weighs them
     reads_bf16 = (
         pick_read_dtype(dtype, pick_device(device)) is not None and quant == "none" and not device_map
     )
@@ -96,6 +98,8 @@ def memory(
         read_copy_bytes=shape.read_copy_bytes() if reads_bf16 else 0,
     )
     table.update(model=model, config_source=origin)
+    if settings.archive == "auto" and pick_device(device).type == "cpu":  # a text known to be short: RAM
+        table["recall_archive_ram_up_to_tokens"] = auto_ram_bytes() // max(token_kv, 1) // page * page
     if device_map:
         table["cache_by_device"] = cache_by_device(
             config, device_map, pick_dtype(dtype, pick_device(device)), table, windowed, set(recalling)
@@ -157,8 +161,14 @@ def memory(
         f"{size(table['recall_archive_bytes_per_token'])} per token "
         f"({size(table['recall_archive_ram_bytes_per_token'])} in RAM, "
         f"{size(table['recall_archive_disk_bytes_per_token'])} on disk); at --archive-max {archive:,} tokens "
-        f"{size(table['recall_archive_ram_bytes'])} in RAM + {size(table['recall_archive_disk_bytes'])} on disk. "
-        f"Per token: {size(by_bits['model'])} in the model dtype, {size(by_bits['16'])} 16-bit, "
+        f"{size(table['recall_archive_ram_bytes'])} in RAM + {size(table['recall_archive_disk_bytes'])} on disk"
+        + (
+            f" (a text known to hold at most {table['recall_archive_ram_up_to_tokens']:,} tokens, a file `stream`"
+            f" counts or an eval's document, keeps its archive in RAM: K/V up to {size(auto_ram_bytes())}). "
+            if "recall_archive_ram_up_to_tokens" in table
+            else ". "
+        )
+        + f"Per token: {size(by_bits['model'])} in the model dtype, {size(by_bits['16'])} 16-bit, "
         f"{size(by_bits['8'])} int8 (the summaries and index, in RAM, are part of each). Its page choice keeps "
         f"{size(table['recall_choice_bytes'])} more in RAM (the keys of the pages an answer step scores, "
         "per KV head: --step-shortlist; carried scores, section summaries, scratch)"
