@@ -164,11 +164,13 @@ def stream(
         source_file.seek(0)
         if total_bytes == 0:
             raise InputError(f"{source} is empty; give a text with at least two tokens")
+    from h2o_cli.policies import policy_class
+
     lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant, device_map)
     text_bound = (
         total_bytes  # the most tokens the text holds: one a byte, or counted (sizes recall's archive)
     )
-    if settings.policy == "recall" and total_bytes is not None and total_bytes <= COUNT_BYTES:
+    if policy_class(settings.policy).recalls and total_bytes is not None and total_bytes <= COUNT_BYTES:
         text_bound = _text_tokens(source_file, tokenizer)
     spans = {"archive_span": _span(max_tokens, text_bound, prompt, sampling)}
     if save is not None:  # room for the questions asked later, whatever this run's --prompt
