@@ -166,9 +166,9 @@ Archive = Annotated[
     str,
     typer.Option(
         "--archive",
-        help="recall: where archived K/V live: auto (RAM when its K/V fit in 2 GiB, or an eighth of RAM, else disk; on a GPU "
-        "its memory), ram, disk (a file in $H2O_HOME/archive/, memory-mapped and not kept resident; CPU only), "
-        "or a file or folder PATH. The file is removed at exit.",
+        help="recall: where archived K/V live: auto (RAM when its K/V fit in 2 GiB, or an eighth of RAM, else "
+        "disk; on a GPU its memory), ram, disk (a file in $H2O_HOME/archive/, memory-mapped and not kept "
+        "resident; CPU only), or a file or folder PATH. The file is removed at exit.",
         rich_help_panel=MEMORY,
     ),
 ]

@@ -17,9 +17,8 @@ from h2o_cli.config import CacheSettings
 from h2o_cli.errors import InputError, UsageError
 from h2o_cli.saved_read import QUESTION_ROOM
 
-COUNT_BYTES = (
-    16 * 2**20
-)  # a recall stream of a file up to this size counts its tokens first, to size the archive
+# a recall stream of a file up to this size counts its tokens first, to size the archive to the text
+COUNT_BYTES = 16 * 2**20
 
 EXAMPLES = """
 Examples:
@@ -167,9 +166,8 @@ def stream(
     from h2o_cli.policies import policy_class
 
     lm, tokenizer = load(model, device, dtype, trust_remote_code, threads, quant, device_map)
-    text_bound = (
-        total_bytes  # the most tokens the text holds: one a byte, or counted (sizes recall's archive)
-    )
+    # the most tokens the text holds: one a byte, or counted (what sizes recall's archive)
+    text_bound = total_bytes
     if policy_class(settings.policy).recalls and total_bytes is not None and total_bytes <= COUNT_BYTES:
         text_bound = _text_tokens(source_file, tokenizer)
     spans = {"archive_span": _span(max_tokens, text_bound, prompt, sampling)}

@@ -19,9 +19,8 @@ RAM_ARCHIVE_MAX = 131072  # tokens: the default reach of an archive kept in RAM 
 GROW_TOKENS = 16384  # a file archive reserves its disk space this many ring slots ahead of its writes
 DISK_SPARE = 2**30  # bytes of the disk a file archive leaves free when it sizes its reach to the disk
 DEFAULT_BLOCK = 4  # tokens per key summary when --block-size is not given (and 4 divides the page)
-AUTO_RAM_BYTES = (
-    2 * 2**30
-)  # `--archive auto`: a CPU archive's K/V above this (or an eighth of RAM) go to a file
+# `--archive auto`: a CPU archive whose K/V pass this (or an eighth of the machine's memory) goes to a file
+AUTO_RAM_BYTES = 2 * 2**30
 PAGE_SCORES = ("positional", "unrotated", "attention")
 RECALL_PLACES = ("index", "contiguous")  # where rolling positions rank R among S (docs/spec.md, recall)
 
