@@ -74,12 +74,12 @@ def memory(
     page_bytes = archive_bytes(archived, page, block, dtype_bytes, bits)
     archive = archive_capacity(settings.archive_max, page, None, page_bytes)  # whole pages, as the cache
     token_kv = archived.n_layers * archived.n_kv_heads * token_kv_bytes(archived, bits, dtype_bytes)
-    stored = archive * token_kv  # the K/V (and scales) of every recalling layer, as the cache weighs them
+    kv_bytes = archive * token_kv  # the K/V (and scales) of every recalling layer, as the cache weighs them
     reads_bf16 = (
         pick_read_dtype(dtype, pick_device(device)) is not None and quant == "none" and not device_map
     )
     storage = (
-        "ram" if archive_storage(settings.archive, stored, pick_device(device).type) == "ram" else "disk"
+        "ram" if archive_storage(settings.archive, kv_bytes, pick_device(device).type) == "ram" else "disk"
     )
     table = memory_table(
         shape,
@@ -155,6 +155,13 @@ def memory(
     )
     by_bits = table["recall_archive_bytes_per_token_by_bits"]
     stored = {None: f"{8 * dtype_bytes}-bit", 16: "16-bit", 8: "int8"}[bits]
+    in_ram = table.get("recall_archive_ram_up_to_tokens")
+    ram_note = (
+        f" (a text known to hold at most {in_ram:,} tokens, a file `stream` counts or an eval's document, "
+        f"keeps its archive in RAM: K/V up to {size(auto_ram_bytes())})"
+        if in_ram is not None
+        else ""
+    )
     stderr.print(
         f"--policy recall also keeps an archive ({stored}, --archive {settings.archive}"
         f"{'' if len(recalling) == shape.n_layers else f', in {len(recalling)} of {shape.n_layers} layers'}): "
@@ -162,13 +169,7 @@ def memory(
         f"({size(table['recall_archive_ram_bytes_per_token'])} in RAM, "
         f"{size(table['recall_archive_disk_bytes_per_token'])} on disk); at --archive-max {archive:,} tokens "
         f"{size(table['recall_archive_ram_bytes'])} in RAM + {size(table['recall_archive_disk_bytes'])} on disk"
-        + (
-            f" (a text known to hold at most {table['recall_archive_ram_up_to_tokens']:,} tokens, a file `stream`"
-            f" counts or an eval's document, keeps its archive in RAM: K/V up to {size(auto_ram_bytes())}). "
-            if "recall_archive_ram_up_to_tokens" in table
-            else ". "
-        )
-        + f"Per token: {size(by_bits['model'])} in the model dtype, {size(by_bits['16'])} 16-bit, "
+        f"{ram_note}. Per token: {size(by_bits['model'])} in the model dtype, {size(by_bits['16'])} 16-bit, "
         f"{size(by_bits['8'])} int8 (the summaries and index, in RAM, are part of each). Its page choice keeps "
         f"{size(table['recall_choice_bytes'])} more in RAM (the keys of the pages an answer step scores, "
         "per KV head: --step-shortlist; carried scores, section summaries, scratch)"
