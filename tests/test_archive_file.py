@@ -18,7 +18,7 @@ from test_cli_stream import one_error_line
 
 from h2o_cli.cache import H2OCache
 from h2o_cli.cache.recall import limits
-from h2o_cli.cache.recall.archive_file import archive_location
+from h2o_cli.cache.recall.archive_folder import archive_location
 from h2o_cli.cache.recall.limits import archive_storage
 from h2o_cli.config import CacheSettings
 from h2o_cli.errors import ArchiveError
@@ -304,6 +304,34 @@ def test_an_archive_file_is_mapped_for_random_reads(tmp_path):
         assert "rr" in _vm_flags(file.base)
     finally:
         os.close(descriptor)
+    file.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_a_question_reads_its_layer_in_order_and_a_chunk_at_random(tmp_path, monkeypatch):
+    """A question scores every archived page, reading the layer's keys in order: the region reads ahead while
+    it does (VmFlags `sr`: past the page cache ~8x faster than page by page) and at random again after; a
+    chunk's choice over a shortlist reads at random throughout (`rr`)."""
+    import torch
+    from test_archive_reach import HEAD_DIM, PAGE, file_archive, write_text
+
+    from h2o_cli.cache.recall.archive import PageSettings
+    from h2o_cli.cache.recall.archive_file import ArchiveRegion
+
+    shortlisted = PageSettings(PAGE, attention=True, shortlist=4, carry=0.9, chunk_weight=8.0)
+    archive, file = file_archive(tmp_path, 64 * PAGE, settings=shortlisted)
+    write_text(archive, torch.randn(1, 48 * PAGE, HEAD_DIM))
+    seen, release = [], ArchiveRegion.release
+    monkeypatch.setattr(
+        ArchiveRegion, "release", lambda self: (seen.append(_vm_flags(file.base)), release(self))
+    )
+    query, empty = torch.randn(1, 2, HEAD_DIM), torch.full((1, 1), -1)
+    archive.choose(query, empty, 48 * PAGE, PAGE, chunk=2)  # a chunk of text: the shortlist's pages
+    assert seen and all("rr" in flags and "sr" not in flags for flags in seen)
+    seen.clear()
+    archive.choose(query, empty, 48 * PAGE, PAGE, question=True)  # a question: every page
+    assert any("sr" in flags for flags in seen)
+    assert "rr" in _vm_flags(file.base) and "sr" not in _vm_flags(file.base)
     file.close()
 
 

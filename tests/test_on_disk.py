@@ -21,7 +21,8 @@ import torch
 from conftest import feed_torch_and_c
 from h2o_kernels import native
 
-from h2o_cli.cache.recall.archive_file import ArchiveFile, archive_location
+from h2o_cli.cache.recall.archive_file import ArchiveFile
+from h2o_cli.cache.recall.archive_folder import archive_location
 from h2o_cli.errors import ArchiveError, H2OError
 from h2o_cli.private import write_private
 

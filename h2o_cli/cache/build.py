@@ -168,7 +168,8 @@ def add_archives(
     tokens as its disk holds (`disk_reach`, one line when fewer), or `reach` exactly (a resumed cache takes
     its save's, whatever the disk holds now: the file's layout is the save's)."""
     from h2o_cli import memory
-    from h2o_cli.cache.recall.archive_file import ArchiveFile, aligned, archive_location
+    from h2o_cli.cache.recall.archive_file import ArchiveFile, aligned
+    from h2o_cli.cache.recall.archive_folder import archive_location
     from h2o_cli.cache.recall.limits import archive_storage, disk_reach, free_bytes, ram_reach, summary_block
 
     layers, devices = [layer for layer, _ in recallers], [device for _, device in recallers]

@@ -34,38 +34,25 @@ import errno
 import math
 import mmap
 import os
-import re
-import secrets
 import weakref
 from pathlib import Path
 
 import torch
 
+from h2o_cli.cache.recall.archive_folder import (
+    ARCHIVE_FOLDER,
+    FIX,
+    check_free_space,
+    remove_stale,
+    unlink_unless,
+)
 from h2o_cli.errors import ArchiveError
 from h2o_cli.private import h2o_home, private_folder, write_all
 
-ARCHIVE_FOLDER = "archive"  # under $H2O_HOME
-SUFFIX = ".kv"
-OWNED = re.compile(r"recall-(\d{1,10})-[0-9a-f]{8}\.kv")  # files this module names (not the kept ones)
-PID_LIMIT = 2**31  # a process id is a positive C int
-FIX = "use --archive ram, or a folder with room with --archive PATH"
 ALIGN = mmap.PAGESIZE
 MAP_FIXED = 0x10  # Linux and the BSDs: mmap replaces what the address range held
 MAP_NORESERVE = 0x4000  # Linux: a private writable mapping charges no commit (a reach of GBs is mostly holes)
 SETTLE_TOKENS = 8192  # tokens a resumed archive holds in private pages before it settles into its own file
-
-
-def archive_location(where: str, keep: bool = False) -> Path:
-    """The file for `--archive disk` (a fresh name in `$H2O_HOME/archive/`) or `--archive PATH`: a folder (one
-    that exists, or a path ending in `/`) gets a fresh name inside, anything else is the file itself."""
-    if where == "disk":
-        folder = h2o_home() / ARCHIVE_FOLDER
-    elif where.endswith(("/", os.sep)) or Path(where).expanduser().is_dir():
-        folder = Path(where).expanduser()
-    else:
-        return Path(where).expanduser()
-    kind = "kept" if keep else str(os.getpid())
-    return folder / f"recall-{kind}-{secrets.token_hex(4)}{SUFFIX}"
 
 
 def aligned(nbytes: int) -> int:
@@ -103,11 +90,11 @@ class ArchiveFile:
                 "with --archive PATH, or keep it in memory with --archive ram"
             ) from None
         # From here on the file exists: it is removed on every way out unless kept.
-        self._finalizer = weakref.finalize(self, _remove, self.path, keep)
+        self._finalizer = weakref.finalize(self, unlink_unless, self.path, keep)
         try:
             os.ftruncate(descriptor, size)  # sparse: each region reserves its space as its tokens come
             self.map = mmap.mmap(descriptor, size, flags=mmap.MAP_SHARED)
-            self._read_at_random()
+            _advise(self.map, mmap.MADV_RANDOM, 0, self.size)
         except (OSError, ArchiveError) as error:
             os.close(descriptor)
             self._finalizer()
@@ -144,15 +131,9 @@ class ArchiveFile:
             return False
         if not _map_fixed(self.base, self.size, mmap.MAP_PRIVATE | MAP_NORESERVE, descriptor):
             return False
-        self._read_at_random()
+        _advise(self.map, mmap.MADV_RANDOM, 0, self.size)
         self.adopted = True
         return True
-
-    def _read_at_random(self) -> None:
-        """`MADV_RANDOM`: a fault past the page cache reads its own page, not the readahead around it (the
-        page choice reads thousands of scattered 4 KiB pages a chunk; docs/recall.md, the archive's memory)."""
-        with contextlib.suppress(AttributeError, OSError):  # a system without the hint reads as before
-            self.map.madvise(mmap.MADV_RANDOM)
 
     def settle(self) -> None:
         """Move an adopted file's contents (the save's, and what was written since) into this cache's own file
@@ -174,7 +155,7 @@ class ArchiveFile:
             raise
         if not _map_fixed(self.base, self.size, mmap.MAP_SHARED, self.descriptor):
             raise ArchiveError(f"cannot map the recall archive {self.path} again; {FIX}")
-        self._read_at_random()
+        _advise(self.map, mmap.MADV_RANDOM, 0, self.size)
         for region in self.regions:
             region.release()
 
@@ -209,39 +190,14 @@ class ArchiveFile:
         self._closer()
 
 
-def _remove(path: Path, keep: bool) -> None:
-    if not keep:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
-def check_free_space(folder: Path, size: int) -> None:
-    """Raises ArchiveError, naming `folder` and the fix, unless its file system has `size` bytes free."""
-    status = os.statvfs(folder)
-    free = status.f_bavail * status.f_frsize
-    if free < size:
-        raise ArchiveError(
-            f"the recall archive needs {size:,} bytes in {folder}, which has {free:,} free; lower "
-            f"--archive-max, or {FIX}"
-        )
-
-
-def remove_stale(folder: Path) -> None:
-    """Remove archive files this module named in `folder` whose process no longer runs (a killed run's);
-    a name whose PID no process can have is not one of them, and is left alone."""
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(folder):
-            owner = OWNED.fullmatch(entry.name)
-            pid = int(owner[1]) if owner else 0
-            if not 0 < pid < PID_LIMIT or pid == os.getpid():
-                continue
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-            except PermissionError:
-                pass  # alive, another user's
+def _advise(mapping: mmap.mmap, advice: int, start: int, length: int) -> bool:
+    """`madvise` of a read hint; False (reads as before) on a system without it. The file is read at random
+    (`MADV_RANDOM`: a fault past the page cache reads its own page, not the readahead around it; the page
+    choice reads thousands of scattered 4 KiB pages a chunk; docs/recall.md, the archive's memory)."""
+    with contextlib.suppress(AttributeError, OSError):
+        mapping.madvise(advice, start, length)
+        return True
+    return False
 
 
 def _map_fixed(address: int, size: int, sharing: int, descriptor: int) -> bool:
@@ -267,6 +223,7 @@ class ArchiveRegion:
         self.capacity = 1  # the ring's slots (told by `reserve` and `resume`)
         self.resumed_at = 0  # tokens held when the file was adopted: later ones are in private pages
         self._gaps: tuple[int, list[tuple[int, int]]] = (-1, [])  # (reserved, what `release` drops then)
+        self._ahead = False  # `read_ahead` holds until `release`
 
     @property
     def file(self) -> ArchiveFile:
@@ -366,9 +323,16 @@ class ArchiveRegion:
                 f"cannot write the recall archive {self.file.path} ({error.strerror or error}); {FIX}"
             ) from None
 
+    def read_ahead(self) -> None:
+        """The next read takes every page in order (a question's score): faults read ahead (`MADV_SEQUENTIAL`,
+        ~8x faster past the page cache than page by page) until `release` puts random reads back."""
+        self._ahead = _advise(self.file.map, mmap.MADV_SEQUENTIAL, self.start, self.end - self.start)
+
     def release(self) -> None:
         """Drop the region's pages from the process's resident set (their data stays in the file); in an
         adopted file, every page but those of the tokens written since (`resume`), which live nowhere else."""
+        if self._ahead:
+            self._ahead = not _advise(self.file.map, mmap.MADV_RANDOM, self.start, self.end - self.start)
         if not self.file.adopted:
             self.file.map.madvise(mmap.MADV_DONTNEED, self.start, self.end - self.start)
             return

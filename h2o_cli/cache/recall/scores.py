@@ -282,6 +282,7 @@ class PageScoring(ArchiveStore):
         Returns [n_kv_heads, pages] (or [n_kv_heads, k], in `picked`'s order) float32."""
         n_kv, size = self.n_kv_heads, self.page_size
         if picked is None:
+            self.read_ahead()  # every page in order, until `release`
             slots = torch.arange(pages * size, device=query.device).expand(n_kv, -1)
             keys, scales = self.keys[:, : pages * size], None if not self.quantized else self.key_scales
             if self.quantized:

@@ -325,6 +325,12 @@ class ArchiveStore(SavedStore):
         self.release()
         return keys, values
 
+    def read_ahead(self) -> None:
+        """The next read takes every page in order (a question's score): a mapped file reads ahead until
+        `release` (`ArchiveRegion.read_ahead`; nothing in RAM)."""
+        if self.region is not None:
+            self.region.read_ahead()
+
     def release(self) -> None:
         """With a mapped file, drop its pages from the process's resident memory (nothing in RAM)."""
         if self.region is not None:
