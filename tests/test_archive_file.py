@@ -310,7 +310,7 @@ def test_an_archive_file_is_mapped_for_random_reads(tmp_path):
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
 def test_a_question_reads_its_layer_in_order_and_a_chunk_at_random(tmp_path, monkeypatch):
     """A question scores every archived page, reading the layer's keys in order: the region reads ahead while
-    it does (VmFlags `sr`: past the page cache ~8x faster than page by page) and at random again after; a
+    it does (VmFlags `sr`: past the page cache 6x faster than page by page) and at random again after; a
     chunk's choice over a shortlist reads at random throughout (`rr`)."""
     import torch
     from test_archive_reach import HEAD_DIM, PAGE, file_archive, write_text

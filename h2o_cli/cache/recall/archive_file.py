@@ -324,8 +324,9 @@ class ArchiveRegion:
             ) from None
 
     def read_ahead(self) -> None:
-        """The next read takes every page in order (a question's score): faults read ahead (`MADV_SEQUENTIAL`,
-        ~8x faster past the page cache than page by page) until `release` puts random reads back."""
+        """The next read takes every page in order (a question's score): faults read ahead (`MADV_SEQUENTIAL`:
+        a million tokens' keys 6x faster past the page cache than page by page) until `release` puts random
+        reads back."""
         self._ahead = _advise(self.file.map, mmap.MADV_SEQUENTIAL, self.start, self.end - self.start)
 
     def release(self) -> None:
