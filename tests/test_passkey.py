@@ -265,6 +265,28 @@ def test_another_wording_says_and_asks_its_own_needle_and_none_of_the_grids(smol
         assert set(digits) <= set(needle)
 
 
+def test_a_failed_run_is_run_again_and_not_counted_as_a_miss(tmp_path):
+    """A run that could not run (a killed forked child, a full disk: an `ERROR:` answer) is no answer: a grid
+    resumed over its file runs it again, and the tables leave it out and say so."""
+    from h2o_cli.eval.passkey_grid import written
+
+    base = {"length": 400, "seed": 0, "policy_spec": "recall", "budget": 0.1}
+    rows = [
+        {**base, "depth": 10, "answer": "The pass key is 60494.", "correct": True},
+        {**base, "depth": 50, "answer": "ERROR: [Errno 32] Broken pipe", "correct": False},
+    ]
+    out = tmp_path / "grid.jsonl"
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert written(out) == {(400, 0, 10, "recall", 0.1)}
+    tables = summary([out])
+    assert "| recall | 1/1 | – |" in tables
+    assert "1 run(s) failed" in tables
+    with out.open("a") as more:  # the rerun's answer
+        more.write(json.dumps({**base, "depth": 50, "answer": "The pass key is 1.", "correct": False}) + "\n")
+    assert written(out) == {(400, 0, 10, "recall", 0.1), (400, 0, 50, "recall", 0.1)}
+    assert "| recall | 1/2 | – |" in summary([out]) and "failed" not in summary([out])
+
+
 def test_rows_of_another_wording_or_haystack_are_other_runs(tmp_path):
     """A grid resumes only the runs of its own wording and haystack; the summary names a row's wording and
     haystack when they are not the grid's own (old rows, which record neither, are the grid's own)."""

@@ -21,7 +21,7 @@ Examples:
   h2o passkey --lengths 32768 --depths 5 --seeds 1 --budgets 0.025 --policies recall --wording door --haystack pride.txt --out report.jsonl
   h2o passkey --summary grid.jsonl long.jsonl      # the tables of earlier runs
 
-Each run appends one JSON line to --out (a grid run again skips the runs the file holds, so an interrupted grid resumes) and the tables of the whole file are printed on stdout at the end. A run is correct when the answer holds the passkey's digits. Budgets are fractions of each text's tokens; full runs once per haystack and only while the prompt fits the model's window.
+Each run appends one JSON line to --out (a grid run again skips the runs the file holds, so an interrupted grid resumes; a run that failed, its answer "ERROR: ...", is run again and left out of the tables) and the tables of the whole file are printed on stdout at the end. A run is correct when the answer holds the passkey's digits. Budgets are fractions of each text's tokens; full runs once per haystack and only while the prompt fits the model's window.
 """
 
 

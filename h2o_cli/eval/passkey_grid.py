@@ -2,7 +2,7 @@
 
 Budgets are fractions of the text's tokens; `full` runs once per haystack and only while the prompt fits the
 model's window (past it, original positions would exceed it). Lines are appended: a grid run again skips the
-runs its file already holds, so an interrupted grid resumes.
+runs its file already holds, so an interrupted grid resumes (a run that failed is run again).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def written(
 ) -> set[tuple]:
     """(length, seed, depth, policy_spec, budget) of each run `out` already holds with this wording, haystack
     and answer limit (rows written before any was recorded are the `passkey` wording on the essays, with the
-    default limit of their needles)."""
+    default limit of their needles); a run that failed (`failed`) is not held: the grid runs it again."""
     if not out.exists():
         return set()
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
@@ -130,7 +130,13 @@ def written(
         for row in rows
         if (row.get("wording", "passkey"), row.get("haystack", "essays")) == (wording, haystack)
         and limit_of(row) == limit(row.get("needles", 1), answer_tokens)
+        and not failed(row)
     }
+
+
+def failed(row: dict) -> bool:
+    """Whether a row records a run that could not run (its answer `ERROR: ...`), not an answer."""
+    return str(row.get("answer", "")).startswith("ERROR: ")
 
 
 def limit(needles: int, answer_tokens: int | None) -> int:
@@ -281,10 +287,18 @@ def labelled(row: dict) -> str:
 
 
 def summary(paths: list[Path]) -> str:
-    """Markdown tables: per length, the share correct per (policy, budget), with the number of runs."""
+    """Markdown tables: per length, the share correct per (policy, budget), with the number of runs. A run
+    that failed is not counted (a line says how many; running the grid again runs them)."""
     rows = [
         json.loads(line) for path in paths for line in Path(path).read_text().splitlines() if line.strip()
     ]
+
+    def run_of(row: dict) -> tuple:
+        return row["length"], row.get("seed"), row.get("depth"), labelled(row), row["budget"]
+
+    answered = {run_of(row) for row in rows if not failed(row)}
+    errors = sum(failed(row) and run_of(row) not in answered for row in rows)  # not run again since
+    rows = [row for row in rows if not failed(row)]
     cells: dict = defaultdict(list)
     for row in rows:
         row["policy_spec"] = labelled(row)
@@ -304,4 +318,8 @@ def summary(paths: list[Path]) -> str:
             else:
                 row = [spec, *(shares[b] for b in budgets), "–"]
             lines.append("| " + " | ".join(row) + " |")
+    if errors:
+        lines.append(
+            f"\n{errors} run(s) failed (an `ERROR:` answer) and are not counted; the grid runs them again."
+        )
     return "\n".join(lines)
