@@ -292,16 +292,17 @@ def summary(paths: list[Path]) -> str:
     rows = [
         json.loads(line) for path in paths for line in Path(path).read_text().splitlines() if line.strip()
     ]
+    for row in rows:
+        row["policy_spec"] = labelled(row)
 
     def run_of(row: dict) -> tuple:
-        return row["length"], row.get("seed"), row.get("depth"), labelled(row), row["budget"]
+        return row["length"], row.get("seed"), row.get("depth"), row["policy_spec"], row["budget"]
 
     answered = {run_of(row) for row in rows if not failed(row)}
     errors = sum(failed(row) and run_of(row) not in answered for row in rows)  # not run again since
     rows = [row for row in rows if not failed(row)]
     cells: dict = defaultdict(list)
     for row in rows:
-        row["policy_spec"] = labelled(row)
         cells[(row["length"], row["policy_spec"], row["budget"])].append(row["correct"])
     lines = []
     for length in sorted({row["length"] for row in rows}):
