@@ -27,6 +27,7 @@ from h2o_cli.errors import InputError
 NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 QUESTION = "What is the pass key? Answer with the number only."
 MAX_NEW_TOKENS = 12
+FAILED = "ERROR: "  # how a run that could not run is recorded, in place of an answer
 TWO_NEEDLES = (
     "\nThe pass key is {key}. Remember it. {key} is the pass key.\n",
     "\nThe vault code is {key}. Remember it. {key} is the vault code.\n",
@@ -269,6 +270,6 @@ def answer_in_chat(
     started = time.perf_counter()
     done = subprocess.run(command, input=text + "\n\n" + question, capture_output=True, text=True)
     if done.returncode != 0:
-        return f"ERROR: {done.stderr.strip()[-200:]}", 0, 0.0
+        return f"{FAILED}{done.stderr.strip()[-200:]}", 0, 0.0
     report = json.loads(done.stdout)
     return report["answer"], report.get("last_prompt_tokens", 0), time.perf_counter() - started

@@ -78,7 +78,7 @@ def answers_forked(
             try:
                 said = in_fork(functools.partial(rest, read[shared:], asked, text))
             except RuntimeError as error:  # the child failed; the parent's cache is as it was
-                said = f"ERROR: {error}"
+                said = f"{passkey.FAILED}{error}"
         yield depth, said, len(read) + len(asked), reading + time.perf_counter() - began
 
 

@@ -136,7 +136,7 @@ def written(
 
 def failed(row: dict) -> bool:
     """Whether a row records a run that could not run (its answer `ERROR: ...`), not an answer."""
-    return str(row.get("answer", "")).startswith("ERROR: ")
+    return str(row.get("answer", "")).startswith(passkey.FAILED)
 
 
 def limit(needles: int, answer_tokens: int | None) -> int:
@@ -244,7 +244,7 @@ def run_grid(
                         record(left.pop(depth), said, read, seconds)
                 except Exception as error:  # the shared reading failed: every run left is recorded so
                     for run in left.values():
-                        record(run, f"ERROR: {error}", 0, 0.0)
+                        record(run, f"{passkey.FAILED}{error}", 0, 0.0)
             return rows
         for run in todo:
             settings = CacheSettings.from_spec(run.given, budget=run.tokens, chunk=grid.chunk)
@@ -267,7 +267,7 @@ def run_grid(
                         model, tokenizer, settings, run.text, asked, chosen, grid.answer_tokens
                     )
             except Exception as error:  # a cell that cannot run is recorded, not fatal
-                said, read, seconds = f"ERROR: {error}", 0, 0.0
+                said, read, seconds = f"{passkey.FAILED}{error}", 0, 0.0
             record(run, said, read, seconds)
     return rows
 
