@@ -51,8 +51,11 @@ class NaiveHeadState:
 
 
 def recall_slots(settings) -> int:
-    """r: slots per KV head refilled from the archive, `round(k × recall_ratio)` for `recall` (docs/spec.md)."""
-    return round(settings.budget * settings.recall_ratio) if settings.policy == "recall" else 0
+    """r: slots per KV head refilled from the archive for `recall`, `round(k × recall_ratio)` but never more than
+    `k − 2` (docs/spec.md)."""
+    if settings.policy != "recall":
+        return 0
+    return max(0, min(round(settings.budget * settings.recall_ratio), settings.budget - 2))
 
 
 def resident_budget(settings) -> int:

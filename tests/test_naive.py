@@ -66,6 +66,9 @@ def slots(**fields):
         (dict(policy="recall", budget=8, recall_ratio=0.2), (2, 6, 3, 3)),  # round(1.6)
         (dict(policy="recall", budget=8, recall_ratio=0.2, heavy_ratio=0.75), (2, 6, 4, 2)),  # round(4.5)
         (dict(policy="recall", budget=10, recall_ratio=0.3, heavy_ratio=0.5), (3, 7, 4, 3)),  # round(3.5)
+        (dict(policy="recall", budget=8, recall_ratio=0.9), (6, 2, 1, 1)),  # round(7.2), but 2 stay resident
+        (dict(policy="recall", budget=2, recall_ratio=0.5), (0, 2, 1, 1)),  # a 2-token budget recalls nothing
+        (dict(policy="recall", budget=20, recall_ratio=0.9), (18, 2, 1, 1)),
     ],
 )
 def test_naive_slot_split_is_the_contracts_arithmetic(fields, want):
@@ -83,7 +86,7 @@ def test_policies_split_the_budget_as_the_naive_reference_does(policy):
     compared = 0
     for budget in range(4, 21):
         for heavy_ratio in (0.0, 0.25, 0.3, 0.5, 0.7, 0.75, 1.0):
-            for recall_ratio in (0.0, 0.2, 0.3, 0.5) if policy == "recall" else (0.5,):
+            for recall_ratio in (0.0, 0.2, 0.3, 0.5, 0.9, 1.0) if policy == "recall" else (0.5,):
                 fields = dict(
                     policy=policy, budget=budget, heavy_ratio=heavy_ratio, recall_ratio=recall_ratio
                 )

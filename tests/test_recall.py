@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import feed_against_naive, run_stream, tiny_config
-from naive import inv_freq_of
+from naive import inv_freq_of, resident_budget
 from naive import rope as naive_rope
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -40,8 +40,9 @@ def make_recall_layer(settings: CacheSettings) -> tuple[RecallLayer, torch.Tenso
     config = tiny_config(
         hidden_size=N_HEADS * HEAD_DIM, num_attention_heads=N_HEADS, num_key_value_heads=N_KV
     )
-    policy_budget = settings.budget - round(settings.budget * settings.recall_ratio)
-    store = LayerStore(N_KV, HEAD_DIM, policy_budget, settings.chunk, torch.float64, torch.device("cpu"))
+    store = LayerStore(
+        N_KV, HEAD_DIM, resident_budget(settings), settings.chunk, torch.float64, torch.device("cpu")
+    )
     layer = RecallLayer(
         store, settings, Rope(LlamaRotaryEmbedding(config), HEAD_DIM), config.max_position_embeddings
     )
@@ -50,7 +51,8 @@ def make_recall_layer(settings: CacheSettings) -> tuple[RecallLayer, torch.Tenso
 
 
 @pytest.mark.parametrize("positions", ["rolling", "original"])
-@pytest.mark.parametrize("ratio", [0.5, 0.75, 0.125])  # 0.125: |S| = 7, heavy = round(3.5)
+# 0.125: |S| = 7, heavy = round(3.5); 0.9: round(7.2) recalled slots would leave 1 resident, so 6 (|S| = 2)
+@pytest.mark.parametrize("ratio", [0.5, 0.75, 0.125, 0.9])
 @pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 7, 3, 1, 1, 9, 2, 4, 1, 6]], ids=["decode", "chunked"])
 def test_recall_layer_matches_the_naive_simulation(positions, ratio, chunks):
     """Outputs, the resident set and the recalled tokens follow docs/spec.md literally (tests/naive.py)."""
@@ -255,7 +257,6 @@ def test_recall_past_the_models_window_with_rolling_positions(tiny_pair):
         (dict(page_size=0), "--page-size 0 must be at least 1"),
         (dict(choice_tokens=-1), "--choice-tokens -1 must be 0"),
         (dict(archive_max=10, page_size=16), "--archive-max 10 must hold at least two pages"),
-        (dict(recall_ratio=0.95, budget=20), "leaves 1 resident token"),
         (dict(score_decay=0.99, score_norm="mean"), "--score-decay below 1 works with --score-norm sum only"),
         (dict(recall_place="middle"), "--recall-place 'middle' is unknown; choose index, contiguous"),
         (dict(recall_layers="6-"), "--recall-layers '6-': give all, or layer numbers and ranges from 0"),

@@ -13,7 +13,7 @@ RecallRatio = Annotated[
     float,
     typer.Option(
         "--recall-ratio",
-        help="recall: share of the budget refilled from the archive every step.",
+        help="recall: share of the budget refilled from the archive every step (2 tokens stay resident).",
         rich_help_panel=ADVANCED_RECALL,
     ),
 ]

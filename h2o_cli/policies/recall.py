@@ -62,17 +62,13 @@ class RecallPolicy(HeavyHitterPolicy):
             lead_next=self.lead_next,
         )
         super().__post_init__()
-        if self.resident < 2:
-            raise UsageError(
-                f"--recall-ratio {self.recall_ratio} leaves {self.resident} resident token(s) of a budget of "
-                f"{self.budget}; keep at least 2 (a smaller ratio or a larger budget)"
-            )
         split_slots(self.resident, self.heavy_ratio)
 
     @property
     def recall_slots(self) -> int:
-        """Slots per KV head refilled from the archive at every step: `round(budget * recall_ratio)`."""
-        return round(self.budget * self.recall_ratio)
+        """Slots per KV head refilled from the archive at every step: `round(budget * recall_ratio)`, less what
+        keeps 2 resident (a budget of a few tokens, as a fraction of a short prompt gives, recalls less)."""
+        return max(0, min(round(self.budget * self.recall_ratio), self.budget - 2))
 
     @property
     def resident(self) -> int:
