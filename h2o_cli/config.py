@@ -87,7 +87,7 @@ class CacheSettings:
     h2o_sinks: int = 0  # h2o: the first tokens of the stream, kept in heavy slots whatever their score
     chunk: int = 256
     kv_bits: int | None = None  # None: K/V in the model's dtype; 16: fp16/bf16; 8: int8 + per-token scales
-    recall_ratio: float = 0.5  # recall: share of the budget refilled from the archive at every step
+    recall_ratio: float = 0.75  # recall: share of the budget refilled from the archive at every step
     page_size: int = 16  # recall: tokens per archive page (what a recall reads back whole)
     block_size: int | None = None  # recall: tokens per key summary inside a page (None: 4, or the page)
     shortlist: int = 512  # recall, --page-score attention: pages a chunk (by summaries) or a step (by carried score) scores

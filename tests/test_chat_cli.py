@@ -118,7 +118,7 @@ def test_recall_chat_panel_shows_recalled_tokens_and_the_archive_reach(loaded, h
     )
     assert result.exit_code == 0, result.output
     output = result.output
-    assert "budget 64 (16 heavy + 16 recent + 32 recalled)" in output
+    assert "budget 64 (8 heavy + 8 recent + 48 recalled)" in output  # the default split: a quarter resident
     assert "per KV head last step · [ reaches token 0 (" in output
     assert "◆ recalled last step" in output and "L2  h0" in output and "recalled: " in output
     rows = [line for line in output.splitlines() if line.startswith("L")]

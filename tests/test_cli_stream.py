@@ -129,6 +129,7 @@ def test_json_from_stdin_equals_file(tmp_path):
 @pytest.mark.model
 def test_recall_json_reports_its_archive():
     args = ["--ppl", "--json", "--budget", "64", "--max-tokens", "300", "--chunk", "32", "--policy", "recall"]
+    args += ["--recall-ratio", "0.5"]
     result = h2o("stream", EXCERPT, *args, "--archive-max", "160", "--page-size", "8", "--block-size", "8")
     assert result.returncode == 0, result.stderr.decode()
     report = json.loads(result.stdout)

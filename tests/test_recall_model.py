@@ -28,7 +28,7 @@ def test_recall_with_room_for_every_token_equals_plain_transformers(smollm, exce
     model, tokenizer = smollm
     ids = tokenizer(excerpt)["input_ids"][:TOKENS]
     settings = CacheSettings(
-        budget=320, policy="recall", chunk=CHUNK, positions=positions, lead_text=lead_text
+        budget=320, policy="recall", chunk=CHUNK, positions=positions, lead_text=lead_text, recall_ratio=0.5
     )
     cache = H2OCache(model, settings)
     got = through_cache(model, cache, ids)

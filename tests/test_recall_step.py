@@ -215,7 +215,10 @@ def test_a_full_decode_step_reads_nothing_back_and_the_statistics_wait_until_rea
     the statistics are summed as tensors and turned into floats only when read."""
     _, model = tiny_pair
     ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(13))
-    cache = H2OCache(model, CacheSettings(budget=16, policy="recall", chunk=8, page_size=2, archive_max=64))
+    cache = H2OCache(
+        model,
+        CacheSettings(budget=16, policy="recall", chunk=8, page_size=2, archive_max=64, recall_ratio=0.5),
+    )
     run(model, cache, ids[:, :60], 60, 8)
     counter = ScalarReads()
     for name in ("update", "attend"):  # the cache's own calls, not the model's
@@ -241,7 +244,10 @@ def test_a_recall_decode_call_stays_within_its_op_budget(tiny_pair):
 
     _, model = tiny_pair
     ids = torch.randint(0, 128, (1, 63), generator=torch.Generator().manual_seed(13))
-    cache = H2OCache(model, CacheSettings(budget=16, policy="recall", chunk=8, page_size=2, archive_max=64))
+    cache = H2OCache(
+        model,
+        CacheSettings(budget=16, policy="recall", chunk=8, page_size=2, archive_max=64, recall_ratio=0.5),
+    )
     run(model, cache, ids[:, :62], 60, 8)
     layer, counter = cache.layers[1], OpCounter()
     for name in ("update", "attend"):

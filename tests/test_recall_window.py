@@ -68,7 +68,14 @@ def test_recall_in_named_layers_equals_the_naive_simulation(kernels):
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config(max_position_embeddings=WINDOW)).eval()
     settings = CacheSettings(
-        budget=16, policy="recall", chunk=8, page_size=4, archive_max=512, recall_layers="1", kernels=kernels
+        budget=16,
+        policy="recall",
+        chunk=8,
+        page_size=4,
+        archive_max=512,
+        recall_layers="1",
+        kernels=kernels,
+        recall_ratio=0.5,
     )
     cache = H2OCache(model, settings)
     assert cache.layers[0].archive is None and cache.layers[0].store.budget == 8

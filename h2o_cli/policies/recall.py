@@ -26,7 +26,7 @@ class RecallPolicy(HeavyHitterPolicy):
     name: ClassVar[str] = "recall"
     recalls: ClassVar[bool] = True
 
-    recall_ratio: float = 0.5
+    recall_ratio: float = 0.75
     page_size: int = 16
     block_size: int | None = None
     shortlist: int = 512
