@@ -13,9 +13,14 @@ import math
 import typing
 from dataclasses import dataclass, fields, replace
 
-from h2o_cli.cache.recall.limits import DEFAULT_ARCHIVE_MAX, archive_cap, check_recall_options
+from h2o_cli.cache.recall.limits import (
+    DEFAULT_ARCHIVE_MAX,
+    archive_cap,
+    check_recall_options,
+    lead_page_count,
+)
 from h2o_cli.errors import UsageError
-from h2o_cli.policy_registry import make_policy, policy_class
+from h2o_cli.policy_registry import make_policy, policy_class, policy_names
 
 POSITIONS = ("rolling", "original")
 KV_BITS = (None, 16, 8)
@@ -102,7 +107,7 @@ class CacheSettings:
     )
     recall_layers: str = "all"  # recall: the layers that recall (e.g. 6,17,18,20-23); the others keep S alone
     recall_lead: str = "auto"  # recall: after a question, every head recalls one head's best pages
-    lead_pages: int = 8  # recall, --recall-lead: how many of the lead head's best pages every head recalls
+    lead_pages: int | str = 8  # recall, --recall-lead: the lead head's best pages each head recalls, or fill
     lead_next: int = 1  # recall, --recall-lead: pages after each of them that come too (a cut line's rest)
     lead_text: bool = True  # recall, --recall-lead: text recalls the lead's best pages too (chat: off)
     page_score: str = "attention"  # recall: pages ranked by the attention they get, or by summary bounds (positional, unrotated)
@@ -140,6 +145,8 @@ class CacheSettings:
         count, unit = archive_cap(self.archive_max)
         if unit == "tokens":  # "16384" from the command line is the token count 16384
             object.__setattr__(self, "archive_max", count)
+        pages = lead_page_count(self.lead_pages)  # "8" from the command line is 8 pages, "fill" stays
+        object.__setattr__(self, "lead_pages", "fill" if pages is None else pages)
         check_recall_options(
             self.recall_ratio,
             self.page_size,
@@ -173,7 +180,7 @@ class CacheSettings:
             if value is None or str(value).lower() in ("", "none"):
                 continue
             kind = types[field.name]
-            if kind in (int, float, int | None):  # a union with str (budget, archive_max) stays as given
+            if kind in (int, float, int | None):  # a union with str (budget, archive_max, ...) stays as given
                 value = float(value) if kind is float else int(value)
             elif kind is bool and isinstance(value, str):
                 value = value.strip().lower() in ("1", "true", "yes", "on")
@@ -210,6 +217,21 @@ class CacheSettings:
     def recent(self) -> int:
         """Slots for the newest tokens; the policy decides."""
         return make_policy(self).recent_slots
+
+
+def split_run_specs(value: str) -> list[str]:
+    """Run specs written one after another: split at ';' where the value has one, else at commas, where a
+    piece that does not start with a policy's name (`FIELD=VALUE`, or a value going on) belongs to the spec
+    before it: `"full,recall:recall_ratio=0.5,lead_pages=4"` -> `["full", "recall:recall_ratio=0.5,lead_pages=4"]`."""
+    if ";" in value:
+        return [spec.strip() for spec in value.split(";") if spec.strip()]
+    specs: list[str] = []
+    for piece in filter(None, (piece.strip() for piece in value.split(","))):
+        if specs and piece.partition(":")[0] not in policy_names():
+            specs[-1] += "," + piece
+        else:
+            specs.append(piece)
+    return specs
 
 
 def parse_run_spec(spec: str) -> tuple[str, dict[str, str]]:

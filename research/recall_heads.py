@@ -58,6 +58,7 @@ class RecallHeads:
 
 
 def main() -> None:
+    from h2o_cli.config import split_run_specs
     from h2o_cli.eval.passkey import haystack_text
     from h2o_cli.eval.passkey_grid import Grid, even_depths, run_grid, summary
     from h2o_cli.models import load_model
@@ -89,7 +90,7 @@ def main() -> None:
     grid = Grid(
         lengths=tuple(int(n) for n in args.lengths.split(",")), depths=tuple(depths), seeds=args.seeds,
         seed_from=args.seed_from, budgets=tuple(float(b) for b in args.budgets.split(",")),
-        policies=tuple(args.policies.split(";" if ";" in args.policies else ",")), chunk=args.chunk,
+        policies=tuple(split_run_specs(args.policies)), chunk=args.chunk,
         threads=args.threads, heads=RecallHeads(Path(ranking), int(top)),
     )  # fmt: skip
     essays = haystack_text(args.haystack)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from h2o_cli.config import CacheSettings, parse_budget
+from h2o_cli.config import CacheSettings, parse_budget, split_run_specs
 from h2o_cli.errors import UsageError
 
 
@@ -119,3 +119,18 @@ def test_a_policy_made_in_code_has_the_settings_defaults():
                 assert field.default == settings[field.name].default, f"{name}.{field.name}"
                 compared += 1
     assert compared >= 15  # recall's own fields alone are more
+
+
+@pytest.mark.parametrize(
+    ("value", "specs"),
+    [
+        ("full,h2o", ["full", "h2o"]),
+        ("recall:recall_ratio=0.5,lead_pages=4", ["recall:recall_ratio=0.5,lead_pages=4"]),
+        ("full,recall:recall_layers=6,17,sink", ["full", "recall:recall_layers=6,17", "sink"]),
+        ("recall:lead_text=0;recall", ["recall:lead_text=0", "recall"]),
+    ],
+)
+def test_run_specs_split_where_a_policy_name_starts_one(value, specs):
+    assert split_run_specs(value) == specs
+    for spec in specs:  # and each is a whole spec
+        CacheSettings.from_spec(spec, budget=64)

@@ -145,16 +145,22 @@ def answer_with_lead(
     return calls, cache, answer
 
 
-@pytest.mark.parametrize(("follow", "archive_max"), [(0, 512), (1, 512), (2, 512), (2, 96)])
+@pytest.mark.parametrize(
+    ("follow", "archive_max", "pages"),
+    [(0, 512, 3), (1, 512, 3), (2, 512, 3), (2, 96, 3), (1, 512, "fill"), (2, 96, "fill")],
+)
 @pytest.mark.parametrize("kernels", ["torch", "native"])
-def test_every_head_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch, kernels, follow, archive_max):
+def test_every_head_recalls_the_lead_heads_best_pages(
+    tiny_pair, monkeypatch, kernels, follow, archive_max, pages
+):
     """`--lead-pages 3` and `--lead-next` 0 to 2: the best 3 · (1 + N) pages, each page ranked by the larger of
-    its score and its N predecessors' (just below each); 20 recall slots, pages of 4; an archive of 96 tokens
-    has wrapped its ring (a page's predecessor may be the ring's last page)."""
+    its score and its N predecessors' (just below each); `--lead-pages fill`: as many as fill each head's
+    slots. 20 recall slots, pages of 4; an archive of 96 tokens has wrapped its ring (a page's predecessor may
+    be the ring's last page)."""
     if kernels == "native" and native.compiler() is None:
         pytest.skip("no C compiler")
     _, model = tiny_pair
-    settings = replace(lead_settings(kernels, lead_next=follow), archive_max=archive_max)
+    settings = replace(lead_settings(kernels, lead_next=follow, lead_pages=pages), archive_max=archive_max)
     calls, cache, answer = answer_with_lead(model, settings, monkeypatch)
     slots = cache.policy.recall_slots
     # The text chooses as ever; the question (read twice) and each answer step ask the lead, in both layers.
@@ -165,8 +171,9 @@ def test_every_head_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch, ke
     for number, call in enumerate(calls):
         if not call["ready"]:
             continue
+        count = None if pages == "fill" else pages * (1 + follow)
         wanted = expected_tokens(
-            call["ring"], call["scores"], call["resident"], call["before"], slots, 3 * (1 + follow), 4, follow,
+            call["ring"], call["scores"], call["resident"], call["before"], slots, count, 4, follow,
             call["lead_ring"],
         )  # fmt: skip
         assert call["chosen"] == wanted, number
@@ -179,6 +186,8 @@ def test_every_head_recalls_the_lead_heads_best_pages(tiny_pair, monkeypatch, ke
             first = TEXT + QUESTION  # holds the whole chunk: the same tokens
         assert call["before"] == first, number
     assert recalled > 0
+    if pages == "fill":  # every head's slots are full once the archive holds enough candidates
+        assert all(len(row) == slots for row in calls[-1]["chosen"])
     # The C step's answer steps choose in C (S is full), the torch step's in torch.
     assert any(call["c_step"] for call in calls) == (kernels == "native")
     # Read twice, archived once.
@@ -300,6 +309,7 @@ def test_the_c_step_recalls_as_the_torch_step(tiny_pair, monkeypatch):
         ),
         (dict(recall_lead="1.1", page_carry=0.0), "it needs --page-score attention and --page-carry"),
         (dict(recall_lead="1.1", lead_pages=0), "--lead-pages 0 must be at least 1"),
+        (dict(recall_lead="1.1", lead_pages="all"), "--lead-pages all must be at least 1 .* or fill"),
         (dict(recall_lead="1.1", lead_next=-1), "--lead-next -1 must be at least 0"),
     ],
 )
@@ -341,6 +351,7 @@ def test_auto_is_the_models_calibrated_lead_where_pages_carry_attention(tiny_pai
     )
     pages = H2OCache(model, replace(settings, lead_pages=3, lead_next=2)).archive_summary()
     assert (pages.lead_pages, pages.lead_next) == (3, 2)
+    assert H2OCache(model, replace(settings, lead_pages="fill")).archive_summary().lead_pages == "fill"
     assert H2OCache(model, replace(settings, lead_text=False)).archive_summary().lead_text is False
     with_none = replace(settings, lead_text=True, recall_lead="none")  # no lead: nothing leads the text
     assert H2OCache(model, with_none).archive_summary().lead_text is False

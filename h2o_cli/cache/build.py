@@ -18,6 +18,7 @@ from h2o_cli.cache.positions import Rope
 from h2o_cli.cache.recall.archive import PageArchive
 from h2o_cli.cache.recall.layer import RecallLayer
 from h2o_cli.cache.recall.lead import LeadRanking
+from h2o_cli.cache.recall.limits import lead_page_count
 from h2o_cli.cache.step import DecodeMaps
 from h2o_cli.cache.store import LayerStore
 from h2o_cli.cache.window import WindowLayer
@@ -148,7 +149,8 @@ def lead_ranking(model, layers: list[H2OLayer], policy, shape: ModelShape) -> Le
             f"--recall-lead {policy.recall_lead}: layer {lead[0]} attends over a sliding window and keeps no "
             "archive; name a head of a global layer"
         )
-    ranking = LeadRanking(layers[lead[0]].archive, lead[1], policy.lead_pages, lead[0], policy.lead_next)
+    pages = lead_page_count(policy.lead_pages)
+    ranking = LeadRanking(layers[lead[0]].archive, lead[1], pages, lead[0], policy.lead_next)
     for layer in layers:
         layer.follow(ranking)
     return ranking

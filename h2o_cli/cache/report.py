@@ -26,8 +26,8 @@ class ArchiveReport:
     - `archive_capacity`: tokens the ring holds at most; `archive_tokens`: tokens held now; `archive_reach` =
       `archive_oldest`: the oldest token still recallable.
     - `recall_slots`: slots per KV head refilled at every step; `recall_lead`: the lead head as LAYER.HEAD,
-      or "none"; `lead_pages`, `lead_next`: its best pages and the pages after each that every head takes
-      after a question (0 without a lead); `lead_text`: whether chunks of text recall the lead's pages;
+      or "none"; `lead_pages`, `lead_next`: its best pages (or "fill": as many as fill the recall slots) and
+      the pages after each that every head takes after a question (0 without a lead); `lead_text`: whether chunks of text recall the lead's pages;
       `recall_place`: where R sits among the resident entries (`--recall-place`); `recall_slot_bytes`: bytes
       of the recall slots.
     - `choice_bytes`: what the page choice keeps in RAM beside them (carried scores, section summaries, the
@@ -50,7 +50,7 @@ class ArchiveReport:
     archive_oldest: int
     recall_slots: int
     recall_lead: str
-    lead_pages: int
+    lead_pages: int | str
     lead_next: int
     lead_text: bool
     recall_place: str

@@ -93,7 +93,7 @@ def passkey(
         str,
         typer.Option(
             "--policies",
-            help="Run specs POLICY[:FIELD=VALUE,...], comma-separated (';' if a spec has commas).",
+            help="Run specs POLICY[:FIELD=VALUE,...], comma-separated (or ';'-separated).",
         ),
     ] = "full,h2o,sink,local,recall",
     chunk: options.Chunk = 256,
@@ -146,6 +146,7 @@ def passkey(
     threads: options.Threads = 1,
 ) -> None:
     """Find a passkey hidden in a long text, asked after it: one JSON line per length, depth, seed, budget and policy."""
+    from h2o_cli.config import split_run_specs
     from h2o_cli.eval.passkey_grid import Grid, even_depths, run_grid
     from h2o_cli.eval.passkey_grid import summary as tables
 
@@ -164,7 +165,7 @@ def passkey(
         seeds=seeds,
         seed_from=seed_from,
         budgets=numbers(budgets, float, "--budgets"),
-        policies=tuple(spec for spec in policies.split(";" if ";" in policies else ",") if spec),
+        policies=tuple(split_run_specs(policies)),
         chunk=chunk,
         needles=needles,
         via=via,

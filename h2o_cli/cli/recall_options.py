@@ -105,11 +105,11 @@ RecallLead = Annotated[
     ),
 ]
 LeadPages = Annotated[
-    int,
+    str,
     typer.Option(
         "--lead-pages",
-        help="recall, --recall-lead: how many of the lead head's best pages every head recalls (at most "
-        "--recall-ratio of the budget in tokens).",
+        help="recall, --recall-lead: how many of the lead head's best pages every head recalls after a "
+        "question (at most --recall-ratio of the budget in tokens), or fill: as many as fill its recall slots.",
         rich_help_panel=ADVANCED_RECALL,
     ),
 ]

@@ -39,7 +39,7 @@ class RecallPolicy(HeavyHitterPolicy):
     recall_place: str = "index"
     recall_layers: str = "all"
     recall_lead: str = "auto"
-    lead_pages: int = 8
+    lead_pages: int | str = 8
     lead_next: int = 1
     lead_text: bool = True
 

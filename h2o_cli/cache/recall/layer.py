@@ -146,7 +146,7 @@ class RecallLayer(RecallPlacement, H2OLayer):
             # In C where it can run: the same tokens (the chunk's own are all in S, so none is a candidate).
             if buffers is not None:
                 ranked = lead.ranked()
-                hits = buffers.lead_choose(ranked, len(ranked) if text else lead.count)[1]
+                hits = buffers.lead_choose(ranked, lead.taken(ranked, text))[1]
             else:
                 chosen, valid = lead.choose(archive, resident, first, slots, fill=text)
                 hits = self._read_back(chosen, valid)
@@ -205,7 +205,7 @@ class RecallLayer(RecallPlacement, H2OLayer):
         if self.lead_mode is not LeadMode.OWN:
             self._lead_scores(query, call, buffers.scores)
             ranked = self.lead.ranked()
-            pages = len(ranked) if self.lead_mode is LeadMode.FILL else self.lead.count
+            pages = self.lead.taken(ranked, self.lead_mode is LeadMode.FILL)
             recalled, hits = buffers.lead_choose(ranked, pages)
         else:
             bounds = buffers.scores.bounds(self._step_page_query(query, call.cos, call.sin))

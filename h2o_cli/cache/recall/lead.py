@@ -17,23 +17,31 @@ from h2o_cli.cache.recall.archive import NOTHING, PageArchive, order_key
 class LeadRanking:
     """The lead head's page ranking: KV head `head` of the layer whose archive is `archive` ranks ring pages
     by its carried attention scores (`PageArchive.carried`), each page followed by the `follow` pages after
-    it, and every recalling head takes its candidates of the best `count` = `pages` · (1 + `follow`) of them;
-    `layer` is that layer's number.
+    it, and every recalling head takes its candidates of the best `count` = `pages` · (1 + `follow`) of them
+    (`pages` None, `--lead-pages fill`: of as many as fill its recall slots); `layer` is that layer's number.
 
     A layer below the lead reads the ranking of the lead layer's latest call (the question's first read, or
     the answer step before); `ready` is False from a new question until the lead layer has read it, and a
     layer recalls nothing while it is."""
 
-    def __init__(self, archive: PageArchive, head: int, pages: int, layer: int = 0, follow: int = 0) -> None:
+    def __init__(
+        self, archive: PageArchive, head: int, pages: int | None, layer: int = 0, follow: int = 0
+    ) -> None:
         self.archive, self.head, self.pages, self.layer, self.follow = archive, head, pages, layer, follow
         self.ready = False
         self._ranked: tuple[tuple[int, int, int], torch.Tensor] | None = None  # (the lead's state, `ranked`)
         self._key: tuple[tuple, torch.Tensor] | None = None  # ((the lead's state, used, device), `key`)
 
     @property
-    def count(self) -> int:
-        """Pages every head takes its candidates from after a question: `pages` · (1 + `follow`)."""
-        return self.pages * (1 + self.follow)
+    def count(self) -> int | None:
+        """Pages every head takes its candidates from after a question: `pages` · (1 + `follow`), or None
+        (`fill`) for as many as fill its recall slots."""
+        return None if self.pages is None else self.pages * (1 + self.follow)
+
+    def taken(self, ranked: torch.Tensor, fill: bool) -> int:
+        """How many pages of `ranked` (best first) a C choice may take its candidates from: `count`, or all of
+        them to fill the recall slots (`fill`: text and the steps that continue it; or `--lead-pages fill`)."""
+        return len(ranked) if fill or self.count is None else self.count
 
     def key(self, used: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The ranking as one int64 for each of the first `used` ring pages (`order_key`: larger first; pages
@@ -84,10 +92,12 @@ class LeadRanking:
         carried score first, ties the older page) among those with a positive score and a candidate in some
         head, or with `fill` (`--lead-text`: text and the steps that continue it) as many of them as it takes
         to fill every head's slots; each head's first `slots` candidates of them in that order, oldest first
-        inside a page. With `fill` and room for every candidate, every head recalls all of its candidates.
+        inside a page (`pages` None: always as with `fill`). With `fill` and room for every candidate, every
+        head recalls all of its candidates.
         Returns archive slots [n_kv_heads, slots] and which of them hold a chosen token, as `PageArchive.choose`
         (all invalid while the ranking is not `ready`)."""
         n_kv, size, device = archive.n_kv_heads, archive.page_size, resident.device
+        fill = fill or self.count is None
         want = -(-slots // size) if fill else self.count
         chosen = torch.zeros(n_kv, slots, dtype=torch.int64, device=device)
         valid = torch.zeros(n_kv, slots, dtype=torch.bool, device=device)

@@ -40,6 +40,23 @@ def archive_cap(value: int | str) -> tuple[int, str]:
     )
 
 
+def lead_page_count(value: int | str) -> int | None:
+    """`--lead-pages` as a page count (`8`, at least 1), or None for `fill` (as many of the lead's pages as
+    fill the recall slots); anything else is a one-line usage error."""
+    if isinstance(value, str) and value.strip().lower() == "fill":
+        return None
+    try:
+        count = int(str(value).strip()) if not isinstance(value, bool) else -1
+    except ValueError:
+        count = -1
+    if count < 1:
+        raise UsageError(
+            f"--lead-pages {value} must be at least 1 (pages of the lead head's ranking) or fill (as many as "
+            "fill the recall slots)"
+        )
+    return count
+
+
 def recall_layer_list(setting: str, n_layers: int | None = None) -> tuple[int, ...] | None:
     """`--recall-layers`: the layers named, ascending, as numbers from 0 (`6,17,18,20-23`: single layers and
     inclusive ranges), or for `all` every one of `n_layers` (None when the model is not known yet). With
@@ -116,7 +133,7 @@ def check_recall_options(
     recall_place: str = "index",
     recall_layers: str = "all",
     recall_lead: str = "none",
-    lead_pages: int = 8,
+    lead_pages: int | str = 8,
     lead_next: int = 0,
 ) -> None:
     """One-line usage errors for `--recall-ratio`, `--page-size`, `--archive-max`, `--archive`,
@@ -165,8 +182,7 @@ def check_recall_options(
                 f"--recall-lead {recall_lead} ranks pages by the lead head's carried attention: it needs "
                 "--page-score attention and --page-carry above 0 (the defaults)"
             )
-    if lead_pages < 1:
-        raise UsageError(f"--lead-pages {lead_pages} must be at least 1 (pages of the lead head's ranking)")
+    lead_page_count(lead_pages)
     if lead_next < 0:
         raise UsageError(f"--lead-next {lead_next} must be at least 0 (pages after each of the lead's pages)")
 
