@@ -151,6 +151,9 @@ def main() -> None:
     parser.add_argument(
         "--recall-ratio", type=float, default=None, help="recall's --recall-ratio (default: chat's)"
     )
+    parser.add_argument(
+        "--lead-pages", default=None, help="recall's --lead-pages: a count or fill (default: chat's)"
+    )
     parser.add_argument("--probe", action="store_true", help="record where the code's tokens are (recall)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -160,8 +163,9 @@ def main() -> None:
     for policy in args.policies.split(","):
         chunk = args.chunk or default_chunk(policy)
         ratio = {} if args.recall_ratio is None else {"recall_ratio": args.recall_ratio}
+        pages = {} if args.lead_pages is None else {"lead_pages": args.lead_pages}
         settings = CacheSettings(
-            budget=args.budget, policy=policy, chunk=chunk, lead_text=args.lead_text, **ratio
+            budget=args.budget, policy=policy, chunk=chunk, lead_text=args.lead_text, **ratio, **pages
         )
         session = ChatSession(model, tokenizer, settings)
         started, probes = time.perf_counter(), []
@@ -176,7 +180,7 @@ def main() -> None:
         )  # fmt: skip
         row = {"policy": policy, "budget": args.budget, "chunk": chunk, "seed": args.seed, "fact": args.fact, "code": code, "answer": said,
                "correct": code in said, "tokens_read": session.cache.tokens_seen, "book_turns": turns,
-               "reply_tokens": args.reply_tokens, "given_reply": args.given_reply, "lead_text": args.lead_text, "recall_ratio": settings.recall_ratio, "replies": replies[:3],
+               "reply_tokens": args.reply_tokens, "given_reply": args.given_reply, "lead_text": args.lead_text, "recall_ratio": settings.recall_ratio, "lead_pages": settings.lead_pages, "replies": replies[:3],
                "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
         if probes:
             row["code_tokens"] = probes[0].tokens.tolist()
