@@ -312,7 +312,7 @@ class H2OCache(Cache):
             archive_oldest=archive.oldest,
             recall_slots=self.policy.recall_slots,
             recall_lead="none" if self.lead is None else f"{self.lead.layer}.{self.lead.head}",
-            lead_pages=0 if self.lead is None else self.lead.pages or "fill",
+            lead_pages=0 if self.lead is None else "fill" if self.lead.pages is None else self.lead.pages,
             lead_next=0 if self.lead is None else self.lead.follow,
             lead_text=self.lead is not None and self.policy.lead_text,
             recall_place=self.policy.recall_place,
