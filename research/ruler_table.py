@@ -31,16 +31,25 @@ from h2o_cli.eval.scoring import wilson_interval
 SAMPLES = re.compile(r"samples_(?P<task>.+)_(?P<time>\d{4}-\d\d-\d\dT[\d.-]+)\.jsonl$")
 
 
-def scores(folders: list[Path]) -> dict[str, dict[int, float]]:
-    """{task: {doc_id: score}} of every samples file under `folders`, later files overriding earlier."""
+def samples(folders: list[Path]) -> dict[str, dict[int, dict]]:
+    """{task: {doc_id: lm-eval sample}} of every samples file under `folders`, later files overriding
+    earlier (a document answered twice counts once, its latest answer)."""
     paths = [path for folder in folders for path in folder.rglob("samples_*.jsonl")]
     found = [(match, path) for path in paths if (match := SAMPLES.search(path.name))]
-    table: dict[str, dict[int, float]] = defaultdict(dict)
+    table: dict[str, dict[int, dict]] = defaultdict(dict)
     for match, path in sorted(found, key=lambda item: item[0]["time"]):
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            table[match["task"]][row["doc_id"]] = float(row[str(row["doc"]["max_length"])])
+            table[match["task"]][row["doc_id"]] = row
     return dict(table)
+
+
+def scores(folders: list[Path]) -> dict[str, dict[int, float]]:
+    """{task: {doc_id: score}} of `samples(folders)`: lm-eval's metric at the document's own length."""
+    return {
+        task: {doc: float(row[str(row["doc"]["max_length"])]) for doc, row in rows.items()}
+        for task, rows in samples(folders).items()
+    }
 
 
 def interval(values: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:

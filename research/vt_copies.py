@@ -3,7 +3,8 @@
 RULER's `vt` prompt opens with a worked example: a short chain and the task's question, answered ("... they
 are: HAW UYU CSD LVH XYT"). For each cell (lm-eval `--log_samples` output folders, full samples with their
 prompts), this counts the answers that name at least one of the document's own variables (the task's
-targets) and those that name at least one of the example's (the words after the example's "they are:").
+targets) and those that name at least one of the example's (the words after the example's "they are:"). A
+document answered twice in a cell counts once, its latest answer, as in research/ruler_table.py.
 
     python -m research.vt_copies r05=/work/runs/r09/r05_vt_32k/out r075=A/out,B/out r09=/work/runs/r09/r09_vt_32k/out
 """
@@ -11,9 +12,10 @@ targets) and those that name at least one of the example's (the words after the 
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import re
+from pathlib import Path
+
+from research.ruler_table import samples
 
 NAME = re.compile(r"\b[A-Z]{3,5}\b")
 
@@ -37,12 +39,8 @@ def main() -> None:
     print("|---|---|---|---|")
     for cell in args.cells:
         name, folders = cell.split("=", 1)
-        rows = [
-            counts(json.loads(line))
-            for folder in folders.split(",")
-            for path in glob.glob(f"{folder}/**/samples_ruler_vt*.jsonl", recursive=True)
-            for line in open(path)
-        ]
+        answered = samples([Path(folder) for folder in folders.split(",")]).get("ruler_vt", {})
+        rows = [counts(sample) for sample in answered.values()]
         print(f"| {name} | {len(rows)} | {sum(c for c, _ in rows)} | {sum(e for _, e in rows)} |")
 
 
