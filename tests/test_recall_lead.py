@@ -54,19 +54,7 @@ def expected_tokens(
     are ranked as the lead's ring `lead_ring` holds them (a layer before the lead has archived this step's
     tokens, the lead not yet), their candidates are the calling layer's `ring`'s."""
     heads = [set(row) - {-1} for row in resident]
-    start = [(lead_ring or ring)[page * size] for page in range(len(ring) // size)]
-    first = {token: page for page, token in enumerate(start) if token != -1}
-    widened = [
-        max(
-            [np.float32(scores[page])]
-            + [
-                np.float32(scores[first[start[page] - back * size]]) * np.float32(0.999**back)
-                for back in range(1, follow + 1)
-                if start[page] - back * size in first
-            ]
-        )
-        for page in range(len(ring) // size)
-    ]
+    start, widened = page_scores(ring, scores, size, follow, lead_ring)
 
     def candidate(slot: int, head: int) -> bool:
         return 0 <= ring[slot] < before and ring[slot] not in heads[head]
@@ -93,6 +81,35 @@ def expected_tokens(
         ][:slots]
         for head in range(len(heads))
     ]
+
+
+def page_scores(ring, scores, size: int, follow: int, lead_ring=None) -> tuple[list[int], list[np.float32]]:
+    """Each ring page's first token index (-1: not written) and score, the larger of its lead score and 0.999^k
+    times the lead score of the page whose first token is k · `size` tokens before its own, k = 1 .. `follow`
+    (float32), as the lead's ring `lead_ring` (else `ring`) holds them."""
+    start = [(lead_ring or ring)[page * size] for page in range(len(ring) // size)]
+    first = {token: page for page, token in enumerate(start) if token != -1}
+    widened = [
+        max(
+            [np.float32(scores[page])]
+            + [
+                np.float32(scores[first[start[page] - back * size]]) * np.float32(0.999**back)
+                for back in range(1, follow + 1)
+                if start[page] - back * size in first
+            ]
+        )
+        for page in range(len(ring) // size)
+    ]
+    return start, widened
+
+
+def outlier_pages(call: dict, size: int, follow: int, outliers: float) -> int:
+    """The pages of a lead call's ranking (`page_scores`) scoring at least `outliers` times the median (the
+    lower middle one) of those holding a page with a positive score."""
+    start, widened = page_scores(call["ring"], call["scores"], size, follow, call["lead_ring"])
+    scored = sorted(score for page, score in enumerate(widened) if start[page] != -1 and score > 0)
+    bar = np.float32(outliers) * scored[(len(scored) - 1) // 2]
+    return sum(score >= bar for score in scored)
 
 
 def answer_with_lead(
@@ -146,37 +163,54 @@ def answer_with_lead(
 
 
 @pytest.mark.parametrize(
-    ("follow", "archive_max", "pages"),
-    [(0, 512, 3), (1, 512, 3), (2, 512, 3), (2, 96, 3), (1, 512, "fill"), (2, 96, "fill")],
-)
+    ("follow", "archive_max", "pages", "outliers"),
+    [
+        (0, 512, 3, 0.0), (1, 512, 3, 0.0), (2, 512, 3, 0.0), (2, 96, 3, 0.0), (1, 512, "fill", 0.0),
+        (2, 96, "fill", 0.0), (0, 512, 1, 1.002), (1, 96, 1, 1.0),
+    ],
+)  # fmt: skip
 @pytest.mark.parametrize("kernels", ["torch", "native"])
 def test_every_head_recalls_the_lead_heads_best_pages(
-    tiny_pair, monkeypatch, kernels, follow, archive_max, pages
+    tiny_pair, monkeypatch, kernels, follow, archive_max, pages, outliers
 ):
     """`--lead-pages 3` and `--lead-next` 0 to 2: the best 3 · (1 + N) pages, each page ranked by the larger of
     its score and its N predecessors' (just below each); `--lead-pages fill`: as many as fill each head's
-    slots. 20 recall slots, pages of 4; an archive of 96 tokens has wrapped its ring (a page's predecessor may
-    be the ring's last page)."""
+    slots; `--lead-outliers K`: as many as scored K times the median page at the question's read where they
+    are more, through the answer (the tiny
+    model's page scores lie within 1 % of their median: 1.002 takes a few, 1 half of them). 20 recall
+    slots, pages of 4; an archive of 96 tokens has wrapped its ring (a page's predecessor may be the ring's
+    last page)."""
     if kernels == "native" and native.compiler() is None:
         pytest.skip("no C compiler")
     _, model = tiny_pair
-    settings = replace(lead_settings(kernels, lead_next=follow, lead_pages=pages), archive_max=archive_max)
+    settings = replace(
+        lead_settings(kernels, lead_next=follow, lead_pages=pages, lead_outliers=outliers),
+        archive_max=archive_max,
+    )
     calls, cache, answer = answer_with_lead(model, settings, monkeypatch)
     slots = cache.policy.recall_slots
     # The text chooses as ever; the question (read twice) and each answer step ask the lead, in both layers.
     assert len(calls) == 2 * (2 + ANSWER) and len(answer) == ANSWER
     assert [call["lead"] for call in calls] == [False, True] * (len(calls) // 2)
     assert not calls[0]["ready"] and calls[0]["chosen"] == [[], []]  # the first read: layer 0 has no ranking
-    recalled = 0
+    recalled, widened, outlying = 0, 0, 0
     for number, call in enumerate(calls):
+        if call["lead"] and number < 4 and outliers:  # a read of the question counts its outlier pages,
+            outlying = outlier_pages(call, 4, follow, outliers)  # which its answer's steps keep
         if not call["ready"]:
             continue
         count = None if pages == "fill" else pages * (1 + follow)
         wanted = expected_tokens(
-            call["ring"], call["scores"], call["resident"], call["before"], slots, count, 4, follow,
-            call["lead_ring"],
+            call["ring"], call["scores"], call["resident"], call["before"], slots,
+            count and max(count, outlying), 4, follow, call["lead_ring"],
         )  # fmt: skip
         assert call["chosen"] == wanted, number
+        if outliers:  # the outliers took more pages than the count alone would have
+            alone = expected_tokens(
+                call["ring"], call["scores"], call["resident"], call["before"], slots, count, 4, follow,
+                call["lead_ring"],
+            )  # fmt: skip
+            widened += wanted != alone
         recalled += sum(map(len, wanted))
         if not call["lead"]:  # layer 0 reads the lead layer's ranking of the call before
             assert call["scores"] == calls[number - 1]["scores"], number
@@ -186,6 +220,7 @@ def test_every_head_recalls_the_lead_heads_best_pages(
             first = TEXT + QUESTION  # holds the whole chunk: the same tokens
         assert call["before"] == first, number
     assert recalled > 0
+    assert (widened > 0) == bool(outliers)
     if pages == "fill":  # every head's slots are full once the archive holds enough candidates
         assert all(len(row) == slots for row in calls[-1]["chosen"])
     # The C step's answer steps choose in C (S is full), the torch step's in torch.
@@ -311,6 +346,8 @@ def test_the_c_step_recalls_as_the_torch_step(tiny_pair, monkeypatch):
         (dict(recall_lead="1.1", lead_pages=0), "--lead-pages 0 must be at least 1"),
         (dict(recall_lead="1.1", lead_pages="all"), "--lead-pages all must be at least 1 .* or fill"),
         (dict(recall_lead="1.1", lead_next=-1), "--lead-next -1 must be at least 0"),
+        (dict(recall_lead="1.1", lead_outliers=0.5), "--lead-outliers 0.5 must be 0 .* or at least 1"),
+        (dict(recall_lead="1.1", lead_outliers=float("nan")), "--lead-outliers nan must be 0"),
     ],
 )
 def test_bad_lead_settings_are_usage_errors(values, words):

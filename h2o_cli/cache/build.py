@@ -150,7 +150,9 @@ def lead_ranking(model, layers: list[H2OLayer], policy, shape: ModelShape) -> Le
             "archive; name a head of a global layer"
         )
     pages = lead_page_count(policy.lead_pages)
-    ranking = LeadRanking(layers[lead[0]].archive, lead[1], pages, lead[0], policy.lead_next)
+    ranking = LeadRanking(
+        layers[lead[0]].archive, lead[1], pages, lead[0], policy.lead_next, policy.lead_outliers
+    )
     for layer in layers:
         layer.follow(ranking)
     return ranking

@@ -259,9 +259,12 @@ class H2OCache(Cache):
         }
 
     def saved_counters(self) -> dict:
-        """Every layer's counters (`H2OLayer.saved_counters`), and whether a lead head's ranking is ready."""
+        """Every layer's counters (`H2OLayer.saved_counters`), whether a lead head's ranking is ready and its
+        question's outlier pages."""
         lead_ready = self.lead is not None and self.lead.ready
-        return {"layers": [layer.saved_counters() for layer in self.layers], "lead_ready": lead_ready}
+        outlying = 0 if self.lead is None else self.lead.outlying
+        layers = [layer.saved_counters() for layer in self.layers]
+        return {"layers": layers, "lead_ready": lead_ready, "lead_outlying": outlying}
 
     def load_saved(self, arrays, counters: dict) -> None:
         """Put back `saved_arrays` (a mapping by name) and `saved_counters` of a cache built with the same model
@@ -271,6 +274,7 @@ class H2OCache(Cache):
             layer.load_saved(Prefixed(arrays, f"layers.{number}."), layer_counters)
         if self.lead is not None:
             self.lead.ready = counters["lead_ready"]
+            self.lead.outlying = counters.get("lead_outlying", 0)  # a save from before --lead-outliers: none
 
     def nbytes(self) -> int:
         """Bytes of all preallocated cache buffers."""
@@ -314,6 +318,7 @@ class H2OCache(Cache):
             recall_lead="none" if self.lead is None else f"{self.lead.layer}.{self.lead.head}",
             lead_pages=0 if self.lead is None else "fill" if self.lead.pages is None else self.lead.pages,
             lead_next=0 if self.lead is None else self.lead.follow,
+            lead_outliers=0.0 if self.lead is None else self.lead.outliers,
             lead_text=self.lead is not None and self.policy.lead_text,
             recall_place=self.policy.recall_place,
             recall_slot_bytes=sum(

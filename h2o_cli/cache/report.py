@@ -27,7 +27,8 @@ class ArchiveReport:
       `archive_oldest`: the oldest token still recallable.
     - `recall_slots`: slots per KV head refilled at every step; `recall_lead`: the lead head as LAYER.HEAD,
       or "none"; `lead_pages`, `lead_next`: its best pages (or "fill": as many as fill the recall slots) and
-      the pages after each that every head takes after a question (0 without a lead); `lead_text`: whether
+      the pages after each that every head takes after a question (0 without a lead); `lead_outliers`: the
+      multiple of the median page's score at which a further lead page comes too (0: off); `lead_text`: whether
       chunks of text recall the lead's pages; `recall_place`: where R sits among the resident entries
       (`--recall-place`); `recall_slot_bytes`: bytes of the recall slots.
     - `choice_bytes`: what the page choice keeps in RAM beside them (carried scores, section summaries, the
@@ -52,6 +53,7 @@ class ArchiveReport:
     recall_lead: str
     lead_pages: int | str
     lead_next: int
+    lead_outliers: float
     lead_text: bool
     recall_place: str
     recall_slot_bytes: int

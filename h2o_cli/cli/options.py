@@ -152,6 +152,7 @@ CACHE_OPTIONS = {
     "recall_lead": recall.RecallLead,
     "lead_pages": recall.LeadPages,
     "lead_next": recall.LeadNext,
+    "lead_outliers": recall.LeadOutliers,
     "lead_text": recall.LeadText,
     "page_score": recall.PageScore,
     "archive_max": recall.ArchiveMax,

@@ -41,6 +41,7 @@ class RecallPolicy(HeavyHitterPolicy):
     recall_lead: str = "auto"
     lead_pages: int | str = 8
     lead_next: int = 1
+    lead_outliers: float = 0.0
     lead_text: bool = True
 
     def __post_init__(self) -> None:
@@ -60,6 +61,7 @@ class RecallPolicy(HeavyHitterPolicy):
             recall_lead=self.recall_lead,
             lead_pages=self.lead_pages,
             lead_next=self.lead_next,
+            lead_outliers=self.lead_outliers,
         )
         super().__post_init__()
         split_slots(self.resident, self.heavy_ratio)

@@ -156,10 +156,11 @@ class RecallLayer(RecallPlacement, H2OLayer):
                 n_kv, -1, store.head_dim
             )  # [n_kv, group * picked, d]
             chosen, valid = archive.choose(grouped, resident, first, slots, weighed, question=asked)
-            if answering or text:  # the lead layer: its carried scores rank for the others
-                lead.ready = True
-            if answering:  # and every head of it takes the lead's pages
+            if answering:  # the lead layer: its carried scores rank for the others, and every head of it
+                lead.asked(archive.span // archive.page_size)  # takes the lead's pages
                 chosen, valid = lead.choose(archive, resident, first, slots)
+            elif text:
+                lead.ready = True
             hits = self._read_back(chosen, valid)
         self.counts.add((self.recall_index >= 0).sum(), hits)
         return Recalled(self.recall_keys, self.recall_values, self.recall_index >= 0)

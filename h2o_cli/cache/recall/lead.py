@@ -17,26 +17,53 @@ from h2o_cli.cache.recall.archive import NOTHING, PageArchive, order_key
 class LeadRanking:
     """The lead head's page ranking: KV head `head` of the layer whose archive is `archive` ranks ring pages
     by its carried attention scores (`PageArchive.carried`), each page followed by the `follow` pages after
-    it, and every recalling head takes its candidates of the best `count` = `pages` · (1 + `follow`) of them
-    (`pages` None, `--lead-pages fill`: of as many as fill its recall slots); `layer` is that layer's number.
+    it, and every recalling head takes its candidates of the best `count` = `pages` · (1 + `follow`) of them,
+    or of every page whose score is an outlier (`outliers`, `--lead-outliers`) where there are more (`pages`
+    None, `--lead-pages fill`: of as many as fill its recall slots); `layer` is that layer's number.
 
     A layer below the lead reads the ranking of the lead layer's latest call (the question's first read, or
     the answer step before); `ready` is False from a new question until the lead layer has read it, and a
     layer recalls nothing while it is."""
 
     def __init__(
-        self, archive: PageArchive, head: int, pages: int | None, layer: int = 0, follow: int = 0
+        self,
+        archive: PageArchive,
+        head: int,
+        pages: int | None,
+        layer: int = 0,
+        follow: int = 0,
+        outliers: float = 0.0,
     ) -> None:
         self.archive, self.head, self.pages, self.layer, self.follow = archive, head, pages, layer, follow
+        self.outliers = outliers
+        self.outlying = 0  # the latest question's outlier pages (`asked`)
         self.ready = False
         self._ranked: tuple[tuple[int, int, int], torch.Tensor] | None = None  # (the lead's state, `ranked`)
         self._key: tuple[tuple, torch.Tensor] | None = None  # ((the lead's state, used, device), `key`)
 
     @property
     def count(self) -> int | None:
-        """Pages every head takes its candidates from after a question: `pages` · (1 + `follow`), or None
-        (`fill`) for as many as fill its recall slots."""
-        return None if self.pages is None else self.pages * (1 + self.follow)
+        """Pages every head takes its candidates from after a question: `pages` · (1 + `follow`), or the
+        question's outlier pages where they are more (`outliers` > 0, `asked`); None (`fill`) for as many as
+        fill its recall slots."""
+        if self.pages is None:
+            return None
+        return max(self.pages * (1 + self.follow), self.outlying)
+
+    def asked(self, used: int) -> None:
+        """The lead layer has read a question (its carried scores hold the question's scores of every page of
+        the first `used` ring pages): the ranking is `ready`, and with `outliers` > 0, `outlying` counts the
+        ranked pages (as `key` scores and ranks them) whose score is at least `outliers` times the median
+        ranked page's (the lower middle one of an even count) for the question and its answer. Counted here,
+        not at each answer step: a step carries scores on only for the pages it scores, and the bulk it
+        leaves fades, which would make every page an outlier."""
+        self.ready = True
+        self.outlying = 0
+        if self.outliers:
+            score, page_start = self._scores(used)
+            scores = score[(page_start != NOTHING) & (score > 0)]
+            if len(scores):
+                self.outlying = int((scores >= self.outliers * scores.median()).sum())
 
     def taken(self, ranked: torch.Tensor, fill: bool) -> int:
         """How many pages of `ranked` (best first) a C choice may take its candidates from: `count`, or all of
@@ -56,6 +83,15 @@ class LeadRanking:
         state = (lead.epoch, lead.tokens, lead.scored, used, str(device))
         if self._key is not None and self._key[0] == state:
             return self._key[1]
+        score, page_start = self._scores(used, device)
+        key = order_key(score, page_start, (page_start != NOTHING) & (score > 0))
+        self._key = (state, key)
+        return key
+
+    def _scores(self, used: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """`key`'s page scores and each page's first token index (NOTHING: not written) of the first `used`
+        ring pages: [used] float32, [used] int64."""
+        lead = self.archive
         page_start = lead.token_index.view(lead.pages, lead.page_size)[:used, 0].to(device)
         own = lead.carried[self.head, :used].to(device)
         score = own
@@ -63,9 +99,7 @@ class LeadRanking:
             earlier = page_start.roll(back)  # ring page j - back: the text's page `back` before j if it joins
             joined = (earlier != NOTHING) & (earlier + back * lead.page_size == page_start)
             score = torch.where(joined, torch.maximum(score, own.roll(back) * 0.999**back), score)
-        key = order_key(score, page_start, (page_start != NOTHING) & (score > 0))
-        self._key = (state, key)
-        return key
+        return score, page_start
 
     def ranked(self) -> torch.Tensor:
         """The lead's ring pages `key` ranks, best first (the larger score; ties: the older page): [n] int64,

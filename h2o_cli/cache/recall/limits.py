@@ -135,11 +135,12 @@ def check_recall_options(
     recall_lead: str = "none",
     lead_pages: int | str = 8,
     lead_next: int = 0,
+    lead_outliers: float = 0.0,
 ) -> None:
     """One-line usage errors for `--recall-ratio`, `--page-size`, `--archive-max`, `--archive`,
     `--archive-bits`, `--page-score`, `--block-size`, `--shortlist`, `--page-carry`, `--chunk-weight`,
     `--choice-tokens`, `--step-shortlist`, `--recall-place`, `--recall-layers`, `--recall-lead`, `--lead-pages`,
-    `--lead-next`
+    `--lead-next`, `--lead-outliers`
     (whatever the policy; the layers and the lead head against the model when the cache is built). A cap in bytes is checked
     against a page when the cache is built."""
     if not 0 <= recall_ratio <= 1:  # also NaN
@@ -185,6 +186,10 @@ def check_recall_options(
     lead_page_count(lead_pages)
     if lead_next < 0:
         raise UsageError(f"--lead-next {lead_next} must be at least 0 (pages after each of the lead's pages)")
+    if not (lead_outliers == 0 or lead_outliers >= 1):  # also NaN
+        raise UsageError(
+            f"--lead-outliers {lead_outliers} must be 0 (off) or at least 1 (a multiple of the median page's score)"
+        )
 
 
 def summary_block(page_size: int, block_size: int | None) -> int:
