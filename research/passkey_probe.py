@@ -67,6 +67,7 @@ def probe(lm, text: str, key: str, depth: int, wording: str, show: int, variants
                 "key": key,
                 "variant": variant,
                 **row,
+                "answer_pages": cache.lead.count,  # as the answer's last step counted them
                 "answer": said[:60],
                 "correct": correct(key, said),
                 "read_s": round(read, 1),

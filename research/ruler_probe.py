@@ -15,7 +15,11 @@ N best pages alone (`--lead-pages N --lead-next 0`); `nextN` the N best with the
 (`--lead-pages N --lead-next 1`; next8 is the default); `beforeN` N pages, each ranked just below the page
 after it too (a hit brings the page before it: the start of its line); `aroundN` a page ranked just below
 either neighbour; `oracleN` the pages holding the asked line first (whatever their score), then the lead's
-order: what the answer would be if the ranking never missed. The answer is greedy, at most 32 tokens, cut at the task's stop strings; `score` is
+order: what the answer would be if the ranking never missed; `fill` as many as fill the recall slots
+(`--lead-pages fill`); `outK` next8 and every page scoring K times the median page (`--lead-outliers K`).
+Each row also gives the lead's own scores of its 48 best pages and of each needle's page as multiples of the
+median page's (`over_median`, `needle_over_median`), and the pages it took after the question and after the
+answer (`lead_pages`, `answer_pages`). The answer is greedy, at most 32 tokens, cut at the task's stop strings; `score` is
 RULER's (the share of the target values in the answer).
 
     python -m research.ruler_probe /work/runs/ruler/recall_32k_a/out/*/samples_niah_multikey_2_*.jsonl \
@@ -59,7 +63,7 @@ def widened(variant: str, needle: tuple[int, int] = (0, 0), size: int = 16):
     from h2o_cli.cache.recall.archive import NOTHING
     from h2o_cli.cache.recall.scores import order_key
 
-    if variant.startswith(("p", "next")):
+    if variant.startswith(("p", "next", "fill", "out")):
         return order_key
     if variant.startswith("oracle"):
 
@@ -110,6 +114,13 @@ def under(cache, state, variant: str, needle: tuple[int, int]) -> None:
 
     lead_module.order_key = widened(variant, needle, cache.lead.archive.page_size)
     cache.restore(state)
+    cache.lead.outliers = 0.0
+    if variant == "fill":  # `--lead-pages fill`: the best pages with the page after each until the slots are full
+        cache.lead.pages, cache.lead.follow = None, 1
+        return
+    if variant.startswith("out"):  # outK: the 8 best pages and the page after each, and every page whose
+        cache.lead.pages, cache.lead.follow, cache.lead.outliers = 8, 1, float(variant[3:])  # score is K x median
+        return
     cache.lead.pages, cache.lead.follow = int(re.sub(r"\D", "", variant)), int(variant.startswith("next"))
 
 
@@ -146,7 +157,8 @@ def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
         )
         score = sum(value.lower() in answer.lower() for value in values) / len(values)
         rows.append(
-            {"variant": variant, **row, "answer": answer[:60], "score": score, "read_s": round(read, 1)}
+            {"variant": variant, **row, "answer_pages": cache.lead.count, "answer": answer[:60], "score": score,
+             "read_s": round(read, 1)}  # fmt: skip
         )
     lead_module.order_key = kept
     cache.close()
@@ -190,7 +202,22 @@ def ranking(lm, cache, text_ids: list[int], needles: list[dict], show: int) -> d
         # the lead's carried scores of its 12 best pages, as shares of the best one's
         "scores": [round(v, 3) for v in (lead.archive.carried[lead.head, ranked[:12]] / top).tolist()],
         "needles": ranked_needles,
+        **spread(lead, ranked, ranked_needles),
         "first_pages": shown,
+    }
+
+
+def spread(lead, ranked: list[int], needles: list[dict]) -> dict:
+    """How far the lead's best pages stand out from the bulk: its own carried score of each of its 48 best pages
+    (`ranked`, best first) and of each needle's best page, as multiples of the median over every ranked page."""
+    own = lead.archive.carried[lead.head, ranked].double() if ranked else torch.zeros(1, dtype=torch.float64)
+    median = own.median().clamp_min(1e-30)
+    return {
+        "ranked_pages": len(ranked),
+        "over_median": [round(v, 1) for v in (own[:48] / median).tolist()],
+        "needle_over_median": [
+            None if n["rank"] is None else round(float(own[n["rank"]] / median), 1) for n in needles
+        ],
     }
 
 
