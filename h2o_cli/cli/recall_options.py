@@ -130,7 +130,7 @@ LeadOutliers = Annotated[
         help="recall, --recall-lead: after a question every head also recalls each of the lead head's pages "
         "whose score is at least K times the median page's (with the page after it, as --lead-next says), up "
         "to its recall slots: a text whose facts stand out of their filler (a chain of assignments) brings "
-        "them all back, running prose stays at --lead-pages. 0: off.",
+        "them all back, running prose stays at --lead-pages (docs/results.md). 0: off.",
         rich_help_panel=ADVANCED_RECALL,
     ),
 ]

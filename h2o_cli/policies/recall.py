@@ -41,7 +41,7 @@ class RecallPolicy(HeavyHitterPolicy):
     recall_lead: str = "auto"
     lead_pages: int | str = 8
     lead_next: int = 1
-    lead_outliers: float = 0.0
+    lead_outliers: float = 100.0
     lead_text: bool = True
 
     def __post_init__(self) -> None:
