@@ -109,7 +109,7 @@ class CacheSettings:
     recall_lead: str = "auto"  # recall: after a question, every head recalls one head's best pages
     lead_pages: int | str = 8  # recall, --recall-lead: the lead head's best pages each head recalls, or fill
     lead_next: int = 1  # recall, --recall-lead: pages after each of them that come too (a cut line's rest)
-    lead_outliers: float = 100.0  # recall, --recall-lead: also every page scoring this many times the median (0: off)
+    lead_outliers: float = 100.0  # recall, --recall-lead: pages scoring this x the median come too (0: off)
     lead_text: bool = True  # recall, --recall-lead: text recalls the lead's best pages too (chat: off)
     page_score: str = "attention"  # recall: pages ranked by the attention they get, or by summary bounds (positional, unrotated)
     archive_max: int | str = (

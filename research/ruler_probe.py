@@ -115,11 +115,11 @@ def under(cache, state, variant: str, needle: tuple[int, int]) -> None:
     lead_module.order_key = widened(variant, needle, cache.lead.archive.page_size)
     cache.restore(state)
     cache.lead.outliers = 0.0
-    if variant == "fill":  # `--lead-pages fill`: the best pages with the page after each until the slots are full
+    if variant == "fill":  # `--lead-pages fill`: the best pages, each with the page after it, until R is full
         cache.lead.pages, cache.lead.follow = None, 1
         return
-    if variant.startswith("out"):  # outK: the 8 best pages and the page after each, and every page whose
-        cache.lead.pages, cache.lead.follow, cache.lead.outliers = 8, 1, float(variant[3:])  # score is K x median
+    if variant.startswith("out"):  # outK: next8, and every page scoring K times the median page
+        cache.lead.pages, cache.lead.follow, cache.lead.outliers = 8, 1, float(variant[3:])
         return
     cache.lead.pages, cache.lead.follow = int(re.sub(r"\D", "", variant)), int(variant.startswith("next"))
 
@@ -156,10 +156,8 @@ def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
             lm.model, lm.tokenizer, cache, logits, 32, [until] if isinstance(until, str) else until
         )
         score = sum(value.lower() in answer.lower() for value in values) / len(values)
-        rows.append(
-            {"variant": variant, **row, "answer_pages": cache.lead.count, "answer": answer[:60], "score": score,
-             "read_s": round(read, 1)}  # fmt: skip
-        )
+        row.update(answer_pages=cache.lead.count, answer=answer[:60], score=score, read_s=round(read, 1))
+        rows.append({"variant": variant, **row})
     lead_module.order_key = kept
     cache.close()
     return rows
