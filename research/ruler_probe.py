@@ -19,8 +19,9 @@ order: what the answer would be if the ranking never missed; `fill` as many as f
 (`--lead-pages fill`); `outK` next8 and every page scoring K times the median page (`--lead-outliers K`).
 Each row also gives the lead's own scores of its 48 best pages and of each needle's page as multiples of the
 median page's (`over_median`, `needle_over_median`), and the pages it took after the question and after the
-answer (`lead_pages`, `answer_pages`). The answer is greedy, at most 32 tokens, cut at the task's stop strings; `score` is
-RULER's (the share of the target values in the answer).
+answer (`lead_pages`, `answer_pages`). The answer is greedy, at most the task's `max_gen_toks` (32 where it
+names none), cut at its stop strings; `score` is RULER's (the share of the target values in the answer).
+`research/ruler_samples.py` writes documents to probe without a model run.
 
     python -m research.ruler_probe /work/runs/ruler/recall_32k_a/out/*/samples_niah_multikey_2_*.jsonl \
         --limit 6 --model_args policy=recall,budget=819,threads=1 --variants p8,next8,before16,around24
@@ -151,12 +152,11 @@ def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
         stats.reraise()
         row = {"doc_id": sample["doc_id"], **ranking(lm, cache, text_ids, needles, show)}
         row["lm_eval_answered"] = sample["resps"][0][0][:40]
-        until = gen_kwargs.get("until") or []
-        answer = greedy_continuation(
-            lm.model, lm.tokenizer, cache, logits, 32, [until] if isinstance(until, str) else until
-        )
+        until, most = gen_kwargs.get("until") or [], gen_kwargs.get("max_gen_toks", 32)
+        until = [until] if isinstance(until, str) else until
+        answer = greedy_continuation(lm.model, lm.tokenizer, cache, logits, most, until)
         score = sum(value.lower() in answer.lower() for value in values) / len(values)
-        row.update(answer_pages=cache.lead.count, answer=answer[:60], score=score, read_s=round(read, 1))
+        row.update(answer_pages=cache.lead.count, answer=answer[:200], score=score, read_s=round(read, 1))
         rows.append({"variant": variant, **row})
     lead_module.order_key = kept
     cache.close()

@@ -68,3 +68,11 @@ def test_the_oracle_ranks_the_needle_pages_first_then_the_lead_order(probe):
     # pages of 4 tokens; the asked line spans tokens 9..13: pages 2 and 3 (starts 8 and 12), even unscored
     order = ranked(probe.widened("oracle8", needle=(9, 14), size=4), [0.5, 0.9, 0.0, 0.1, 0.3])
     assert order == [3, 2, 1, 0, 4]
+
+
+def test_sample_ids_read_ranges_and_single_ids(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    from research.ruler_samples import doc_ids
+
+    assert doc_ids("0-2,5") == [0, 1, 2, 5]
+    assert doc_ids("7") == [7]
