@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 
 
 def doc_ids(spec: str) -> list[int]:
-    """`0-9,20,22` as [0, 1, ..., 9, 20, 22]."""
-    ids: list[int] = []
+    """`0-9,20,22` as [0, 1, ..., 9, 20, 22]: each id once, in order (lm-eval reads the chosen documents so)."""
+    ids: set[int] = set()
     for part in spec.split(","):
         first, _, last = part.partition("-")
-        ids += range(int(first), int(last or first) + 1)
-    return ids
+        ids.update(range(int(first), int(last or first) + 1))
+    return sorted(ids)
 
 
 def main() -> None:
@@ -41,18 +42,29 @@ def main() -> None:
     from h2o_cli.models.sources import local_folder, resolve
 
     prepare_offline(say=lambda line: print(line, file=sys.stderr))
+    import numpy
+    import torch
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
     from lm_eval.tasks import TaskManager, get_task_dict
+
+    # lm-eval seeds these before it builds a task (`simple_evaluate`), and RULER draws its documents from them:
+    # the same seeds give the documents an `h2o lm-eval` run reads
+    random.seed(DEFAULT_RANDOM_SEED)
+    numpy.random.seed(DEFAULT_OTHER_SEED)
+    torch.manual_seed(DEFAULT_OTHER_SEED)
 
     tokenizer = str(local_folder(resolve(args.model or DEFAULT_MODEL)))
     manager = TaskManager(metadata={"max_seq_lengths": [args.length], "tokenizer": tokenizer})
     task = get_task_dict([args.task], manager)[args.task]
-    task.build_all_requests(samples=doc_ids(args.docs))
-    docs = {doc_id: doc for doc_id, doc in task.doc_iterator(samples=doc_ids(args.docs))}
+    ids = doc_ids(args.docs)
+    task.build_all_requests(samples=ids)
+    # both number the chosen documents 0, 1, ...; lm-eval logs each by its own id (`ids[number]`)
+    docs = dict(task.doc_iterator(samples=ids))
     with open(args.out, "w") as out:
         for instance in task.instances:
             context, gen_kwargs = instance.arguments
             row = {
-                "doc_id": instance.doc_id,
+                "doc_id": ids[instance.doc_id],
                 "arguments": {"gen_args_0": {"arg_0": context, "arg_1": gen_kwargs}},
                 "target": str(task.doc_to_target(docs[instance.doc_id])),
                 "resps": [[""]],

@@ -75,4 +75,5 @@ def test_sample_ids_read_ranges_and_single_ids(monkeypatch):
     from research.ruler_samples import doc_ids
 
     assert doc_ids("0-2,5") == [0, 1, 2, 5]
+    assert doc_ids("5,1-2,2") == [1, 2, 5]  # in lm-eval's reading order, each once
     assert doc_ids("7") == [7]
