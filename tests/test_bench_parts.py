@@ -33,9 +33,13 @@ def tiny_folders(tmp_path_factory):
 
 
 def run_bench(monkeypatch, capsys, *args: str):
-    """`h2o bench ARGS --json`: (exit code, the JSON report or None, stderr)."""
+    """`h2o bench ARGS --json`: (exit code, the JSON report or None, stderr). Its own $H2O_HOME: a recall run
+    calibrates the tiny model's lead head, which must not land in the user's calibration cache."""
+    import tempfile
+
     from h2o_cli.cli.app import main
 
+    monkeypatch.setenv("H2O_HOME", tempfile.mkdtemp(prefix="h2o_home_"))
     monkeypatch.setattr(sys, "argv", ["h2o", "bench", *args, "--json", "--threads", "1"])
     with pytest.raises(SystemExit) as done:
         main()
