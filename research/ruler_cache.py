@@ -17,14 +17,14 @@ import json
 import random
 
 
-def answered(task_name: str, db: str, metadata: dict, limit: int | None) -> list[dict]:
-    """The cached answers of `task_name`'s first `limit` documents, each with the task's score."""
+def built_task(task_name: str, metadata: dict, limit: int | None = None, samples: list[int] | None = None):
+    """lm-eval's task `task_name` with its requests built (`task.instances`) as an `h2o lm-eval` run builds them:
+    offline, and under the seeds lm-eval sets first, so RULER draws the same documents (its first `limit`, or
+    the ids `samples`, which lm-eval numbers 0, 1, ... in its instances)."""
     import numpy
     import torch
-    from lm_eval.api.model import hash_args
     from lm_eval.evaluator import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
     from lm_eval.tasks import TaskManager
-    from sqlitedict import SqliteDict
 
     from h2o_cli.eval.ruler import prepare_offline
 
@@ -35,7 +35,16 @@ def answered(task_name: str, db: str, metadata: dict, limit: int | None) -> list
     numpy.random.seed(DEFAULT_OTHER_SEED)
     torch.manual_seed(DEFAULT_OTHER_SEED)
     task = TaskManager(metadata=metadata).load([task_name])["tasks"][task_name]
-    task.build_all_requests(limit=limit, rank=0, world_size=1)
+    task.build_all_requests(limit=limit, samples=samples, rank=0, world_size=1)
+    return task
+
+
+def answered(task_name: str, db: str, metadata: dict, limit: int | None) -> list[dict]:
+    """The cached answers of `task_name`'s first `limit` documents, each with the task's score."""
+    from lm_eval.api.model import hash_args
+    from sqlitedict import SqliteDict
+
+    task = built_task(task_name, metadata, limit)
     rows = []
     with SqliteDict(db, autocommit=False) as cache:
         for instance in task.instances:

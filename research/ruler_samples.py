@@ -3,7 +3,7 @@
 
 lm-eval builds each document for the model's own tokenizer (`--model`: an alias or folder; the embedded model by
 default) at `--length` tokens, as `h2o lm-eval --tasks TASK --metadata '{"max_seq_lengths":[LENGTH]}'` does
-(offline: the data folder's essays, `h2o_cli.eval.ruler.prepare_offline`), and its requests give each
+(offline, under lm-eval's seeds: `research.ruler_cache.built_task`), and its requests give each
 document's context and generation arguments. One JSON line a document: `doc_id`, `arguments`
 (`gen_args_0`: `arg_0` the context, `arg_1` the generation arguments), `target`, and an empty `resps` (no model
 answered it), written to `--out` (lm-eval prints its own notes on standard output).
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import sys
 
 
 def doc_ids(spec: str) -> list[int]:
@@ -37,36 +35,21 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the samples file to write")
     args = parser.parse_args()
 
-    from h2o_cli.eval.ruler import prepare_offline
     from h2o_cli.models.presets import DEFAULT_MODEL
     from h2o_cli.models.sources import local_folder, resolve
-
-    prepare_offline(say=lambda line: print(line, file=sys.stderr))
-    import numpy
-    import torch
-    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
-    from lm_eval.tasks import TaskManager, get_task_dict
-
-    # lm-eval seeds these before it builds a task (`simple_evaluate`), and RULER draws its documents from them:
-    # the same seeds give the documents an `h2o lm-eval` run reads
-    random.seed(DEFAULT_RANDOM_SEED)
-    numpy.random.seed(DEFAULT_OTHER_SEED)
-    torch.manual_seed(DEFAULT_OTHER_SEED)
+    from research.ruler_cache import built_task
 
     tokenizer = str(local_folder(resolve(args.model or DEFAULT_MODEL)))
-    manager = TaskManager(metadata={"max_seq_lengths": [args.length], "tokenizer": tokenizer})
-    task = get_task_dict([args.task], manager)[args.task]
     ids = doc_ids(args.docs)
-    task.build_all_requests(samples=ids)
-    # both number the chosen documents 0, 1, ...; lm-eval logs each by its own id (`ids[number]`)
-    docs = dict(task.doc_iterator(samples=ids))
+    task = built_task(args.task, {"max_seq_lengths": [args.length], "tokenizer": tokenizer}, samples=ids)
+    # lm-eval numbers the chosen documents 0, 1, ... and logs each by its own id (`ids[number]`)
     with open(args.out, "w") as out:
         for instance in task.instances:
             context, gen_kwargs = instance.arguments
             row = {
                 "doc_id": ids[instance.doc_id],
                 "arguments": {"gen_args_0": {"arg_0": context, "arg_1": gen_kwargs}},
-                "target": str(task.doc_to_target(docs[instance.doc_id])),
+                "target": str(task.doc_to_target(instance.doc)),
                 "resps": [[""]],
             }
             out.write(json.dumps(row) + "\n")
