@@ -19,8 +19,9 @@ order: what the answer would be if the ranking never missed; `fill` as many as f
 (`--lead-pages fill`); `outK` next8 and every page scoring K times the median page (`--lead-outliers K`).
 Each row also gives the lead's own scores of its 48 best pages and of each needle's page as multiples of the
 median page's (`over_median`, `needle_over_median`), and the pages it took after the question and after the
-answer (`lead_pages`, `answer_pages`). The answer is greedy, at most the task's `max_gen_toks` (32 where it
-names none), cut at its stop strings; `score` is RULER's (the share of the target values in the answer).
+answer (`lead_pages`, `answer_pages`). The answer is greedy, at most the task's `max_gen_toks` (256 where it
+names none, as `generate_until`; the cache has room for all of it), cut at its stop strings; `score` is RULER's
+(the share of the target values in the answer).
 `research/ruler_samples.py` writes documents to probe without a model run.
 
     python -m research.ruler_probe /work/runs/ruler/recall_32k_a/out/*/samples_niah_multikey_2_*.jsonl \
@@ -136,8 +137,15 @@ def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
         sample["arguments"]["gen_args_0"]["arg_1"],
     )
     text_ids, question = lm._split_question(context)
-    text = context[: context.rfind("\n") + 1] if question else context
-    cache = lm._cache(len(text_ids) + len(question), 64)
+    if not question:
+        raise SystemExit(
+            f"document {sample['doc_id']} fits the model's window ({lm.max_length:,} tokens) or has no question "
+            "line: the probe reads contexts past the window under a recalling policy; take a longer --length"
+        )
+    text = context[: context.rfind("\n") + 1]
+    until, most = gen_kwargs.get("until") or [], gen_kwargs.get("max_gen_toks", 256)
+    until = [until] if isinstance(until, str) else until
+    cache = lm._cache(len(text_ids) + len(question), most)  # as generate_until: room for the whole answer
     started = time.perf_counter()
     _, stats = prefill(lm.model, cache, [text_ids], lm.settings.chunk)
     stats.reraise()
@@ -152,8 +160,6 @@ def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
         stats.reraise()
         row = {"doc_id": sample["doc_id"], **ranking(lm, cache, text_ids, needles, show)}
         row["lm_eval_answered"] = sample["resps"][0][0][:40]
-        until, most = gen_kwargs.get("until") or [], gen_kwargs.get("max_gen_toks", 32)
-        until = [until] if isinstance(until, str) else until
         answer = greedy_continuation(lm.model, lm.tokenizer, cache, logits, most, until)
         score = sum(value.lower() in answer.lower() for value in values) / len(values)
         row.update(answer_pages=cache.lead.count, answer=answer[:200], score=score, read_s=round(read, 1))
