@@ -16,7 +16,11 @@ N best pages alone (`--lead-pages N --lead-next 0`); `nextN` the N best with the
 after it too (a hit brings the page before it: the start of its line); `aroundN` a page ranked just below
 either neighbour; `oracleN` the pages holding the asked line first (whatever their score), then the lead's
 order: what the answer would be if the ranking never missed; `fill` as many as fill the recall slots
-(`--lead-pages fill`); `outK` next8 and every page scoring K times the median page (`--lead-outliers K`).
+(`--lead-pages fill`); `outK` next8 and every page scoring K times the median page (`--lead-outliers K`);
+`introN` out100 (the defaults) with the text's first N pages ranked first, taken on top of the others (a
+task's instruction opens its text). A variant may end in `+hold` (the question's ranking holds through the
+answer: the lead layer's answer steps carry no page scores) and `+contiguous` (`--recall-place contiguous`
+from the question on; the text was read under the run's own placement).
 Each row also gives the lead's own scores of its 48 best pages and of each needle's page as multiples of the
 median page's (`over_median`, `needle_over_median`), and the pages it took after the question and after the
 answer (`lead_pages`, `answer_pages`). The answer is greedy, at most the task's `max_gen_toks` (256 where it
@@ -67,6 +71,14 @@ def widened(variant: str, needle: tuple[int, int] = (0, 0), size: int = 16):
 
     if variant.startswith(("p", "next", "fill", "out")):
         return order_key
+    if variant.startswith("intro"):
+        first_pages = int(variant[5:])
+
+        def opening(score, page_start, candidate):
+            holds = (page_start != NOTHING) & (page_start < first_pages * size)
+            return order_key(torch.where(holds, score + 1e6, score), page_start, candidate | holds)
+
+        return opening
     if variant.startswith("oracle"):
 
         def forced(score, page_start, candidate):
@@ -109,14 +121,45 @@ def needles_of(lm, text: str, text_ids: list[int], sample: dict) -> list[dict]:
     return needles
 
 
+class OpeningLead:
+    """`introN`'s lead (a `LeadRanking` subclass made by `under`): `extra` pages more than it would take."""
+
+    extra = 0
+
+    @property
+    def count(self):
+        count = super().count
+        return None if count is None else count + self.extra
+
+
+def held_scores(self, query, call, scores=None) -> None:
+    """`+hold`: a `RecallLayer._lead_scores` that carries nothing: the lead's ranking stays the question's."""
+    if self.lead.archive is self.archive:
+        self.lead.ready = True
+
+
 def under(cache, state, variant: str, needle: tuple[int, int]) -> None:
     """Put the cache back to `state` (kept after the text) and make its lead rank as `variant` says (the module's
-    docs; `needle`: the token span `oracleN` ranks first). The caller puts `lead.order_key` back after."""
+    docs; `needle`: the token span `oracleN` ranks first). The caller puts `lead.order_key`, the lead's class,
+    the layers' `_lead_scores` and their placement back after (`restored`)."""
+    import types
+
     from h2o_cli.cache.recall import lead as lead_module
 
+    variant, *modifiers = variant.split("+")
     lead_module.order_key = widened(variant, needle, cache.lead.archive.page_size)
     cache.restore(state)
+    for layer in recalling(cache):
+        if "hold" in modifiers:
+            layer._lead_scores = types.MethodType(held_scores, layer)
+        if "contiguous" in modifiers:
+            object.__setattr__(layer.policy, "recall_place", "contiguous")
     cache.lead.outliers = 0.0
+    if variant.startswith("intro"):
+        lead_class = type(cache.lead)
+        cache.lead.__class__ = type("Opening" + lead_class.__name__, (OpeningLead, lead_class), {})
+        cache.lead.extra = int(variant[5:])
+        variant = "out100"
     if variant == "fill":  # `--lead-pages fill`: the best pages, each with the page after it, until R is full
         cache.lead.pages, cache.lead.follow = None, 1
         return
@@ -154,6 +197,7 @@ def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
     needles, values = needles_of(lm, text, text_ids, sample), targets_of(sample)
     needle = tuple(needles[0]["tokens"])  # the first target's first sentence: what `oracleN` ranks first
     rows, kept = [], lead_module.order_key
+    places = {id(layer.policy): (layer.policy, layer.policy.recall_place) for layer in recalling(cache)}
     for variant in variants:
         under(cache, state, variant, needle)
         logits, stats = prefill(lm.model, cache, [NewChunk(question)], lm.settings.chunk)
@@ -164,9 +208,26 @@ def probe(lm, sample: dict, show: int, variants: list[str]) -> list[dict]:
         score = sum(value.lower() in answer.lower() for value in values) / len(values)
         row.update(answer_pages=cache.lead.count, answer=answer[:200], score=score, read_s=round(read, 1))
         rows.append({"variant": variant, **row})
+        restored(cache, places)
     lead_module.order_key = kept
     cache.close()
     return rows
+
+
+def recalling(cache) -> list:
+    from h2o_cli.cache.recall.layer import RecallLayer
+
+    return [layer for layer in cache.layers if isinstance(layer, RecallLayer)]
+
+
+def restored(cache, places: dict) -> None:
+    """Undo `under`'s modifiers: the lead's own class, each layer's `_lead_scores` and `policy.recall_place`."""
+    if isinstance(cache.lead, OpeningLead):
+        cache.lead.__class__ = cache.lead.__class__.__mro__[2]
+    for layer in recalling(cache):
+        layer.__dict__.pop("_lead_scores", None)
+    for policy, place in places.values():
+        object.__setattr__(policy, "recall_place", place)
 
 
 def ranking(lm, cache, text_ids: list[int], needles: list[dict], show: int) -> dict:

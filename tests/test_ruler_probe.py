@@ -77,3 +77,36 @@ def test_sample_ids_read_ranges_and_single_ids(monkeypatch):
     assert doc_ids("0-2,5") == [0, 1, 2, 5]
     assert doc_ids("5,1-2,2") == [1, 2, 5]  # in lm-eval's reading order, each once
     assert doc_ids("7") == [7]
+
+
+def test_intro_ranks_the_opening_pages_first_then_the_lead_order(probe):
+    # pages of 4 tokens: intro2 forces pages 0 and 1 (tokens 0..7) in, even unscored, above the best page 2
+    assert ranked(probe.widened("intro2", size=4), [0.5, 0.0, 0.9, 0.1]) == [0, 1, 2, 3]
+
+
+def test_the_modifiers_change_the_answer_and_are_undone(probe, monkeypatch):
+    """`introN` takes N pages on top of the defaults' count; `+hold` makes the lead layer's answer steps carry
+    no scores; `+contiguous` places R before the recent window; `restored` puts all three back."""
+    from types import SimpleNamespace
+
+    from h2o_cli.cache.recall import lead as lead_module
+    from h2o_cli.cache.recall.layer import RecallLayer
+
+    monkeypatch.setattr(lead_module, "order_key", lead_module.order_key)  # `under` swaps it
+    archive = SimpleNamespace(page_size=16)
+    lead = lead_module.LeadRanking(archive, head=0, pages=8, follow=1)
+    layer = RecallLayer.__new__(RecallLayer)  # the attributes `_lead_scores` and the placement read
+    layer.__dict__.update(lead=lead, archive=archive, policy=SimpleNamespace(recall_place="index"))
+    cache = SimpleNamespace(lead=lead, layers=[layer], restore=lambda state: None)
+    places = {id(layer.policy): (layer.policy, "index")}
+
+    probe.under(cache, None, "intro2+hold+contiguous", (0, 0))
+    assert (lead.count, lead.outliers, lead.follow) == (8 * 2 + 2, 100.0, 1)
+    assert layer.policy.recall_place == "contiguous"
+    lead.ready = False
+    layer._lead_scores(None, None)  # held: nothing carried (a query of None would fail), the ranking ready
+    assert lead.ready
+
+    probe.restored(cache, places)
+    assert type(lead) is lead_module.LeadRanking and lead.count == 16
+    assert "_lead_scores" not in layer.__dict__ and layer.policy.recall_place == "index"
