@@ -15,9 +15,12 @@ pytest.importorskip("accelerate")
 
 
 @pytest.fixture
-def tiny_folder(tmp_path):
-    """A tiny random Llama saved with a word-level tokenizer (what `load_model` reads from a folder)."""
+def tiny_folder(tmp_path, monkeypatch):
+    """A tiny random Llama saved with a word-level tokenizer (what `load_model` reads from a folder), and an
+    `$H2O_HOME` of its own: a disk offload makes its folder there (one per model path), not in the user's."""
     from transformers import LlamaForCausalLM
+
+    monkeypatch.setenv("H2O_HOME", str(tmp_path / "home"))
 
     torch.manual_seed(0)
     folder = tmp_path / "tiny"
