@@ -71,15 +71,9 @@ def widened(variant: str, needle: tuple[int, int] = (0, 0), size: int = 16):
 
     if variant.startswith(("p", "next", "fill", "out")):
         return order_key
-    if variant.startswith("intro"):
-        first_pages = int(variant[5:])
-
-        def opening(score, page_start, candidate):
-            holds = (page_start != NOTHING) & (page_start < first_pages * size)
-            return order_key(torch.where(holds, score + 1e6, score), page_start, candidate | holds)
-
-        return opening
-    if variant.startswith("oracle"):
+    if variant.startswith("intro"):  # the oracle's ranking, of the text's first N pages instead of the line
+        needle = (0, int(variant[5:]) * size)
+    if variant.startswith(("oracle", "intro")):
 
         def forced(score, page_start, candidate):
             holds = (page_start != NOTHING) & (page_start + size > needle[0]) & (page_start < needle[1])
